@@ -1,0 +1,52 @@
+"""weightsync.sources: vLLM ``WeightSource`` implementations for sharded trainers.
+
+Each source turns a trainer-layout model into Hugging Face checkpoint tensors, collectively and in
+lockstep on every rank, and checks its own stream against its metadata on every rank.
+
+* ``FSDPSource``      -- plain / FSDP2 / HSDP / FSDP+TP ``torch.nn.Module`` (transformers models).
+* ``MegatronSource``  -- megatron-core ``GPTModel`` under TP / PP / VPP / EP / ETP.
+* ``checked``         -- wrap any ``WeightSource`` with the per-rank stream check.
+
+Heavy optional imports (megatron-core) happen only when the class is first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .check import CheckedSource, check_stream, checked, verify_metadata_agreement
+from .errors import (
+    CrossRankMismatchError,
+    MetadataMismatchError,
+    SilentTransportError,
+    SyncTimeoutError,
+    UnmappedParameterError,
+    WeightSyncError,
+)
+
+_LAZY = {
+    "FSDPSource": ".fsdp",
+    "MegatronSource": ".megatron",
+}
+
+__all__ = [
+    "FSDPSource",
+    "MegatronSource",
+    "CheckedSource",
+    "checked",
+    "check_stream",
+    "verify_metadata_agreement",
+    "WeightSyncError",
+    "MetadataMismatchError",
+    "CrossRankMismatchError",
+    "SyncTimeoutError",
+    "UnmappedParameterError",
+    "SilentTransportError",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,43 @@
+"""The errors weightsync raises.
+
+Every error that can come from a multi-rank pass names the rank that raised it; errors about one
+parameter name that parameter. They subclass ``ValueError``/``RuntimeError`` so callers that already
+catch vLLM's own errors (which are ``ValueError`` for metadata disagreements) keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "WeightSyncError",
+    "MetadataMismatchError",
+    "CrossRankMismatchError",
+    "SyncTimeoutError",
+    "UnmappedParameterError",
+    "SilentTransportError",
+]
+
+
+class WeightSyncError(RuntimeError):
+    """Base class of weightsync's own errors."""
+
+
+class MetadataMismatchError(WeightSyncError, ValueError):
+    """A source yielded something its ``metadata`` did not declare (name, order, dtype, shape, count,
+    contiguity)."""
+
+
+class CrossRankMismatchError(WeightSyncError, ValueError):
+    """Trainer ranks disagree about ``metadata`` (another config, another wrapping order)."""
+
+
+class SyncTimeoutError(WeightSyncError, TimeoutError):
+    """A weightsync collective did not complete in time; the message names the late rank(s)."""
+
+
+class UnmappedParameterError(WeightSyncError, ValueError):
+    """A trainer parameter has no Hugging Face checkpoint name under the chosen family/mapping."""
+
+
+class SilentTransportError(WeightSyncError):
+    """The transport would report success without moving bytes (e.g. vLLM's NCCL communicator
+    disabled itself because the NCCL library is too old)."""
