@@ -24,7 +24,8 @@ if [ ! -f "$WEIGHTSYNC_VENV/.complete" ]; then
 fi
 # shellcheck disable=SC1091
 source "$WEIGHTSYNC_VENV/bin/activate"
-python -m pip install -q --no-deps --no-build-isolation -e "$_ws_root" >&2
+python -m pip install -q --no-deps --no-build-isolation -e "$_ws_root" > "$WEIGHTSYNC_VENV/editable.log" 2>&1 \
+  || { cat "$WEIGHTSYNC_VENV/editable.log" >&2; echo "weightsync: editable install failed" >&2; return 1 2>/dev/null || exit 1; }
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TOKENIZERS_PARALLELISM=false
 set +euo pipefail
