@@ -1,0 +1,408 @@
+"""Routed-expert layouts: one layer's experts, in the two wire layouts vLLM 0.33 loads.
+
+Both sources (FSDP2 over transformers-5 models, Megatron-core) end up here, so the expert layout
+math lives once:
+
+* ``ExpertLayerSpec`` -- the checkpoint names and shapes of one MoE layer's routed experts:
+  ``E`` experts of ``gate``/``up`` ``[I, H]`` and ``down`` ``[H, I]``, plus the two fused names.
+  ``expert_names`` derives it for transformers models from transformers' own conversion mapping
+  (``revert_weight_conversion``, the function ``save_pretrained`` calls), never from a table here.
+* ``per_expert`` wire layout: ``{prefix}.{e}.{gate}`` / ``{up}`` / ``{down}`` -- exactly the names
+  ``save_pretrained`` writes (``gate_proj.weight`` ..., Mixtral ``w1/w3/w2.weight``).
+* ``fused`` wire layout: ``{prefix}.gate_up_proj`` ``[E, 2I, H]`` (gate rows first) and
+  ``{prefix}.down_proj`` ``[E, H, I]``; Mixtral-named checkpoints use ``w13`` / ``w2``. These are the
+  names vLLM 0.33's routed-expert loader maps for fused checkpoints
+  (``RoutedExperts.make_expert_params_mapping``: ``gate_proj``+``up_proj`` -> ``gate_up_proj``,
+  ``w1``+``w3`` -> ``w13``; the down name is the checkpoint's own), chunked in two along dim 1.
+
+Memory invariants (the reason this file exists; verl #6691 stacked a whole layer into 8.6 GiB):
+
+* ``split_fused`` turns a fused tensor into per-expert tensors as *views* (``t[e, a:b]`` of a
+  contiguous ``[E, R, C]`` tensor is contiguous): zero extra bytes.
+* ``FusedExpertBuffer`` builds a fused tensor from per-expert pieces by copying each piece into one
+  preallocated ``[E, R, C]`` buffer as it arrives: the layer's fused tensor plus one in-flight batch
+  of experts, never a ``torch.stack`` over separately materialized experts (which doubles the peak).
+* ``expert_batches`` cuts a layer's experts into batches of at most ``max_bytes``, so a per-expert
+  stream holds a bounded number of experts at once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from .errors import UnmappedParameterError
+from .logs import get_logger
+
+__all__ = [
+    "ExpertLayout",
+    "EXPERT_LAYOUTS",
+    "DEFAULT_EXPERT_BATCH_BYTES",
+    "ExpertLayerSpec",
+    "is_fused_expert_param",
+    "expert_names",
+    "check_expert_layout",
+    "default_expert_layout",
+    "split_fused",
+    "FusedExpertBuffer",
+    "expert_batches",
+    "ExpertTransform",
+]
+
+logger = get_logger(__name__)
+
+ExpertLayout = Literal["per_expert", "fused"]
+EXPERT_LAYOUTS: tuple[str, ...] = ("per_expert", "fused")
+
+#: Default bound on the bytes of routed experts a per-expert stream holds at once (per rank).
+DEFAULT_EXPERT_BATCH_BYTES = 256 * 1024 * 1024
+
+#: transformers-5 in-memory leaf names of fused routed experts (no ``.weight``).
+_FUSED_LEAVES = ("gate_up_proj", "down_proj")
+
+#: vLLM 0.33's fused gate/up name per checkpoint (gate, up) leaf pair (routed_experts.py).
+_VLLM_FUSED_GATE_UP = {("gate_proj", "up_proj"): "gate_up_proj", ("w1", "w3"): "w13"}
+
+
+def check_expert_layout(expert_layout: str | None, *, where: str = "expert_layout") -> str | None:
+    """Validate a user's ``expert_layout`` option (``None`` = the target checkpoint's layout)."""
+    if expert_layout is not None and expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(
+            f"{where}={expert_layout!r} is not one of {EXPERT_LAYOUTS} (or None for the layout the "
+            "target checkpoint uses)"
+        )
+    return expert_layout
+
+
+def default_expert_layout() -> ExpertLayout:
+    """The layout the target checkpoint uses: every HF checkpoint of the supported families
+    (Qwen2/3-MoE, Mixtral, DeepSeek-V3) stores routed experts per expert."""
+    return "per_expert"
+
+
+@dataclass(frozen=True)
+class ExpertLayerSpec:
+    """One MoE layer's routed experts in checkpoint terms.
+
+    ``prefix`` ends in ``.experts`` (e.g. ``model.layers.3.mlp.experts``,
+    ``model.layers.3.block_sparse_moe.experts``); ``gate``/``up``/``down`` are the per-expert leaves
+    (``gate_proj.weight`` / ``w1.weight`` ...). ``gate`` and ``up`` are ``[intermediate, hidden]``,
+    ``down`` is ``[hidden, intermediate]``.
+    """
+
+    prefix: str
+    num_experts: int
+    hidden: int
+    intermediate: int
+    gate: str = "gate_proj.weight"
+    up: str = "up_proj.weight"
+    down: str = "down_proj.weight"
+
+    def __post_init__(self) -> None:
+        for field_name in ("num_experts", "hidden", "intermediate"):
+            if getattr(self, field_name) <= 0:
+                raise ValueError(f"{self.prefix}: {field_name} must be positive, got {getattr(self, field_name)}")
+
+    # -- names -----------------------------------------------------------------------------------
+    def expert_name(self, e: int, which: Literal["gate", "up", "down"]) -> str:
+        return f"{self.prefix}.{e}.{getattr(self, which)}"
+
+    @property
+    def fused_gate_up(self) -> str:
+        pair = (self.gate.removesuffix(".weight"), self.up.removesuffix(".weight"))
+        if pair not in _VLLM_FUSED_GATE_UP:
+            raise UnmappedParameterError(
+                f"{self.prefix}: vLLM 0.33 has no fused name for gate/up leaves {pair}; "
+                "use expert_layout='per_expert'"
+            )
+        return f"{self.prefix}.{_VLLM_FUSED_GATE_UP[pair]}"
+
+    @property
+    def fused_down(self) -> str:
+        return f"{self.prefix}.{self.down.removesuffix('.weight')}"
+
+    # -- shapes ----------------------------------------------------------------------------------
+    @property
+    def gate_up_shape(self) -> tuple[int, int, int]:
+        return (self.num_experts, 2 * self.intermediate, self.hidden)
+
+    @property
+    def down_shape(self) -> tuple[int, int, int]:
+        return (self.num_experts, self.hidden, self.intermediate)
+
+    def expert_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one expert's three matrices in ``dtype``."""
+        return 3 * self.intermediate * self.hidden * torch.empty((), dtype=dtype).element_size()
+
+    # -- wire entries ----------------------------------------------------------------------------
+    def entries(
+        self, layout: ExpertLayout, part: Literal["gate_up", "down", "all"] = "all"
+    ) -> list[tuple[str, tuple[int, ...]]]:
+        """``(name, full shape)`` of every wire tensor, in stream order.
+
+        Stream order (what both sources yield, and their metadata declares): ``per_expert`` with
+        ``part="all"`` is expert-major (``e.gate, e.up, e.down`` for e = 0..E-1: a batch of experts
+        completes before the next starts); ``part="gate_up"`` / ``"down"`` restrict to the tensors
+        that come from one fused parameter (FSDP streams ``gate_up_proj`` then ``down_proj``).
+        ``fused``: ``gate_up`` then ``down``.
+        """
+        i, h = self.intermediate, self.hidden
+        out: list[tuple[str, tuple[int, ...]]] = []
+        if layout == "fused":
+            if part in ("gate_up", "all"):
+                out.append((self.fused_gate_up, self.gate_up_shape))
+            if part in ("down", "all"):
+                out.append((self.fused_down, self.down_shape))
+            return out
+        for e in range(self.num_experts):
+            if part in ("gate_up", "all"):
+                out += [(self.expert_name(e, "gate"), (i, h)), (self.expert_name(e, "up"), (i, h))]
+            if part in ("down", "all"):
+                out.append((self.expert_name(e, "down"), (h, i)))
+        return out
+
+
+def is_fused_expert_param(name: str, shape: Sequence[int]) -> bool:
+    """A transformers-5 fused routed-expert parameter: ``*.experts.gate_up_proj`` / ``down_proj``,
+    3-D (``[E, 2I, H]`` / ``[E, H, I]``)."""
+    parts = name.rsplit(".", 2)
+    return len(shape) == 3 and len(parts) == 3 and parts[-2] == "experts" and parts[-1] in _FUSED_LEAVES
+
+
+def _layer_key(name: str) -> str:
+    return re.sub(r"\.\d+\.", ".#.", name)
+
+
+def expert_names(
+    model: torch.nn.Module, fused: dict[str, Sequence[int]]
+) -> dict[str, ExpertLayerSpec]:
+    """Per-layer expert specs of a transformers model, from transformers' own save-time reversal.
+
+    ``fused`` maps each in-memory fused parameter name (``...experts.gate_up_proj`` and
+    ``...experts.down_proj``, wrapper prefixes already removed) to its full shape. Returns
+    ``{experts module prefix (in-memory): ExpertLayerSpec (checkpoint names)}``.
+
+    How: ``transformers.core_model_loading.revert_weight_conversion`` -- the function
+    ``save_pretrained`` runs -- is applied to (a) meta tensors of the fused shapes, which yields
+    the checkpoint names and per-expert shapes without allocating, and (b) an integer probe
+    ``[E, R, 1]`` holding each row's flat index, which shows exactly which expert rows each
+    checkpoint tensor takes. The spec is accepted only if that matches the layout this file
+    streams (expert ``e``: gate = rows ``[0, I)``, up = ``[I, 2I)`` of ``gate_up_proj[e]``,
+    down = ``down_proj[e]``); anything else raises ``UnmappedParameterError`` naming the parameter.
+    Probes are built once per (shape, name pattern), so cost is independent of the layer count.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    by_module: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, shape in fused.items():
+        if not is_fused_expert_param(name, shape):
+            raise UnmappedParameterError(f"{name!r} {tuple(shape)} is not a fused routed-expert parameter")
+        module, leaf = name.rsplit(".", 1)
+        by_module.setdefault(module, {})[leaf] = tuple(int(s) for s in shape)
+
+    specs: dict[str, ExpertLayerSpec] = {}
+    probed: dict[tuple, tuple[str, str, str]] = {}
+    for module, leaves in by_module.items():
+        if set(leaves) != set(_FUSED_LEAVES):
+            raise UnmappedParameterError(
+                f"{module}: a fused experts module needs both gate_up_proj and down_proj, "
+                f"got {sorted(leaves)}"
+            )
+        e, two_i, h = leaves["gate_up_proj"]
+        if two_i % 2 or leaves["down_proj"] != (e, h, two_i // 2):
+            raise UnmappedParameterError(
+                f"{module}: gate_up_proj {leaves['gate_up_proj']} and down_proj {leaves['down_proj']} "
+                "are not [E, 2I, H] / [E, H, I]"
+            )
+        i = two_i // 2
+        key = (_layer_key(module), e, i, h)
+        if key not in probed:
+            probed[key] = _probe_leaves(model, module, e, i, h, revert_weight_conversion)
+        gate, up, down = probed[key]
+        # Names for this layer: the reversal's renamings (e.g. Mixtral mlp -> block_sparse_moe).
+        meta = {
+            f"{module}.gate_up_proj": torch.empty(e, two_i, h, device="meta"),
+            f"{module}.down_proj": torch.empty(e, h, i, device="meta"),
+        }
+        out = revert_weight_conversion(model, meta)
+        prefix = _common_prefix(module, out, gate)
+        spec = ExpertLayerSpec(prefix, e, h, i, gate=gate, up=up, down=down)
+        want = {n: s for n, s in spec.entries("per_expert")}
+        got = {n: tuple(t.shape) for n, t in out.items()}
+        if want != got:
+            raise UnmappedParameterError(
+                f"{module}: transformers' save-time names/shapes differ from the derived expert spec; "
+                f"first difference: {sorted(set(want.items()) ^ set(got.items()))[:2]}"
+            )
+        specs[module] = spec
+    return specs
+
+
+def _common_prefix(module: str, out: dict[str, torch.Tensor], gate_leaf: str) -> str:
+    suffix = f".0.{gate_leaf}"
+    cands = [n.removesuffix(suffix) for n in out if n.endswith(suffix)]
+    if len(cands) != 1 or not cands[0].endswith(".experts"):
+        raise UnmappedParameterError(
+            f"{module}: cannot find the checkpoint experts prefix in transformers' reversal {sorted(out)[:4]}"
+        )
+    return cands[0]
+
+
+def _probe_leaves(model, module, e, i, h, revert) -> tuple[str, str, str]:
+    """(gate leaf, up leaf, down leaf) from reverting index probes; raises unless rows line up."""
+    leaves: dict[tuple[str, int], str] = {}
+    for fused_leaf, rows in (("gate_up_proj", 2 * i), ("down_proj", h)):
+        probe = torch.arange(e * rows, dtype=torch.int64).reshape(e, rows, 1)
+        out = revert(model, {f"{module}.{fused_leaf}": probe})
+        for name, t in out.items():
+            flat = t.reshape(-1)
+            first = int(flat[0])
+            ex, start = divmod(first, rows)
+            ref = torch.arange(first, first + flat.numel(), dtype=torch.int64)
+            m = re.fullmatch(rf".*\.experts\.{ex}\.(.+)", name)
+            if m is None or not torch.equal(flat, ref) or (start + flat.numel()) > rows:
+                raise UnmappedParameterError(
+                    f"{module}.{fused_leaf}: transformers saves {name!r} from rows that are not one "
+                    "contiguous row range of one expert; this layout is not supported"
+                )
+            leaves[(fused_leaf, start if fused_leaf == "gate_up_proj" else -1)] = m.group(1)
+    try:
+        gate, up = leaves[("gate_up_proj", 0)], leaves[("gate_up_proj", i)]
+        down = leaves[("down_proj", -1)]
+    except KeyError as err:
+        raise UnmappedParameterError(
+            f"{module}: transformers' reversal does not split gate_up_proj into gate rows [0, {i}) "
+            f"and up rows [{i}, {2 * i}) per expert (found {sorted(leaves)})"
+        ) from err
+    if len(leaves) != 3:
+        raise UnmappedParameterError(f"{module}: unexpected per-expert leaves {sorted(leaves.values())}")
+    return gate, up, down
+
+
+def split_fused(
+    spec: ExpertLayerSpec,
+    part: Literal["gate_up", "down"],
+    full: torch.Tensor,
+    *,
+    experts: range | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Per-expert ``(checkpoint name, view)`` of a full fused tensor, in ``spec.entries`` order.
+
+    ``full`` is ``[E, 2I, H]`` (``part="gate_up"``) or ``[E, H, I]`` (``"down"``); when
+    ``experts`` is given, ``full`` holds only those experts (``[len(experts), ...]``). Views of a
+    contiguous tensor are contiguous, so nothing is copied.
+    """
+    want = spec.gate_up_shape if part == "gate_up" else spec.down_shape
+    rng = experts if experts is not None else range(spec.num_experts)
+    want = (len(rng),) + want[1:]
+    if tuple(full.shape) != want:
+        raise ValueError(f"{spec.prefix} {part}: expected a {want} tensor, got {tuple(full.shape)}")
+    if not full.is_contiguous():
+        full = full.contiguous()
+    i = spec.intermediate
+    for k, e in enumerate(rng):
+        if part == "gate_up":
+            yield spec.expert_name(e, "gate"), full[k, :i]
+            yield spec.expert_name(e, "up"), full[k, i:]
+        else:
+            yield spec.expert_name(e, "down"), full[k]
+
+
+class FusedExpertBuffer:
+    """One layer's fused ``gate_up`` ``[E, 2I, H]`` and ``down`` ``[E, H, I]``, filled expert by
+    expert as pieces arrive.
+
+    Invariant: exactly two preallocated tensors per layer; each ``put`` copies one expert's
+    pieces into its slot (so the caller may free them right away), and ``take`` returns the
+    tensors only once every expert has been put exactly once -- a missing or duplicated expert
+    raises naming it instead of shipping uninitialized memory.
+    """
+
+    def __init__(self, spec: ExpertLayerSpec, dtype: torch.dtype, device: Any = "cpu") -> None:
+        self.spec = spec
+        self.gate_up = torch.empty(spec.gate_up_shape, dtype=dtype, device=device)
+        self.down = torch.empty(spec.down_shape, dtype=dtype, device=device)
+        self._seen = torch.zeros(spec.num_experts, dtype=torch.bool)
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+    def put(self, e: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        s = self.spec
+        if not 0 <= e < s.num_experts:
+            raise IndexError(f"{s.prefix}: expert {e} out of range [0, {s.num_experts})")
+        if self._seen[e]:
+            raise ValueError(f"{s.prefix}: expert {e} was put twice")
+        i = s.intermediate
+        for what, t, want in (("gate", gate, (i, s.hidden)), ("up", up, (i, s.hidden)), ("down", down, (s.hidden, i))):
+            if tuple(t.shape) != want:
+                raise ValueError(f"{s.prefix}: expert {e} {what} has shape {tuple(t.shape)}, expected {want}")
+        self.gate_up[e, :i].copy_(gate)
+        self.gate_up[e, i:].copy_(up)
+        self.down[e].copy_(down)
+        self._seen[e] = True
+
+    def take(self) -> list[tuple[str, torch.Tensor]]:
+        missing = (~self._seen).nonzero().flatten().tolist()
+        if missing:
+            raise ValueError(f"{self.spec.prefix}: experts {missing[:8]} never arrived")
+        return [(self.spec.fused_gate_up, self.gate_up), (self.spec.fused_down, self.down)]
+
+
+def expert_batches(num_experts: int, bytes_per_expert: int, max_bytes: int) -> list[range]:
+    """Consecutive expert ranges of at most ``max_bytes`` each (at least one expert per batch)."""
+    if max_bytes <= 0:
+        raise ValueError(f"expert batch bytes must be positive, got {max_bytes}")
+    per = max(1, max_bytes // max(1, bytes_per_expert))
+    return [range(a, min(a + per, num_experts)) for a in range(0, num_experts, per)]
+
+
+class ExpertTransform:
+    """The per-name tensor transform a module-walking source (FSDPSource) plugs in for fused
+    transformers-5 experts: ``in-memory fused name -> wire entries``.
+
+    Built once from the model (names from transformers' reversal, no collective). ``entries``
+    gives the metadata a fused parameter expands to; ``apply`` turns the gathered full tensor into
+    exactly those ``(name, tensor)`` pairs, in the same order (views, no copy, for
+    ``per_expert``; the tensor itself for ``fused``). One function feeds both, so metadata and
+    stream cannot drift apart.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        fused: dict[str, Sequence[int]],
+        *,
+        expert_layout: ExpertLayout | None = None,
+    ) -> None:
+        self.layout: ExpertLayout = check_expert_layout(expert_layout) or default_expert_layout()
+        self.specs = expert_names(model, fused) if fused else {}
+
+    def handles(self, name: str) -> bool:
+        module, _, leaf = name.rpartition(".")
+        return module in self.specs and leaf in _FUSED_LEAVES
+
+    def _spec_part(self, name: str) -> tuple[ExpertLayerSpec, Literal["gate_up", "down"]]:
+        module, _, leaf = name.rpartition(".")
+        if module not in self.specs or leaf not in _FUSED_LEAVES:
+            raise UnmappedParameterError(f"{name!r} is not a fused expert parameter of this model")
+        return self.specs[module], ("gate_up" if leaf == "gate_up_proj" else "down")
+
+    def entries(self, name: str) -> list[tuple[str, tuple[int, ...]]]:
+        spec, part = self._spec_part(name)
+        return spec.entries(self.layout, part)
+
+    def apply(self, name: str, full: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        spec, part = self._spec_part(name)
+        if self.layout == "fused":
+            want = spec.gate_up_shape if part == "gate_up" else spec.down_shape
+            if tuple(full.shape) != want:
+                raise ValueError(f"{name}: expected {want}, got {tuple(full.shape)}")
+            yield (spec.fused_gate_up if part == "gate_up" else spec.fused_down), full.contiguous()
+            return
+        yield from split_fused(spec, part, full)

@@ -1,0 +1,67 @@
+"""Tiny transformers-5 MoE models of each family the expert transforms support (test helpers).
+
+Sizes are chosen so every dimension differs (E != I != H), which makes a transposed or swapped
+slice fail its shape check instead of passing by accident.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+FAMILIES: dict[str, dict] = {
+    "qwen3_moe": dict(
+        hidden_size=16, intermediate_size=40, moe_intermediate_size=12, num_experts=6,
+        num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=8, vocab_size=64, decoder_sparse_step=1, mlp_only_layers=[1],
+    ),
+    "qwen2_moe": dict(
+        hidden_size=16, intermediate_size=40, moe_intermediate_size=12,
+        shared_expert_intermediate_size=20, num_experts=6, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+    ),
+    "mixtral": dict(
+        hidden_size=16, intermediate_size=12, num_local_experts=6, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=64,
+    ),
+    "deepseek_v3": dict(
+        hidden_size=16, intermediate_size=40, moe_intermediate_size=12, n_routed_experts=6,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, vocab_size=64,
+        q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
+    ),
+}
+
+
+def tiny_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(family, **{**FAMILIES[family], **overrides})
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # distinct, non-trivial values everywhere (router bias included)
+        for _, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.is_floating_point() and "rotary" not in _:
+                t.copy_(torch.randn_like(t))
+    return model.eval()
+
+
+def saved_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What ``save_pretrained`` writes, read back from the safetensors files."""
+    import safetensors.torch as st
+
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        out: dict[str, torch.Tensor] = {}
+        for f in sorted(os.listdir(d)):
+            if f.endswith(".safetensors"):
+                out.update(st.load_file(os.path.join(d, f)))
+    return out
+
+
+def fused_params(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    from weightsync.sources.experts import is_fused_expert_param
+
+    return {n: tuple(p.shape) for n, p in model.named_parameters() if is_fused_expert_param(n, p.shape)}
