@@ -1,0 +1,401 @@
+"""``WeightSync``: one object per trainer rank that owns the vLLM trainer engine and runs each sync.
+
+Per sync, in this order, on every rank:
+
+1. (first sync only) build the trainer engine: ``WeightTransferTrainerFactory.trainer_init`` on every
+   rank (rank 0 rendezvouses with vLLM), then the transport preflight;
+2. rank 0 pauses generation on every server (``keep`` | ``wait`` | ``abort``, or not at all);
+3. every rank runs ``engine.send_weights()`` (the collectives), rank 0 drives the four vLLM calls and
+   its ``finish_weight_update`` commits ``weight_version`` (the training step by default);
+4. rank 0 resumes generation -- also when the send failed -- and only then does anything raise.
+
+Invariants, and why:
+
+* **Only rank 0 talks to vLLM; every rank runs the collectives.** The engine guards its RPCs on
+  ``is_sender``; the driver does the same for pause / resume / commit.
+* **A failure raises on every rank, never a hang or a half-raised world.** Control-plane calls happen
+  on rank 0 only, so a failed pause or rendezvous is invisible to the other ranks, which would walk
+  into the next collective alone. After each phase that can fail on one rank (prepare: engine build +
+  pause; send: send + commit + resume) the ranks exchange their outcome in one small gloo
+  all-gather; any failure raises on every rank, naming the rank(s) and phase. The rank that failed
+  re-raises its own exception (chained), after rank 0 has resumed generation.
+* **Bad configuration raises before any bytes move**: argument errors at construction (same on every
+  rank), rank / backend disagreement between ranks and the IPC-over-remote-HTTP refusal at the first
+  sync, before ``trainer_init``.
+* **The commit is vLLM's own**: ``finish_weight_update(weight_version)`` sets the version in the same
+  call that finishes the update (``AsyncLLM.finish_weight_update``). Engines call ``finish`` without a
+  version, so the driver hands them a thin client that adds it; an engine that never calls ``finish``
+  gets an explicit ``update_weight_version`` instead. A generic client that can do neither is refused.
+* **The source is checked on every rank** (``weightsync.sources.checked``): a stream that disagrees
+  with the metadata, or ranks that disagree about the metadata, raise before vLLM loads garbage.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferUpdatePayload,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+from weightsync.sources.check import DEFAULT_TIMEOUT_S, checked, control_group
+from weightsync.sources.errors import WeightSyncError
+from weightsync.sources.logs import get_logger
+
+from .report import SyncReport
+
+__all__ = ["WeightSync", "PAUSE_MODES"]
+
+logger = get_logger(__name__)
+
+PAUSE_MODES = ("keep", "wait", "abort")
+
+
+class _CommittingClient:
+    """Forwards the four ``VLLMWeightSyncClient`` calls; ``finish_weight_update`` carries the
+    driver's pending ``weight_version`` when the engine passes none."""
+
+    def __init__(self, client: VLLMWeightSyncClient) -> None:
+        self.client = client
+        self.version: str | None = None
+        self.committed: str | None = None
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.client.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self.committed = None
+        self.client.start_weight_update()
+
+    def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
+        self.client.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        version = weight_version if weight_version is not None else self.version
+        self.client.finish_weight_update(version)
+        self.committed = version
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "client":
+            raise AttributeError(name)
+        return getattr(self.client, name)
+
+
+def _run_preflight(engine: TrainerWeightTransferEngine) -> None:
+    """PREFLIGHT CALL SITE: ``weightsync.plugins.preflight.check_engine(engine)`` if that module
+    exists (it detects transports that would report success without moving bytes, e.g. vLLM's NCCL
+    communicator disabling itself on an old NCCL)."""
+    try:
+        preflight = importlib.import_module("weightsync.plugins.preflight")
+    except ModuleNotFoundError as e:
+        if e.name in ("weightsync.plugins.preflight",):
+            return
+        raise
+    preflight.check_engine(engine)
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+class WeightSync:
+    """Pushes a trainer's weights into vLLM; build it on every trainer rank with the same arguments.
+
+    Args:
+        source: the ``WeightSource`` to send (``FSDPSource``, ``MegatronSource``, vLLM's
+            ``ModuleSource``...). Wrapped in ``weightsync.sources.checked`` unless ``check=False``.
+        init_info: any vLLM ``TrainerInitInfo`` (``NCCLTrainerInitInfo``, ``IPCTrainerInitInfo``,
+            weightsync's ``LoopbackTrainerInitInfo``), with ``rank`` = this trainer rank; rank 0 sends.
+        client: the control plane (``VLLMHTTPClient``, vLLM's Ray client, or any object with the four
+            ``VLLMWeightSyncClient`` methods). Needs ``pause`` / ``resume`` unless ``pause=None``.
+        every: sync every ``every`` training steps (``maybe_sync``); ``sync`` syncs on demand.
+        pause: ``"keep"`` (default: in-flight requests freeze and continue on the new weights),
+            ``"wait"`` (drain them first), ``"abort"``, or ``None`` (do not pause).
+        clear_cache: vLLM's ``clear_cache`` for ``wait`` / ``abort`` pauses.
+        version_fn: ``step -> weight_version`` (default ``str(step)``).
+        check: check the source's stream and cross-rank metadata on every rank.
+        timeout_s: bound on weightsync's own metadata agreement collective.
+    """
+
+    def __init__(
+        self,
+        source: WeightSource,
+        init_info: TrainerInitInfo,
+        client: VLLMWeightSyncClient,
+        *,
+        every: int = 1,
+        pause: str | None = "keep",
+        clear_cache: bool = True,
+        version_fn: Callable[[int], str] = str,
+        check: bool = True,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        if not isinstance(source, WeightSource):
+            raise TypeError(f"WeightSync: source must be a vLLM WeightSource, got {type(source).__name__}")
+        if not isinstance(init_info, TrainerInitInfo):
+            raise TypeError(
+                f"WeightSync: init_info must be a vLLM TrainerInitInfo (NCCL, IPC, loopback), "
+                f"got {type(init_info).__name__}"
+            )
+        missing = [
+            m
+            for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+            if not callable(getattr(client, m, None))
+        ]
+        if missing:
+            raise TypeError(
+                f"WeightSync: client {type(client).__name__} is not a VLLMWeightSyncClient (missing {missing})"
+            )
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"WeightSync: every must be a positive int (steps between syncs), got {every!r}")
+        if pause is not None and pause not in PAUSE_MODES:
+            raise ValueError(f"WeightSync: pause must be one of {PAUSE_MODES} or None, got {pause!r}")
+        if pause is not None and not all(callable(getattr(client, m, None)) for m in ("pause", "resume")):
+            raise TypeError(
+                f"WeightSync: pause={pause!r} needs a client with pause()/resume() (VLLMHTTPClient); "
+                f"{type(client).__name__} has none. Pass pause=None to sync without pausing."
+            )
+        if not callable(version_fn):
+            raise TypeError(f"WeightSync: version_fn must be callable (step -> str), got {version_fn!r}")
+        self.source = checked(source, rank=init_info.rank, timeout_s=timeout_s) if check else source
+        self.init_info = init_info
+        self.client = client
+        self.every = every
+        self.pause_mode = pause
+        self.clear_cache = clear_cache
+        self.version_fn = version_fn
+        self._commit_client = _CommittingClient(client)
+        self._engine: TrainerWeightTransferEngine | None = None
+        self._closed = False
+        self._last_step: int | None = None
+        self._syncs = 0
+        self.last_report: SyncReport | None = None
+
+    # ---- properties ---------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.init_info.rank
+
+    @property
+    def is_sender(self) -> bool:
+        return self.init_info.is_sender
+
+    @property
+    def backend(self) -> str:
+        return self.init_info.backend
+
+    @property
+    def engine(self) -> TrainerWeightTransferEngine | None:
+        """The vLLM trainer engine, built at the first sync (``None`` before)."""
+        return self._engine
+
+    # ---- schedule -----------------------------------------------------------------------------
+
+    def should_sync(self, step: int) -> bool:
+        """True iff ``step`` is a multiple of ``every`` and was not synced already. Pure: the same
+        answer on every rank for the same step."""
+        return step % self.every == 0 and step != self._last_step
+
+    def maybe_sync(self, step: int) -> SyncReport | None:
+        """``sync(step)`` if the schedule says so, else ``None``. Call it on every rank, every step."""
+        return self.sync(step) if self.should_sync(step) else None
+
+    # ---- the sync -----------------------------------------------------------------------------
+
+    def sync(self, step: int | None = None, *, weight_version: str | None = None) -> SyncReport:
+        """Pause, send, commit, resume. Call on every rank in the same order; returns the report."""
+        if self._closed:
+            raise WeightSyncError(f"rank {self.rank}: WeightSync.sync() after shutdown()")
+        step = self._syncs if step is None else int(step)
+        version = str(weight_version if weight_version is not None else self.version_fn(step))
+        t_start = time.perf_counter()
+        cold = self._engine is None
+
+        # -- prepare: engine (first sync) and pause; outcome agreed before any data collective.
+        err: BaseException | None = None
+        paused_attempted = False
+        pause_s = 0.0
+        try:
+            if cold:
+                self._build_engine()
+            if self.is_sender and self.pause_mode is not None:
+                paused_attempted = True
+                t = time.perf_counter()
+                self.client.pause(self.pause_mode, clear_cache=self.clear_cache)
+                pause_s = time.perf_counter() - t
+        except BaseException as e:  # noqa: BLE001 - re-raised below, on every rank
+            err = e
+        resume_s = 0.0
+        failed = self._agree("prepare", err)
+        if failed:
+            if paused_attempted:  # a fan-out pause may have reached some servers
+                self._resume_quietly()
+            if cold:  # every rank rebuilds at the next sync, so every rank must start from scratch
+                self._drop_engine()
+            self._raise("prepare", failed, err)
+
+        # -- send (+ commit on the sender), then resume whatever happened.
+        err = None
+        t_send = time.perf_counter()
+        try:
+            self._commit_client.version = version
+            assert self._engine is not None
+            self._engine.send_weights()
+            if self.is_sender and self._commit_client.committed != version:
+                self._commit_explicitly(version)
+        except BaseException as e:  # noqa: BLE001
+            err = e
+        send_s = time.perf_counter() - t_send
+        if paused_attempted:
+            t = time.perf_counter()
+            try:
+                self.client.resume()
+            except BaseException as e:  # noqa: BLE001
+                if err is None:
+                    err = e
+                else:
+                    logger.error("resume after a failed send also failed: %s", _describe(e))
+            resume_s = time.perf_counter() - t
+        failed = self._agree("send", err)
+        if failed:
+            self._raise("send", failed, err)
+
+        self._last_step = step
+        self._syncs += 1
+        report = self._report(step, version, send_s, pause_s, resume_s, time.perf_counter() - t_start, cold)
+        self.last_report = report
+        logger.log(20 if self.is_sender else 10, "%s", report.summary())
+        return report
+
+    def shutdown(self) -> None:
+        """Tear down the trainer engine (communicators). Idempotent; call on every rank."""
+        self._closed = True
+        self._drop_engine()
+
+    def __enter__(self) -> "WeightSync":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---- pieces -------------------------------------------------------------------------------
+
+    def _build_engine(self) -> None:
+        self._check_ranks()
+        check_backend = getattr(self.client, "check_backend", None)
+        if callable(check_backend):  # e.g. refuse pickled IPC handles to a remote host, on every rank
+            check_backend(self.backend)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            self.init_info, client=self._commit_client, source=self.source
+        )
+        self._engine = engine
+        _run_preflight(engine)
+
+    def _drop_engine(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+
+    def _check_ranks(self) -> None:
+        """Every rank has a distinct ``init_info.rank``, one of them 0, and the same backend."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            if self.rank != 0:
+                raise ValueError(
+                    f"WeightSync: init_info.rank={self.rank} in a single-process trainer; rank 0 is "
+                    "the sender and must exist"
+                )
+            return
+        world = dist.get_world_size()
+        mine = (dist.get_rank(), self.rank, self.backend)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine, group=control_group())
+        ranks = [r for _, r, _ in everyone]
+        backends = {b for _, _, b in everyone}
+        problems = []
+        if len(set(ranks)) != len(ranks):
+            problems.append(f"init_info.rank values repeat across ranks: {ranks} (global rank order)")
+        if 0 not in ranks:
+            problems.append(f"no rank has init_info.rank=0 (the sender): {ranks}")
+        if len(backends) != 1:
+            problems.append(f"ranks chose different backends: {[b for _, _, b in everyone]}")
+        if problems:
+            raise ValueError(f"rank {dist.get_rank()}: WeightSync misconfigured: " + "; ".join(problems))
+
+    def _commit_explicitly(self, version: str) -> None:
+        update = getattr(self.client, "update_weight_version", None)
+        if not callable(update):
+            raise WeightSyncError(
+                f"rank {self.rank}: the {self.backend!r} engine never called finish_weight_update, and "
+                f"client {type(self.client).__name__} has no update_weight_version(); weight_version "
+                f"{version!r} cannot be committed"
+            )
+        update(version)
+
+    def _resume_quietly(self) -> None:
+        try:
+            self.client.resume()
+        except BaseException as e:  # noqa: BLE001 - the original failure is what gets raised
+            logger.error("resume after a failed prepare also failed: %s", _describe(e))
+
+    def _agree(self, phase: str, err: BaseException | None) -> dict[int, str]:
+        """Exchange each rank's outcome of ``phase``; ``{rank: error}`` for every rank that failed."""
+        mine = None if err is None else _describe(err)
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return {} if mine is None else {self.rank: mine}
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (dist.get_rank(), mine), group=control_group())
+        return {r: m for r, m in everyone if m is not None}
+
+    def _raise(self, phase: str, failed: dict[int, str], err: BaseException | None) -> None:
+        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else self.rank
+        others = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
+        resumed = "; generation was resumed" if self.pause_mode is not None else ""
+        if err is not None:
+            err.add_note(f"weightsync: sync failed in {phase} on rank(s) {sorted(failed)}{resumed}")
+            raise err
+        raise WeightSyncError(
+            f"rank {me}: weight sync failed in {phase} on rank(s) {sorted(failed)}: {others}{resumed}"
+        )
+
+    def _report(
+        self, step: int, version: str, send_s: float, pause_s: float, resume_s: float, total_s: float, cold: bool
+    ) -> SyncReport:
+        meta = self.source.metadata
+        wire = sum(m.dtype.itemsize * _numel(m.shape) for m in meta)
+        stats = getattr(self.source, "last_pass", None)
+        return SyncReport(
+            step=step,
+            weight_version=version,
+            backend=self.backend,
+            rank=self.rank,
+            is_sender=self.is_sender,
+            tensors=len(meta),
+            bytes=wire,
+            send_seconds=send_s,
+            pause_seconds=pause_s,
+            resume_seconds=resume_s,
+            total_seconds=total_s,
+            pause_mode=self.pause_mode,
+            rank_tensors=getattr(stats, "tensors", None),
+            rank_bytes=getattr(stats, "bytes", None),
+            collectives=getattr(stats, "collectives", None),
+            peak_extra_bytes=getattr(stats, "peak_extra_bytes", None),
+            cold=cold,
+        )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
