@@ -1,0 +1,262 @@
+"""``FSDPSource``: a vLLM ``WeightSource`` over a plain, FSDP2, HSDP or FSDP+TP ``nn.Module``.
+
+Invariants (each is tested multi-rank in ``tests/test_fsdp.py``):
+
+* **Names** are Hugging Face checkpoint names (``naming.checkpoint_entries``): wrappers stripped,
+  tied duplicates dropped exactly where ``save_pretrained`` drops them; fused layouts without a
+  transform raise ``UnmappedParameterError`` at ``metadata`` time, on every rank.
+* **Metadata** is computed from global shapes and module structure only: no collective, no tensor
+  data, identical on every rank. ``dtype`` is the wire dtype (``wire.WirePolicy``), ``shape`` the
+  full shape; ``owners``/``mesh_shape``/``placements`` follow vLLM's ``ModuleSource`` so this is a
+  drop-in wherever vLLM takes ``ModuleSource(model)``.
+* **Gathers** are batched per FSDP unit and mesh (``fsdp_plan``): one all-gather per contiguous
+  run of a unit's tensors in checkpoint order (optionally split at ``group_bytes``), each shard
+  cast to the wire dtype before it moves (``fsdp_gather``). ``_StridedShard`` and other exotic
+  placements fall back to ``full_tensor()`` per tensor.
+* **Lifetime**: every gathered tensor is a fresh allocation owned by the consumer -- it stays
+  valid after the next yield and after the pass (vLLM's unpacked IPC path keeps them all). Tensors
+  that need no gather (plain parameters, ignored parameters, Replicate-only DTensors already in
+  the wire dtype) are yielded as detached aliases of the module's storage (no copy): valid until
+  the trainer next updates the module. The source itself never writes to the module.
+* **Memory**: beyond what the consumer keeps, the source holds one gather group (send buffer +
+  gathered buffer + the tensor being unpacked), i.e. about 2x the largest group's wire bytes.
+  With ``CPUOffloadPolicy`` the packing copy stages each shard to the gather device; the module's
+  parameters stay where they were.
+* **Checks**: each pass checks its stream against ``metadata`` on every rank (``check=True``), and
+  the first pass verifies cross-rank metadata agreement before any gather (``agree=True``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from functools import cached_property
+
+import torch
+from torch import nn
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+from .check import DEFAULT_TIMEOUT_S, check_stream, local_shape, verify_metadata_agreement
+from .fsdp_gather import BatchedGather, ShardPiece, fallback_full, gather_device
+from .fsdp_plan import dtensor_layout, fsdp_units, is_dtensor, is_member, plan_steps
+from .logs import current_rank, get_logger
+from .naming import CheckpointEntry, TensorTransform, _state_tensors, checkpoint_entries
+from .stats import PassStats
+from .wire import WirePolicy
+
+__all__ = ["FSDPSource"]
+
+logger = get_logger(__name__)
+
+
+class FSDPSource(WeightSource):
+    """Hugging Face checkpoint tensors of ``module``, gathered per FSDP unit.
+
+    Args:
+        module: the trainer's model: plain, ``fully_shard``-ed (FSDP2 / HSDP), FSDP+TP, possibly
+            wrapped by ``torch.compile`` / activation checkpointing / DDP-style wrappers.
+        dtype: wire dtype for floating tensors (None: each tensor's own dtype). Cast happens on
+            the local shard, before the gather.
+        keep_fp32: extra regular expressions (``re.search`` on the checkpoint name) of tensors
+            that keep their own dtype, on top of ``wire.DEFAULT_KEEP_FP32`` (MoE routers/gates).
+        group_bytes: split a unit's gather into groups of at most this many wire bytes
+            (None: one gather per contiguous run of a unit; a single larger tensor still
+            gathers alone).
+        include_buffers: also send persistent buffers (they are in the checkpoint).
+        transforms: ``naming.TensorTransform`` hooks for tensors whose checkpoint form differs
+            from their in-memory form (applied after the gather).
+        check: check each pass's stream against metadata on this rank.
+        agree: verify on the first pass that every rank holds the same metadata.
+        rank: this trainer rank (default: the default process group's rank).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        dtype: torch.dtype | None = None,
+        keep_fp32: str | Iterable[str] = (),
+        group_bytes: int | None = None,
+        include_buffers: bool = True,
+        transforms: Sequence[TensorTransform] = (),
+        check: bool = True,
+        agree: bool = True,
+        rank: int | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module= must be a torch.nn.Module, got {type(module).__name__}")
+        if group_bytes is not None and (
+            isinstance(group_bytes, bool) or not isinstance(group_bytes, int) or group_bytes <= 0
+        ):
+            raise ValueError(f"group_bytes= must be a positive int or None, got {group_bytes!r}")
+        for t in transforms:
+            if not isinstance(t, TensorTransform):
+                raise TypeError(
+                    f"transforms= entries must implement TensorTransform "
+                    f"(matches/outputs/apply), got {type(t).__name__}"
+                )
+        self._module = module
+        self.wire = WirePolicy.build(dtype, keep_fp32)
+        self.group_bytes = group_bytes
+        self.include_buffers = include_buffers
+        self.transforms = tuple(transforms)
+        self.check = check
+        self.agree = agree
+        self._rank = rank
+        self.timeout_s = timeout_s
+        self._agreed = False
+        self.last_pass = PassStats()
+
+    # ---- metadata (no collective) -------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return current_rank() if self._rank is None else self._rank
+
+    @cached_property
+    def entries(self) -> list[CheckpointEntry]:
+        """Checkpoint entries (one per in-memory tensor sent), in checkpoint order."""
+        return checkpoint_entries(
+            self._module, include_buffers=self.include_buffers, transforms=self.transforms
+        )
+
+    def _resolve(self) -> list[torch.Tensor]:
+        by_path = {p: t for p, t, _ in _state_tensors(self._module, self.include_buffers)}
+        return [by_path[e.path] for e in self.entries]
+
+    @cached_property
+    def _wire_dtypes(self) -> list[torch.dtype]:
+        return [
+            self.wire.dtype_for(e.name, t.dtype) for e, t in zip(self.entries, self._resolve())
+        ]
+
+    @cached_property
+    def metadata(self) -> list[ParamMeta]:
+        metas: list[ParamMeta] = []
+        for e, t, wd in zip(self.entries, self._resolve(), self._wire_dtypes):
+            layout = dtensor_layout(t)
+            shape = tuple(t.shape)  # a DTensor's global shape: no communication
+            if e.transform is not None:
+                outs = e.transform.outputs(e.name, shape, wd)
+                for name, oshape, odtype in outs:
+                    if layout is None:
+                        metas.append(ParamMeta(name, odtype, tuple(oshape)))
+                    else:
+                        metas.append(
+                            ParamMeta(name, odtype, tuple(oshape), owners=layout[0], mesh_shape=layout[1])
+                        )
+                continue
+            if layout is None:
+                metas.append(ParamMeta(e.name, wd, shape))
+            else:
+                owners, mesh_shape, placements = layout
+                metas.append(
+                    ParamMeta(e.name, wd, shape, owners=owners, mesh_shape=mesh_shape, placements=placements)
+                )
+        return metas
+
+    def _expected(self) -> list[ParamMeta]:
+        r = self.rank
+        return [m for m in self.metadata if m.owners is None or r in m.owners]
+
+    def _start_pass(self) -> PassStats:
+        stats = self.last_pass.start()
+        meta = self.metadata  # raises UnmappedParameterError etc. before any collective
+        if self.agree and not self._agreed:
+            verify_metadata_agreement(meta, timeout_s=self.timeout_s, what="FSDPSource metadata")
+            stats.collectives += 2  # bounded barrier + digest all-gather (control group)
+            self._agreed = True
+        return stats
+
+    # ---- passes -------------------------------------------------------------------------------
+
+    def _emit(self, i: int, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        e = self.entries[i]
+        if e.transform is None:
+            yield e.name, tensor
+        else:
+            yield from e.transform.apply(e.name, tensor)
+
+    def _plain(self, t: torch.Tensor, wd: torch.dtype) -> torch.Tensor:
+        return t.detach().to(dtype=wd).contiguous()
+
+    def _raw_full(self, stats: PassStats) -> Iterator[tuple[str, torch.Tensor]]:
+        tensors = self._resolve()
+        wds = self._wire_dtypes
+        owned = [t if is_member(t) else None for t in tensors]
+        steps = plan_steps(owned, wds, fsdp_units(self._module), self.group_bytes)
+        for step in steps:
+            if step.kind == "plain":
+                i = step.indices[0]
+                yield from self._emit(i, self._plain(tensors[i], wds[i]))
+            elif step.kind == "full":
+                i = step.indices[0]
+                full = fallback_full(tensors[i], wds[i], step.device, stats)
+                stats.hold(full.numel() * full.element_size())
+                yield from self._emit(i, full)
+                stats.hold(-full.numel() * full.element_size())
+            else:
+                mesh, axis = step.mesh, step.axis
+                pieces = [
+                    ShardPiece(i, tensors[i].to_local(), tuple(tensors[i].shape), wds[i])
+                    for i in step.indices
+                ]
+                gather = BatchedGather(
+                    pieces,
+                    group=mesh.get_group(axis),
+                    n=mesh.size(axis),
+                    index=mesh.get_local_rank(axis),
+                    device=step.device,
+                    stats=stats,
+                )
+                for i, full in gather:
+                    yield from self._emit(i, full)
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors of every owned name, in metadata order (collective over each mesh)."""
+        stats = self._start_pass()
+        stream = self._raw_full(stats)
+        if self.check:
+            stream = check_stream(stream, self._expected(), rank=self.rank)
+        for name, tensor in stream:
+            stats.yielded(tensor.numel() * tensor.element_size())
+            yield name, tensor
+        stats.stop()
+        logger.debug("iter_full pass: %s", stats.as_dict())
+
+    def _raw_local(self, stats: PassStats) -> Iterator[tuple[str, torch.Tensor]]:
+        tensors = self._resolve()
+        wds = self._wire_dtypes
+        for i, (e, t, wd) in enumerate(zip(self.entries, tensors, wds)):
+            if not is_member(t):
+                continue
+            if not is_dtensor(t):
+                yield from self._emit(i, self._plain(t, wd))
+                continue
+            layout = dtensor_layout(t)
+            device = gather_device(t.device_mesh)
+            if layout[2] is None or e.transform is not None:
+                yield from self._emit(i, fallback_full(t, wd, device, stats))
+            else:
+                local = t.to_local().detach()
+                yield e.name, local.to(device=device, dtype=wd).contiguous()
+
+    def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's piece of every owned name per ``placements`` (cast, staged to the mesh's
+        device); tensors without plain placements are gathered in full."""
+        stats = self._start_pass()
+        stream = self._raw_local(stats)
+        if self.check:
+            expected = self._expected()
+            shapes = [local_shape(m, self.rank) for m in expected]
+            stream = check_stream(stream, expected, rank=self.rank, what="iter_local", local_shapes=shapes)
+        for name, tensor in stream:
+            stats.yielded(tensor.numel() * tensor.element_size())
+            yield name, tensor
+        stats.stop()
+
+    def __repr__(self) -> str:
+        return (
+            f"FSDPSource({type(self._module).__name__}, dtype={self.wire.dtype}, "
+            f"group_bytes={self.group_bytes})"
+        )

@@ -1,0 +1,291 @@
+"""Hugging Face checkpoint names for the tensors of an in-memory (possibly wrapped) module.
+
+Invariant: ``checkpoint_entries(module)`` lists exactly the tensors ``save_pretrained`` of the
+unwrapped, unsharded model would write, under the names it would write them, in the module's own
+``named_parameters()`` order (persistent buffers in ``state_dict`` position) -- and nothing else.
+It reads module structure only: no tensor data, no collective, so every rank computes the same list.
+
+Three things separate an in-memory name from a checkpoint name:
+
+* **Wrappers** add path segments that the checkpoint does not have: ``_orig_mod`` (torch.compile),
+  ``_checkpoint_wrapped_module`` (activation checkpointing), ``_fsdp_wrapped_module`` (FSDP1) are
+  wrapper-only attribute names and are always dropped. ``module`` is also a legitimate submodule
+  name, so it is dropped only where it is a wrapper: the only child of a module that holds no
+  tensors of its own (DDP, DataParallel, accelerate/deepspeed engines).
+* **Aliases**: a tied tensor is one object under several names; a checkpoint holds it once.
+  Which name survives is what transformers decides: names matching a module's
+  ``_tied_weights_keys`` are the duplicates (``remove_tied_weights_from_state_dict``), so
+  ``lm_head.weight`` is written iff it is not tied to the embeddings. Without that information the
+  first name in ``named_parameters()`` order wins (what ``named_parameters`` itself keeps).
+* **Weight conversions**: transformers 5 stores some tensors in a fused in-memory layout and writes
+  them differently (MoE experts: one ``experts.gate_up_proj`` becomes per-expert ``gate_proj`` /
+  ``up_proj``). Those need a ``TensorTransform`` (a hook applied after the gather); until one is
+  registered for a name, ``UnmappedParameterError`` is raised rather than sending a name vLLM
+  would misload. Which names need one is asked of transformers' own reverse conversion mapping.
+
+PEFT names (``base_model.model.``, ``.base_layer.``, ``lora_A/B``) are out of scope: a PEFT model
+would be reported as-is (its in-memory names), not merged.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from .errors import UnmappedParameterError
+from .logs import current_rank, get_logger
+
+__all__ = [
+    "WRAPPER_SEGMENTS",
+    "CheckpointEntry",
+    "TensorTransform",
+    "checkpoint_entries",
+    "checkpoint_name",
+    "hf_root",
+    "tied_weight_patterns",
+]
+
+logger = get_logger(__name__)
+
+#: Attribute names that only wrappers use; always dropped from a path.
+WRAPPER_SEGMENTS: frozenset[str] = frozenset(
+    {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+)
+#: Dropped only where the module at that path is a pure wrapper (see module docstring).
+_MAYBE_WRAPPER = "module"
+
+
+@runtime_checkable
+class TensorTransform(Protocol):
+    """A per-name hook that turns one gathered in-memory tensor into checkpoint tensors.
+
+    ``outputs`` declares what ``apply`` will yield from metadata alone (no data), so metadata stays
+    collective-free; ``apply`` runs after the gather on the full wire-dtype tensor and must yield
+    exactly the declared names, shapes and dtypes, in order, as contiguous tensors.
+    """
+
+    def matches(self, name: str) -> bool: ...
+
+    def outputs(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> list[tuple[str, tuple[int, ...], torch.dtype]]: ...
+
+    def apply(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]: ...
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    """One tensor of the module as a checkpoint would hold it.
+
+    ``name``: the checkpoint name. ``path``: the in-memory qualified name to resolve it from
+    (``get_parameter``/``get_buffer`` semantics). ``aliases``: other in-memory paths of the same
+    tensor that the checkpoint does not hold. ``transform``: the hook that converts it, if any.
+    """
+
+    name: str
+    path: str
+    is_buffer: bool = False
+    aliases: tuple[str, ...] = ()
+    transform: TensorTransform | None = field(default=None, compare=False)
+
+
+def _is_pure_wrapper(mod: nn.Module) -> bool:
+    children = list(mod._modules.keys())
+    return (
+        children == [_MAYBE_WRAPPER]
+        and not any(p is not None for p in mod._parameters.values())
+        and not any(b is not None for b in mod._buffers.values())
+    )
+
+
+def _wrapper_paths(module: nn.Module) -> set[str]:
+    """In-memory module paths whose ``module`` child is a wrapper segment."""
+    out: set[str] = set()
+    for path, mod in module.named_modules(remove_duplicate=False):
+        if _is_pure_wrapper(mod):
+            out.add(path)
+    return out
+
+
+def checkpoint_name(path: str, wrapper_paths: set[str] | None = None) -> str:
+    """The checkpoint name of in-memory ``path``: wrapper segments removed.
+
+    ``wrapper_paths`` (from the module tree) says where a ``module`` segment is a wrapper; without
+    it only the unambiguous wrapper segments are removed.
+    """
+    parts = path.split(".")
+    kept: list[str] = []
+    for i, part in enumerate(parts):
+        if part in WRAPPER_SEGMENTS:
+            continue
+        if part == _MAYBE_WRAPPER and wrapper_paths is not None:
+            parent = ".".join(parts[:i])
+            if parent in wrapper_paths:
+                continue
+        kept.append(part)
+    return ".".join(kept)
+
+
+def hf_root(module: nn.Module) -> nn.Module:
+    """The outermost module under any chain of wrappers (``torch.compile``, checkpoint, DDP...)."""
+    seen = 0
+    while seen < 16:
+        seen += 1
+        for attr in WRAPPER_SEGMENTS:
+            inner = module._modules.get(attr)
+            if inner is not None and len(module._modules) == 1:
+                module = inner
+                break
+        else:
+            if _is_pure_wrapper(module):
+                module = module._modules[_MAYBE_WRAPPER]
+                continue
+            return module
+    return module
+
+
+def tied_weight_patterns(module: nn.Module, wrapper_paths: set[str] | None = None) -> list[str]:
+    """Checkpoint-name patterns of tied duplicates, as transformers collects them.
+
+    Every submodule's ``_tied_weights_keys`` (a dict target -> source in transformers 5, a list in
+    older versions) contributes its keys, prefixed by the submodule's checkpoint path -- the same
+    walk as transformers' ``_get_tied_weight_keys``, but over de-wrapped paths.
+    """
+    pats: list[str] = []
+    for path, sub in module.named_modules():
+        tied = getattr(sub, "_tied_weights_keys", None) or {}
+        keys = tied.keys() if isinstance(tied, dict) else tied
+        prefix = checkpoint_name(path, wrapper_paths)
+        pats.extend(f"{prefix}.{k}" if prefix else k for k in keys)
+    return pats
+
+
+def _state_tensors(module: nn.Module, include_buffers: bool) -> list[tuple[str, torch.Tensor, bool]]:
+    """``(path, tensor, is_buffer)`` in ``state_dict`` order, aliases included."""
+    out: list[tuple[str, torch.Tensor, bool]] = []
+    for mpath, mod in module.named_modules(remove_duplicate=False):
+        prefix = f"{mpath}." if mpath else ""
+        for n, p in mod._parameters.items():
+            if p is not None:
+                out.append((prefix + n, p, False))
+        if include_buffers:
+            non_persistent = getattr(mod, "_non_persistent_buffers_set", set())
+            for n, b in mod._buffers.items():
+                if b is not None and n not in non_persistent:
+                    out.append((prefix + n, b, True))
+    return out
+
+
+def _conversion_check(root: nn.Module, names: list[str]):
+    """Names transformers would rename or convert when saving (needs a transform), else []."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            PrefixChange,
+            WeightConverter,
+            WeightRenaming,
+            rename_source_key,
+        )
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return []
+    if not isinstance(root, PreTrainedModel):
+        return []
+    conversions = getattr(root, "_weight_conversions", None)
+    if conversions is None:
+        # Same choice as transformers' revert_weight_conversion for a model not built by
+        # from_pretrained: the default mapping, without legacy renames and prefix changes.
+        conversions = get_model_conversion_mapping(root, add_legacy=False)
+        conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
+    if not conversions:
+        return []
+    reverse = [c.reverse_transform() for c in conversions[::-1]]
+    renamings = [c for c in reverse if isinstance(c, WeightRenaming)]
+    converters = [c for c in reverse if isinstance(c, WeightConverter)]
+    needs = []
+    for name in names:
+        renamed, pattern = rename_source_key(name, renamings, converters, reverse=True)
+        if renamed != name or pattern is not None:
+            needs.append((name, renamed))
+    return needs
+
+
+def checkpoint_entries(
+    module: nn.Module,
+    *,
+    include_buffers: bool = True,
+    transforms: Sequence[TensorTransform] = (),
+) -> list[CheckpointEntry]:
+    """Every tensor ``save_pretrained`` would write for ``module``, in checkpoint order.
+
+    Raises ``UnmappedParameterError`` naming each tensor whose checkpoint form transformers derives
+    by a weight conversion (fused MoE experts...) unless a ``transforms`` entry matches it.
+    """
+    root = hf_root(module)
+    wrappers = _wrapper_paths(module)
+    tensors = _state_tensors(module, include_buffers)
+
+    # Group aliases by tensor identity; first appearance fixes the position.
+    by_id: dict[int, list[tuple[str, str, bool]]] = {}
+    order: list[int] = []
+    for path, t, is_buf in tensors:
+        key = id(t)
+        if key not in by_id:
+            by_id[key] = []
+            order.append(key)
+        by_id[key].append((checkpoint_name(path, wrappers), path, is_buf))
+
+    tied = [re.compile(p) for p in tied_weight_patterns(module, wrappers)]
+    ignore_on_save = set(getattr(root, "_keys_to_ignore_on_save", None) or ())
+
+    entries: list[CheckpointEntry] = []
+    for key in order:
+        group = by_id[key]
+        # Distinct checkpoint names only: a wrapper seen twice is not an alias.
+        uniq: dict[str, tuple[str, bool]] = {}
+        for name, path, is_buf in group:
+            uniq.setdefault(name, (path, is_buf))
+        names = list(uniq)
+        if len(names) > 1:
+            # transformers: among sorted names, those matching a tied pattern are deleted while
+            # another name remains.
+            deleted: set[str] = set()
+            for name in sorted(names):
+                if any(p.search(name) for p in tied) and len(deleted) < len(names) - 1:
+                    deleted.add(name)
+            names = [n for n in names if n not in deleted]
+        keep = names[0]
+        if keep in ignore_on_save:
+            continue
+        path, is_buf = uniq[keep]
+        aliases = tuple(uniq[n][0] for n in uniq if n != keep)
+        entries.append(CheckpointEntry(keep, path, is_buf, aliases))
+
+    # Tensor transforms and transformers' own conversions.
+    out: list[CheckpointEntry] = []
+    for e in entries:
+        t = next((t for t in transforms if t.matches(e.name)), None)
+        out.append(e if t is None else CheckpointEntry(e.name, e.path, e.is_buffer, e.aliases, t))
+    unmapped = [
+        (n, r)
+        for n, r in _conversion_check(root, [e.name for e in out if e.transform is None])
+    ]
+    if unmapped:
+        shown = ", ".join(f"{n!r} (checkpoint writes it as {r!r})" for n, r in unmapped[:4])
+        more = f" and {len(unmapped) - 4} more" if len(unmapped) > 4 else ""
+        raise UnmappedParameterError(
+            f"rank {current_rank()}: {len(unmapped)} parameter(s) of {type(root).__name__} are stored "
+            f"in a fused in-memory layout that save_pretrained converts: {shown}{more}. Sending them "
+            "under their in-memory names would not load in vLLM; pass a TensorTransform for them "
+            "(transforms=...) -- per-expert MoE conversion is not implemented yet."
+        )
+    return out
+
+
+def names_of(entries: Iterable[CheckpointEntry]) -> list[str]:
+    return [e.name for e in entries]
