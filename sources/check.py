@@ -16,7 +16,6 @@ collective or ships garbage. Two guarantees live here:
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 from collections.abc import Iterable, Iterator
 from functools import cached_property
@@ -26,7 +25,18 @@ import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from .errors import CrossRankMismatchError, MetadataMismatchError, SyncTimeoutError
+from .errors import CrossRankMismatchError, MetadataMismatchError, WeightSyncError
+from .groups import (
+    DEFAULT_TIMEOUT_S,
+    Board,
+    PeerFailedError,
+    bounded_group,
+    discard_groups,
+    group_ranks,
+    next_tag,
+    wait_bounded,
+)
+from .integrity import checksum_tensor, resolve_checksums
 from .logs import get_logger
 
 __all__ = [
@@ -36,13 +46,13 @@ __all__ = [
     "verify_metadata_agreement",
     "CheckedSource",
     "checked",
+    "control_group",
+    "local_shape",
     "DEFAULT_TIMEOUT_S",
+    "PeerFailedError",
 ]
 
 logger = get_logger(__name__)
-
-#: Bound on weightsync's own control collectives (digest exchange, end-of-pass agreement).
-DEFAULT_TIMEOUT_S = 300.0
 
 
 def meta_entry(m: ParamMeta) -> tuple:
@@ -124,23 +134,19 @@ def check_stream(
         )
 
 
-_GLOO_GROUPS: dict[tuple, Any] = {}
+def control_group(group: Any = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
+    """A gloo group over the same ranks as ``group`` (default: the world) whose ops time out.
 
-
-def control_group(group: Any = None) -> Any:
-    """A gloo group over the same ranks as ``group`` (default: the world), created once.
-
-    weightsync's control collectives run on gloo so they can be bounded (``monitored_barrier``) and
-    stay off the device whatever backend the trainer uses. Creating it is itself collective over the
-    world, so callers reach it on every rank at the same point (the start of a pass).
+    weightsync's control collectives run on gloo so they are bounded and stay off the device whatever
+    backend the trainer uses. Created once per (ranks, timeout); only the members synchronize on
+    creation, at the first control exchange they all reach.
     """
-    if group is None and dist.get_backend() == "gloo":
-        return None
-    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else None
-    key = (id(dist.distributed_c10d._get_default_group()), ranks)
-    if key not in _GLOO_GROUPS:
-        _GLOO_GROUPS[key] = dist.new_group(ranks=list(ranks) if ranks else None, backend="gloo")
-    return _GLOO_GROUPS[key]
+    return bounded_group(group_ranks(group), timeout_s=timeout_s)
+
+
+def _digest_tensor(metadata: list[ParamMeta]) -> torch.Tensor:
+    raw = bytes.fromhex(metadata_digest(metadata)) + len(metadata).to_bytes(8, "little")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
 def verify_metadata_agreement(
@@ -149,62 +155,97 @@ def verify_metadata_agreement(
     group: Any = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     what: str = "metadata",
+    board: Board | None = None,
 ) -> None:
     """Raise on every rank of ``group`` unless all ranks hold identical ``metadata``.
 
-    One bounded barrier (names the late rank on timeout) and one all-gather of a 64-byte digest.
-    Only on mismatch is the full metadata exchanged, to name the first differing entry.
-    No-op without an initialized process group or with one rank.
+    One all-gather of a 40-byte digest (sha256 of names, dtypes, shapes, owners, mesh, placements, plus
+    the entry count) on a bounded gloo group: a rank that does not arrive within ``timeout_s`` is
+    named in a ``SyncTimeoutError``; a rank that failed before arriving (its ``metadata`` raised,
+    say) and posted on ``board`` is quoted in a ``PeerFailedError``. Only on mismatch is the full
+    metadata exchanged, to name the first differing entry in a ``CrossRankMismatchError`` raised
+    identically on every rank. No-op without an initialized process group or with one rank.
     """
     if not dist.is_available() or not dist.is_initialized():
         return
-    world = dist.get_world_size(group)
-    if world == 1:
+    ranks = group_ranks(group)
+    if len(ranks) == 1:
         return
-    cgroup = control_group(group)
+    cgroup = bounded_group(ranks, timeout_s=timeout_s, purpose="pass")
+    board = board or Board(next_tag("agree"))
     rank = dist.get_rank()
+    mine = _digest_tensor(metadata)
+    digests = [torch.empty_like(mine) for _ in ranks]
+    work = dist.all_gather(digests, mine, group=cgroup, async_op=True)
     try:
-        dist.monitored_barrier(
-            group=cgroup, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True
+        wait_bounded(
+            work, board=board, ranks=ranks, timeout_s=timeout_s,
+            what=f"the cross-rank {what} agreement (before the first collective)",
         )
-    except RuntimeError as e:
-        raise SyncTimeoutError(
-            f"rank {rank}: not every trainer rank reached the start of the {what} check within "
-            f"{timeout_s:.0f}s ({e}). A rank that is late here is usually still in its previous "
-            "step or is not calling the sync at all (rank-conditional call?)."
-        ) from e
-    digest = metadata_digest(metadata)
-    digests: list[Any] = [None] * world
-    dist.all_gather_object(digests, (rank, digest, len(metadata)), group=cgroup)
-    if all(d[1] == digest for d in digests):
+    except WeightSyncError:
+        discard_groups()  # the all-gather may still be pending on this group
+        raise
+    if all(torch.equal(d, mine) for d in digests):
         return
     entries = [meta_entry(m) for m in metadata]
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, (rank, entries), group=cgroup)
-    ref_rank, ref = everyone[0]
-    for other_rank, other in everyone[1:]:
-        if other == ref:
-            continue
-        for i in range(max(len(ref), len(other))):
-            a = ref[i] if i < len(ref) else "<none>"
-            b = other[i] if i < len(other) else "<none>"
-            if a != b:
-                raise CrossRankMismatchError(
-                    f"rank {rank}: trainer ranks disagree about {what}: rank {other_rank} differs "
-                    f"from rank {ref_rank} at entry {i} of {len(ref)}/{len(other)}: "
-                    f"rank {ref_rank} has {a}, rank {other_rank} has {b}. Every rank must build "
-                    "the same model with the same config and wrapping."
-                )
-    raise CrossRankMismatchError(f"rank {rank}: metadata digests differ across ranks: {digests}")
+    everyone: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(everyone, entries, group=cgroup)
+    raise CrossRankMismatchError(_first_difference(rank, ranks, everyone, what))
+
+
+def _first_difference(rank: int, ranks: tuple[int, ...], everyone: list[Any], what: str) -> str:
+    ref_rank, ref = ranks[0], everyone[0]
+    differing = [r for r, other in zip(ranks, everyone) if other != ref]
+    other_rank = differing[0]
+    other = everyone[ranks.index(other_rank)]
+    for i in range(max(len(ref), len(other))):
+        a = ref[i] if i < len(ref) else "<no entry>"
+        b = other[i] if i < len(other) else "<no entry>"
+        if a != b:
+            field = _which_field(a, b)
+            return (
+                f"rank {rank}: trainer ranks disagree about {what}: rank{'s' if len(differing) > 1 else ''} "
+                f"{', '.join(map(str, differing))} differ{'' if len(differing) > 1 else 's'} from rank "
+                f"{ref_rank}; first difference (rank {other_rank}) at entry {i} of "
+                f"{len(ref)}/{len(other)}{field}: rank {ref_rank} has {a}, rank {other_rank} has {b}. "
+                "Every rank must build the same model with the same config and the same wrapping."
+            )
+    return f"rank {rank}: {what} digests differ across ranks {differing} but entries are equal"
+
+
+_FIELDS = ("name", "dtype", "shape", "owners", "mesh_shape", "placements")
+
+
+def _which_field(a: Any, b: Any) -> str:
+    if not (isinstance(a, tuple) and isinstance(b, tuple)):
+        return " (count)"
+    diff = [f for f, x, y in zip(_FIELDS, a, b) if x != y]
+    return f" ({', '.join(diff)})"
+
+
+def _owned_count(metadata: list[ParamMeta], rank: int) -> int:
+    return sum(1 for m in metadata if m.owners is None or rank in m.owners)
 
 
 class CheckedSource(WeightSource):
-    """Wraps any ``WeightSource``; every pass checks the stream against ``metadata`` on this rank.
+    """Wraps any ``WeightSource``; every pass is checked on this rank and agreed across ranks.
 
     ``metadata`` is the wrapped source's, unchanged (same objects, no collective). ``iter_full`` and
-    ``iter_local`` exist iff the wrapped source implements them. With ``agree=True`` (default) the
-    first pass also verifies that every rank holds the same metadata before the wrapped source runs
-    any collective.
+    ``iter_local`` exist iff the wrapped source implements them. A pass:
+
+    1. (first pass, ``agree=True``) verifies every rank holds the same metadata before the wrapped
+       source runs any collective (``verify_metadata_agreement``);
+    2. checks each yielded pair against this rank's share of metadata (``check_stream``);
+    3. (``end_check=True``) ends with one bounded 8-byte all-gather of every rank's tensor count, so a
+       rank whose source runs no collective still learns that another rank failed, and the pass
+       returns on no rank unless it completed on all.
+
+    Any error on this rank is posted on the pass's ``Board`` before it propagates, so peers blocked in
+    a weightsync wait raise ``PeerFailedError`` quoting it instead of waiting out a timeout; an error
+    of the wrapped source's own collectives (its process group timed out) is re-raised as
+    ``PeerFailedError`` when another rank posted first. With ``checksums=True`` each yielded tensor's
+    ``integrity.checksum`` is recorded in ``last_checksums`` (resolved at the end of the pass, one
+    device sync). Nothing here copies, casts or mutates a tensor.
     """
 
     def __init__(
@@ -213,13 +254,20 @@ class CheckedSource(WeightSource):
         *,
         rank: int | None = None,
         agree: bool = True,
+        end_check: bool = True,
+        checksums: bool = False,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self.source = source
         self._rank = rank
         self.agree = agree
+        self.end_check = end_check
+        self.checksums = checksums
         self.timeout_s = timeout_s
         self._agreed = False
+        self.last_checksums: dict[str, str] = {}
+        #: Passes started on this rank (the driver compares it around ``send_weights``).
+        self.passes = 0
 
     @cached_property
     def metadata(self) -> list[ParamMeta]:
@@ -229,7 +277,7 @@ class CheckedSource(WeightSource):
     def rank(self) -> int:
         if self._rank is not None:
             return self._rank
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return dist.get_rank() if _distributed() else 0
 
     def implements_iter_full(self) -> bool:
         return self.source.implements_iter_full()
@@ -241,31 +289,102 @@ class CheckedSource(WeightSource):
         r = self.rank
         return [m for m in self.metadata if m.owners is None or r in m.owners]
 
-    def _agree(self) -> None:
-        if self.agree and not self._agreed:
-            verify_metadata_agreement(self.metadata, timeout_s=self.timeout_s)
-            self._agreed = True
-
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         if not self.source.implements_iter_full():
             raise NotImplementedError(f"{type(self.source).__name__} does not implement iter_full")
-        self._agree()
-        yield from check_stream(self.source.iter_full(), self._expected(), rank=self.rank)
+        return self._pass("iter_full", self.source.iter_full, local=False)
 
     def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
         if not self.source.implements_iter_local():
             raise NotImplementedError(f"{type(self.source).__name__} does not implement iter_local")
-        self._agree()
-        expected = self._expected()
-        shapes = [local_shape(m, self.rank) for m in expected]
-        yield from check_stream(
-            self.source.iter_local(), expected, rank=self.rank, what="iter_local", local_shapes=shapes
+        return self._pass("iter_local", self.source.iter_local, local=True)
+
+    def _pass(self, what: str, make_iter: Any, *, local: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        multi = _distributed() and dist.get_world_size() > 1
+        self.passes += 1
+        board = Board(next_tag("pass")) if multi else None
+        count, last = 0, None
+        sums: list[tuple[str, torch.Tensor]] = []
+        try:
+            metadata = self.metadata
+            if multi and self.agree and not self._agreed:
+                verify_metadata_agreement(metadata, timeout_s=self.timeout_s, board=board)
+                self._agreed = True
+            expected = self._expected()
+            shapes = [local_shape(m, self.rank) for m in expected] if local else None
+            stream = check_stream(make_iter(), expected, rank=self.rank, what=what, local_shapes=shapes)
+            for name, tensor in stream:
+                if self.checksums:
+                    sums.append((name, checksum_tensor(tensor)))
+                count, last = count + 1, name
+                yield name, tensor
+            if multi and self.end_check:
+                self._end_of_pass(board, what, count, metadata)
+            if self.checksums:
+                self.last_checksums = resolve_checksums(sums)
+        except GeneratorExit:
+            if board is not None:
+                board.fail(
+                    f"rank {self.rank}: the consumer of {what} stopped the pass after {count} of "
+                    f"{len(self._expected())} tensors (last {last!r})"
+                )
+                discard_groups()
+            raise
+        except PeerFailedError:
+            discard_groups()
+            raise
+        except BaseException as e:
+            if board is None:
+                raise
+            failure = board.failure()
+            if failure is not None and failure[0] != dist.get_rank() and not isinstance(e, WeightSyncError):
+                discard_groups()
+                raise PeerFailedError(
+                    f"rank {self.rank}: {what} failed at tensor {count} after rank {failure[0]} "
+                    f"failed: {failure[1]} (this rank's own error: {type(e).__name__}: {e})"
+                ) from e
+            board.fail(f"{type(e).__name__}: {e}")
+            discard_groups()
+            raise
+
+    def fail_unstarted_pass(self, reason: str, *, passes_before: int) -> None:
+        """Tell the peers of a pass this rank never started (its engine failed before iterating) that
+        it failed, so they raise ``PeerFailedError`` at once instead of waiting out ``timeout_s``.
+
+        Every rank takes one pass per sync; call it on a failed sync with ``passes_before =
+        source.passes`` read before ``send_weights``. No-op if a pass did start (it reported itself).
+        """
+        if self.passes != passes_before or not _distributed() or dist.get_world_size() == 1:
+            return
+        self.passes += 1
+        Board(next_tag("pass")).fail(f"rank {self.rank}: failed before iterating its source: {reason}")
+
+    def _end_of_pass(self, board: Board, what: str, count: int, metadata: list[ParamMeta]) -> None:
+        ranks = group_ranks(None)
+        mine = torch.tensor([count], dtype=torch.int64)
+        counts = [torch.empty_like(mine) for _ in ranks]
+        group = bounded_group(ranks, timeout_s=self.timeout_s, purpose="pass")
+        work = dist.all_gather(counts, mine, group=group, async_op=True)
+        wait_bounded(
+            work, board=board, ranks=ranks, timeout_s=self.timeout_s,
+            what=f"the end-of-pass check of {what} (this rank yielded {count} tensors)",
         )
+        for r, c in zip(ranks, counts):
+            want = _owned_count(metadata, r)
+            if int(c) != want:
+                raise CrossRankMismatchError(
+                    f"rank {self.rank}: rank {r} finished {what} after {int(c)} tensors but "
+                    f"metadata declares {want} for it"
+                )
 
     def __getattr__(self, name: str) -> Any:  # stats and helpers of the wrapped source
         if name == "source":
             raise AttributeError(name)
         return getattr(self.source, name)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def local_shape(m: ParamMeta, rank: int) -> tuple[int, ...]:
@@ -293,7 +412,7 @@ def local_shape(m: ParamMeta, rank: int) -> tuple[int, ...]:
 
 
 def checked(source: WeightSource, **kwargs: Any) -> WeightSource:
-    """``CheckedSource(source)``, unless ``source`` is already checked."""
+    """``CheckedSource(source, **kwargs)``, unless ``source`` is already checked."""
     if isinstance(source, CheckedSource):
         return source
     return CheckedSource(source, **kwargs)

@@ -1,0 +1,225 @@
+"""Single-process checks of the pieces behind "what weightsync checks": the stream check's messages,
+integrity checksums against bytes, and the transport preflight against vLLM's own objects in the
+states that make a sync silently do nothing (a ``PyNcclCommunicator`` that disabled itself because its
+NCCL library lacks symbols, exactly the too-old-NCCL path; an engine built by vLLM's own classes)."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from functools import cached_property
+
+import pytest
+import torch
+from vllm.distributed.weight_transfer.base import ParamMeta, Shard, WeightSource
+
+from weightsync.sources import MetadataMismatchError, SilentTransportError, checked
+from weightsync.sources.check import check_stream, local_shape
+from weightsync.sources.integrity import IntegrityError, checksum, compare_checksums
+from worlds import free_port
+
+
+def _metas():
+    return [
+        ParamMeta("a.weight", torch.float32, (4, 3)),
+        ParamMeta("b.weight", torch.bfloat16, (3,)),
+        ParamMeta("c.weight", torch.float32, (3, 3)),
+    ]
+
+
+def _pairs():
+    return [
+        ("a.weight", torch.zeros(4, 3)),
+        ("b.weight", torch.zeros(3, dtype=torch.bfloat16)),
+        ("c.weight", torch.zeros(3, 3)),
+    ]
+
+
+@pytest.mark.parametrize(
+    "mutate, needles",
+    [
+        (lambda p: [p[1], p[0], p[2]], ["index 0", "name/order", "'a.weight'", "'b.weight'"]),
+        (lambda p: p + [("d.weight", torch.zeros(1))], ["more tensors", "'d.weight'", "(3)"]),
+        (lambda p: [p[0], p[2]], ["index 1", "'b.weight'", "'c.weight'"]),
+        (lambda p: p[:2], ["stopped after 2", "declares 3", "'c.weight'"]),
+        (lambda p: [p[0], ("b.weight", p[1][1].float()), p[2]], ["index 1", "dtype", "bfloat16", "float32"]),
+        (lambda p: [p[0], p[1], ("c.weight", torch.zeros(3, 4))], ["index 2", "shape", "(3, 3)", "(3, 4)"]),
+        (lambda p: [p[0], p[1], ("c.weight", torch.zeros(3, 3).t())], ["non-contiguous", "index 2", "strides"]),
+    ],
+    ids=["order", "extra", "missing", "stops-early", "dtype", "shape", "non-contiguous"],
+)
+def test_stream_check_names_rank_index_declared_and_actual(mutate, needles):
+    with pytest.raises(MetadataMismatchError) as e:
+        list(check_stream(mutate(_pairs()), _metas(), rank=3))
+    msg = str(e.value)
+    assert msg.startswith("rank 3:")
+    for n in needles:
+        assert n in msg, (n, msg)
+
+
+def test_stream_check_passes_tensors_through_unchanged():
+    pairs = _pairs()
+    out = list(check_stream(iter(pairs), _metas(), rank=0))
+    assert [n for n, _ in out] == [n for n, _ in pairs]
+    assert all(a is b for (_, a), (_, b) in zip(out, pairs))  # no copy, no cast
+
+
+def test_local_shape_matches_torch_chunk_and_dtensor_semantics():
+    m = ParamMeta("w", torch.float32, (10, 7), owners=(0, 1, 2, 3), mesh_shape=(2, 2),
+                  placements=(Shard(0), Shard(1)))
+    full = torch.empty(10, 7)
+    for idx, r in enumerate(m.owners):
+        i, j = divmod(idx, 2)
+        expect = full.chunk(2, 0)[i].chunk(2, 1)[j].shape
+        assert local_shape(m, r) == tuple(expect)
+
+
+class _Tiny(WeightSource):
+    def __init__(self, model):
+        self.model = model
+
+    @cached_property
+    def metadata(self):
+        return [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
+
+    def iter_full(self):
+        for n, p in self.model.named_parameters():
+            yield n, p.detach()
+
+
+def test_checked_single_process_records_checksums_equal_to_recomputed_bytes():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).to(torch.bfloat16)
+    src = checked(_Tiny(model), checksums=True)
+    assert checked(src) is src
+    names = [n for n, _ in src.iter_full()]
+    assert names == [n for n, _ in model.named_parameters()]
+    # oracle: the same function over an independent copy of the bytes (numpy round trip)
+    for n, p in model.named_parameters():
+        copy = torch.from_numpy(p.detach().view(torch.int16).numpy().copy()).view(torch.bfloat16)
+        assert src.last_checksums[n] == checksum(copy)
+
+
+def test_checksum_detects_garbage_zeros_and_a_flipped_bit_and_compare_names_the_param():
+    t = torch.randn(64, 32, dtype=torch.bfloat16)
+    flipped = t.clone()
+    flipped.view(torch.int16)[5, 7] ^= 1
+    assert checksum(t) == checksum(t.clone())
+    assert checksum(t) != checksum(torch.zeros_like(t))
+    assert checksum(t) != checksum(flipped)
+    sent = {"x": checksum(t), "y": checksum(t[:2].contiguous())}
+    with pytest.raises(IntegrityError, match=r"'x'.*sent checksum"):
+        compare_checksums(sent, {"x": checksum(flipped), "y": sent["y"]}, rank=0)
+    with pytest.raises(IntegrityError, match=r"no checksum for 'y'"):
+        compare_checksums(sent, {"x": sent["x"]})
+    with pytest.raises(IntegrityError, match=r"never sent, first 'z'"):
+        compare_checksums(sent, {**sent, "z": "0"})
+    compare_checksums(sent, dict(sent))
+
+
+# ---- preflight against vLLM's own objects ---------------------------------------------------
+
+
+def _vllm_disabled_communicators(library_path: str):
+    """Two real ``PyNcclCommunicator``s (ranks 0, 1 of a StatelessProcessGroup) built with an NCCL
+    library that lacks NCCL's symbols: vLLM's own code disables them (the too-old-NCCL path)."""
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    port, out = free_port(), {}
+
+    def make(r):
+        pg = StatelessProcessGroup.create(host="127.0.0.1", port=port, rank=r, world_size=2)
+        out[r] = PyNcclCommunicator(pg, device="cpu", library_path=library_path)
+
+    threads = [threading.Thread(target=make, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert set(out) == {0, 1}
+    return out
+
+
+class _Client:
+    def init_weight_transfer_engine(self, init_info): ...
+    def start_weight_update(self): ...
+    def update_weights(self, update_info): ...
+    def finish_weight_update(self, weight_version=None): ...
+
+
+def _vllm_nccl_engine(comm, *, is_sender=True):
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
+
+    model = torch.nn.Linear(2, 2)
+    engine = NCCLTrainerWeightTransferEngine(
+        client=_Client(), source=_Tiny(model), is_sender=is_sender, rank=0 if is_sender else 1
+    )
+    engine.model_update_group = comm
+    return engine
+
+
+def test_preflight_refuses_vllm_nccl_engine_whose_communicator_disabled_itself():
+    from weightsync.plugins.preflight import check_engine
+
+    comms = _vllm_disabled_communicators("libc.so.6")
+    assert comms[0].disabled and not comms[0].available  # vLLM's own verdict, not ours
+    with pytest.raises(SilentTransportError) as e:
+        check_engine(_vllm_nccl_engine(comms[0]), agree=False)
+    msg = str(e.value)
+    assert "rank 0" in msg and "disabled" in msg and "ncclCommSuspend" in msg
+    assert "report success" in msg
+
+
+def test_preflight_world_size_and_missing_communicator():
+    from weightsync.plugins.preflight import PreflightError, check_engine
+
+    comm = _vllm_disabled_communicators("libc.so.6")[0]
+    comm.available, comm.disabled = True, False  # as if NCCL had loaded: now sizes matter
+    report = check_engine(_vllm_nccl_engine(comm), expected_world_size=2, agree=False)
+    assert "nccl: world_size 2 matches the inference side" in report.checks
+    with pytest.raises(PreflightError, match=r"world_size 2 but the inference side needs 5"):
+        check_engine(_vllm_nccl_engine(comm), expected_world_size=5, agree=False)
+    with pytest.raises(SilentTransportError, match=r"no communicator"):
+        check_engine(_vllm_nccl_engine(None), agree=False)
+    # a non-sender holds none by design and passes
+    check_engine(_vllm_nccl_engine(None, is_sender=False), agree=False)
+
+
+def test_preflight_ipc_needs_cuda_and_calls_engine_hooks():
+    from weightsync.plugins.preflight import PreflightError, check_engine
+
+    class IPCTrainerWeightTransferEngine:  # vLLM's class cannot be built without CUDA
+        is_sender = True
+        source = _Tiny(torch.nn.Linear(2, 2))
+
+    if not torch.cuda.is_available():
+        with pytest.raises(PreflightError, match=r"rank 0: the IPC engine .* CUDA is not available"):
+            check_engine(IPCTrainerWeightTransferEngine(), agree=False)
+
+    calls = []
+
+    class Hooked:
+        is_sender = True
+
+        def preflight(self):
+            calls.append(1)
+            raise SilentTransportError("loopback: receiver group not joined")
+
+    with pytest.raises(SilentTransportError, match="receiver group not joined"):
+        check_engine(Hooked(), agree=False)
+    assert calls == [1]
+
+
+def test_check_weights_changed_against_vllm_digest_format():
+    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+
+    from weightsync.plugins.preflight import check_weights_changed
+
+    model = torch.nn.Linear(3, 2)
+    before = compute_tensor_digests(model)  # what POST /weight_checker {"action":"checksum"} serves
+    with pytest.raises(SilentTransportError, match="none of the 2 checksums changed"):
+        check_weights_changed(before, compute_tensor_digests(model))
+    with torch.no_grad():
+        model.weight.add_(1)
+    assert check_weights_changed(before, compute_tensor_digests(model)) == ["weight"]
+    assert before["bias"] == hashlib.sha256(model.bias.detach().numpy().tobytes()).hexdigest()
