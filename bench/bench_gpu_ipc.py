@@ -1,0 +1,171 @@
+"""GPU benchmark: an IPC refit of a Qwen3-1.7B-shaped model through vLLM 0.33's real CUDA IPC engines,
+``FSDPSource`` against vLLM's ``ModuleSource``, packed and unpacked, all measured in one run.
+
+Trainer: a transformers Qwen3 model with Qwen3-1.7B's shapes (random weights, bf16, 3.4 GB) on one
+GPU, plain and under FSDP2 (world size 1, ``fully_shard`` per decoder layer and at the root).
+Receiver: a spawned process with vLLM's ``IPCWeightTransferEngine`` loading into a transformers
+model of the same config (``tests/gpu/receiver.py``). Sources timed, interleaved rep by rep:
+
+* ``ModuleSource(plain)``  -- vLLM's source on the unsharded model (the reference cost);
+* ``ModuleSource(fsdp2)``  -- vLLM's source on the FSDP2 model (one ``full_tensor()`` per parameter);
+* ``FSDPSource(fsdp2)``    -- weightsync's source on the same FSDP2 model.
+
+Each timing is one ``send_weights()`` (start, all update chunks, finish; the receiver copies every
+tensor into its model and synchronizes) between two ``torch.cuda.synchronize()``; best and median
+of ``--reps`` after ``--warmup``. The device-to-device copy of the same bytes is the floor.
+Goal: FSDPSource <= 1.10x ModuleSource. After timing, every source is checked once: the receiver's
+per-parameter fp64 sums equal the trainer's.
+
+    python bench/bench_gpu_ipc.py [--reps 7] [--warmup 2] [--dry-run] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
+
+from facts import Facts, log  # noqa: E402
+
+GOAL_VS_MODULE = 1.10
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _copy_baseline(nbytes: int, device: str, reps: int) -> list[float]:
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(reps + 2):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    del src, dst
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model, loopback transport")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    facts = Facts("bench_ipc", dry_run=args.dry_run)
+    import torch
+
+    from hf_side import bench_config, build_hf, tiny_config
+    from receiver import start_receiver, trainer_engine
+
+    device = "cpu" if args.dry_run else "cuda:0"
+    mode = "loopback" if args.dry_run else "ipc"
+    reps, warmup = (2, 1) if args.dry_run else (args.reps, args.warmup)
+    if not args.dry_run:
+        if not torch.cuda.is_available():
+            facts.check("CUDA available", False, "no CUDA device; use --dry-run on CPU")
+            return facts.finish(args.json)
+        torch.cuda.set_device(0)
+    client = None
+    try:
+        import datetime
+
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from vllm.distributed.weight_transfer import ModuleSource
+
+        from weightsync.sources import FSDPSource
+
+        port = os.environ.get("MASTER_PORT") or str(29800 + os.getpid() % 100)
+        dist.init_process_group("nccl" if not args.dry_run else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
+        cfg = tiny_config("qwen3") if args.dry_run else bench_config()
+        client = start_receiver(mode, device, timeout_s=300)
+        client.call("build", (cfg, torch.bfloat16, 7, False))
+        t0 = time.perf_counter()
+        plain = build_hf(cfg, device=device, dtype=torch.bfloat16, seed=3)
+        sharded = copy.deepcopy(plain)
+        mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (1,))
+        for layer in sharded.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        nbytes = sum(p.numel() * p.element_size() for p in plain.parameters())
+        nparams = len(list(plain.parameters()))
+        log(f"[bench_ipc] models built in {time.perf_counter() - t0:.1f}s: {nparams} params, "
+            f"{nbytes / 2**30:.2f} GiB bf16 each")
+        facts.number("params", nparams)
+        facts.number("GiB", round(nbytes / 2**30, 3))
+        sources = {
+            "ModuleSource(plain)": ModuleSource(plain),
+            "ModuleSource(fsdp2)": ModuleSource(sharded),
+            "FSDPSource(fsdp2)": FSDPSource(sharded),
+        }
+        ref_sums = {n: float(p.double().sum().item()) for n, p in plain.named_parameters()}
+        results: dict[str, dict[str, float]] = {}
+        for packed in (False, True):
+            mode_tag = "packed" if packed else "unpacked"
+            engines = {
+                name: trainer_engine(mode, client=client, source=src, packed=packed,
+                                     buffer_bytes=1 << 30)
+                for name, src in sources.items()
+            }
+            times: dict[str, list[float]] = {name: [] for name in engines}
+            names = list(engines)
+            for rep in range(warmup + reps):
+                order = names[rep % len(names):] + names[: rep % len(names)]
+                for name in order:
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    engines[name].send_weights()
+                    _sync(device)
+                    if rep >= warmup:
+                        times[name].append(time.perf_counter() - t0)
+            for name, eng in engines.items():
+                client.call("reset")
+                eng.send_weights()
+                got = client.call("checksums")
+                bad = [n for n, v in ref_sums.items() if got.get(n) != v]
+                facts.check(f"{name} {mode_tag}: receiver holds the trainer's weights (fp64 sums)",
+                            not bad, f"{len(bad)} differ: {bad[:3]}" if bad else f"{len(got)} params")
+                eng.shutdown()
+            for name, ts in times.items():
+                best, med = min(ts), statistics.median(ts)
+                results[f"{name} {mode_tag}"] = {"best_ms": best * 1e3, "median_ms": med * 1e3}
+                facts.number(f"{name} {mode_tag} best_ms", round(best * 1e3, 3))
+                facts.number(f"{name} {mode_tag} median_ms", round(med * 1e3, 3))
+            for base in ("ModuleSource(plain)", "ModuleSource(fsdp2)"):
+                for stat in ("best", "median"):
+                    r = statistics.median(times["FSDPSource(fsdp2)"]) / statistics.median(times[base]) \
+                        if stat == "median" else min(times["FSDPSource(fsdp2)"]) / min(times[base])
+                    facts.number(f"ratio FSDPSource/{base} {mode_tag} {stat}", round(r, 3),
+                                 f"(goal <= {GOAL_VS_MODULE}: {'met' if r <= GOAL_VS_MODULE else 'NOT met'})")
+        ct = _copy_baseline(nbytes, device, reps)
+        facts.number("d2d copy of the same bytes best_ms", round(min(ct) * 1e3, 3))
+        facts.number("d2d copy of the same bytes median_ms", round(statistics.median(ct) * 1e3, 3))
+        for key, r in results.items():
+            facts.number(f"{key} best / d2d copy", round(r["best_ms"] / (min(ct) * 1e3), 2))
+    except Exception as e:  # noqa: BLE001
+        facts.error("bench_ipc", e)
+    finally:
+        if client is not None:
+            client.close()
+    return facts.finish(args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""The transformers side of the GPU evidence: configs, models, a strict receiver, logits.
+
+Invariants:
+* ``HFReceiver.load_weights`` is strict: a name that is not a checkpoint name of the model raises
+  (naming it), a shape or dtype that differs raises, and ``missing()`` lists every parameter that
+  was not fully written. So "the receiver's logits equal the trainer's" cannot pass by a silent
+  partial load.
+* Checkpoint names are what ``save_pretrained`` writes. transformers 5 fuses MoE experts in memory
+  (``mlp.experts.gate_up_proj`` [E, 2I, H], gate first; ``mlp.experts.down_proj`` [E, H, I]) while
+  the checkpoint has per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight``; the receiver
+  accepts both spellings, exactly like vLLM's loaders do.
+* Configs are tiny for correctness and Qwen3-1.7B-shaped for the benchmark; every family sets the
+  knobs the Megatron side must mirror (rope theta, RMSNorm eps, GQA, qk-norm, qkv bias, tying).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FAMILIES",
+    "tiny_config",
+    "bench_config",
+    "build_hf",
+    "HFReceiver",
+    "fixed_batch",
+    "hf_logits",
+    "compare_logits",
+    "digest",
+    "checkpoint_layout",
+]
+
+#: family -> (config class name, model class name)
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+
+
+def _classes(family: str) -> tuple[type, type]:
+    import transformers
+
+    cfg_name, model_name = FAMILIES[family]
+    return getattr(transformers, cfg_name), getattr(transformers, model_name)
+
+
+def tiny_config(family: str, *, layers: int = 2) -> Any:
+    """A small config of ``family`` whose every feature differs from the defaults somewhere:
+    vocab not a multiple of 128 (Megatron pads it), rope theta and eps not the defaults,
+    GQA (4 heads, 2 groups), head_dim not hidden/heads."""
+    cfg_cls, _ = _classes(family)
+    common = dict(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        hidden_act="silu",
+    )
+    if family == "qwen3":
+        return cfg_cls(**common, head_dim=80, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                       tie_word_embeddings=True, attention_bias=False)
+    if family == "llama":
+        return cfg_cls(**common, head_dim=64, rms_norm_eps=1e-5, rope_theta=500_000.0,
+                       tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+    if family == "qwen2":
+        # Qwen2 attention always has q/k/v biases and no o_proj bias.
+        return cfg_cls(**common, rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=False)
+    if family == "qwen3_moe":
+        return cfg_cls(**common, head_dim=64, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                       tie_word_embeddings=False, attention_bias=False, num_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True,
+                       decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False)
+    raise KeyError(family)
+
+
+def bench_config() -> Any:
+    """Qwen3-1.7B's shapes (random weights): hidden 2048, 28 layers, 16 heads, 8 kv heads,
+    head_dim 128, ffn 6144, vocab 151936, tied embeddings."""
+    cfg_cls, _ = _classes("qwen3")
+    return cfg_cls(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                   num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                   max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                   tie_word_embeddings=True, hidden_act="silu")
+
+
+def family_of(config: Any) -> str:
+    for fam, (cfg_name, _) in FAMILIES.items():
+        if type(config).__name__ == cfg_name:
+            return fam
+    raise KeyError(type(config).__name__)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_hf(config: Any, *, device: str | torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """A transformers causal LM of ``config``, initialized on ``device`` in ``dtype`` with ``seed``,
+    eager attention (the closest to Megatron's unfused softmax), in eval mode."""
+    _, model_cls = _classes(family_of(config))
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    with torch.device(device), _default_dtype(dtype):
+        model = model_cls(config)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes plus its dtype and shape: equal iff bit-identical."""
+    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode() + raw).hexdigest()[:32]
+
+
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<w>gate_proj|up_proj|down_proj)\.weight$")
+
+
+class HFReceiver:
+    """A transformers model behind vLLM's receiving interface, ``load_weights(iterable)``.
+
+    Each received ``(name, tensor)`` is copied into the model's own storage (``state_dict()[name]``
+    or, for per-expert names, the slice of the fused expert tensor); nothing is kept from the wire.
+    ``track=True`` records a digest of every received tensor, in arrival order.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, track: bool = True) -> None:
+        self.model = model
+        self.track = track
+        self._sd = model.state_dict(keep_vars=True)
+        # named_parameters() drops tied duplicates: these are the storages that must be written.
+        self._targets = {n: p for n, p in model.named_parameters()}
+        self.reset()
+
+    def reset(self) -> None:
+        self.received: list[tuple[str, str]] = []
+        self._written: dict[str, int] = {}
+
+    def _dest(self, name: str) -> tuple[str, torch.Tensor]:
+        if name in self._sd:
+            return name, self._sd[name]
+        m = _EXPERT.match(name)
+        if m and f"{m['prefix']}.gate_up_proj" in self._sd:
+            e = int(m["e"])
+            if m["w"] == "down_proj":
+                key = f"{m['prefix']}.down_proj"
+                return key, self._sd[key][e]
+            key = f"{m['prefix']}.gate_up_proj"
+            fused = self._sd[key][e]
+            half = fused.shape[0] // 2
+            return key, fused[:half] if m["w"] == "gate_proj" else fused[half:]
+        raise KeyError(
+            f"receiver: {name!r} is not a checkpoint name of {type(self.model).__name__} "
+            f"(e.g. {sorted(self._sd)[:3]} ...)"
+        )
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = set()
+        for name, t in weights:
+            key, dst = self._dest(name)
+            if tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
+                raise ValueError(
+                    f"receiver: {name!r} arrived as {t.dtype} {tuple(t.shape)}, the model holds "
+                    f"{dst.dtype} {tuple(dst.shape)}"
+                )
+            dst.copy_(t)
+            if self.track:
+                self.received.append((name, digest(t)))
+            self._written[key] = self._written.get(key, 0) + t.numel()
+            loaded.add(name)
+        return loaded
+
+    def missing(self) -> list[str]:
+        """Parameters not fully written since the last ``reset()``."""
+        return [n for n, p in self._targets.items() if self._written.get(n, 0) < p.numel()]
+
+    @torch.no_grad()
+    def checksums(self) -> dict[str, float]:
+        """fp64 sum per parameter (cheap, on device): for the benchmark's spot check."""
+        return {n: float(p.double().sum().item()) for n, p in self._targets.items()}
+
+
+def fixed_batch(vocab: int, *, batch: int = 2, seq: int = 24, seed: int = 1234,
+                device: str | torch.device = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+
+
+@torch.no_grad()
+def hf_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, use_cache=False).logits.float()
+
+
+def compare_logits(got: torch.Tensor, ref: torch.Tensor, tol: float | None = None) -> dict[str, Any]:
+    """max |got-ref| relative to max |ref|, top-1 agreement, bit equality and, with ``tol``, the
+    fraction of positions whose own max error is within ``tol`` (MoE routing can flip a near-tie
+    between two implementations in bf16; that moves a few positions, not all)."""
+    got = got.float().cpu()
+    ref = ref.float().cpu()
+    if got.shape != ref.shape:
+        return {"shape_equal": False, "got_shape": tuple(got.shape), "ref_shape": tuple(ref.shape),
+                "rel_err": float("inf"), "max_abs": float("inf"), "top1": 0.0, "bitwise": False}
+    diff = (got - ref).abs()
+    scale = ref.abs().max().clamp_min(1e-6)
+    extra = {}
+    if tol is not None:
+        per_pos = diff.amax(-1) / scale
+        extra["pos_within_tol"] = float((per_pos <= tol).float().mean())
+    return {
+        **extra,
+        "shape_equal": True,
+        "max_abs": float(diff.max()),
+        "rel_err": float(diff.max() / scale),
+        "top1": float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+        "bitwise": bool(torch.equal(got, ref)),
+        "finite": bool(torch.isfinite(got).all() and torch.isfinite(ref).all()),
+    }
+
+
+def checkpoint_layout(config: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The oracle for exported names, dtypes and shapes: what transformers' own ``save_pretrained``
+    writes for ``config`` (a CPU model, float32 on disk, read back with safetensors)."""
+    from safetensors import safe_open
+
+    model = build_hf(config, device="cpu", dtype=torch.float32, seed=0)
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        out: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for fn in sorted(os.listdir(d)):
+            if fn.endswith(".safetensors"):
+                with safe_open(os.path.join(d, fn), "pt") as f:
+                    for k in f.keys():
+                        sl = f.get_slice(k)
+                        out[k] = (sl.get_dtype(), tuple(sl.get_shape()))
+    return out

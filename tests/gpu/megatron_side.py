@@ -1,0 +1,223 @@
+"""The megatron-core side of the GPU evidence: a TP1 ``GPTModel`` that computes the same function as
+a transformers model of the same config, and its forward.
+
+Invariant: ``megatron_config(hf_config)`` maps every knob that changes the function -- RMSNorm eps,
+rope theta (``rotary_interleaved=False`` is HF's rotate_half), GQA groups and head_dim (kv_channels),
+qk-norm (Qwen3), qkv bias (Qwen2), tied embeddings, SiLU-GLU MLP, MoE top-k routing with HF's
+``norm_topk_prob`` (Megatron's top-k-then-softmax equals softmax-then-top-k-renormalised) -- and
+turns off everything that only Megatron does (dropout, query-key layer scaling, fused kernels).
+The vocab is padded to a multiple of 128 on purpose, so the export's trimming is exercised.
+Weights are Megatron's own init, then perturbed per parameter (norm weights away from 1, biases away
+from 0) so a swapped or dropped tensor changes the logits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from facts import log
+
+__all__ = [
+    "init_parallel",
+    "megatron_config",
+    "build_megatron",
+    "perturb_",
+    "megatron_logits",
+    "MOE_FORMATS",
+    "padded_vocab",
+    "megatron_version",
+]
+
+#: Expert formats to try, in order; those that cannot be built here are reported as skips.
+MOE_FORMATS = ("local/sequential", "local/grouped", "te/grouped")
+
+
+def megatron_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-core")
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def init_parallel(device: str) -> None:
+    """A 1-rank default process group (nccl on CUDA, gloo on CPU) and TP1/PP1 Megatron state."""
+    if not dist.is_initialized():
+        port = os.environ.get("MASTER_PORT") or str(29500 + os.getpid() % 1000)
+        dist.init_process_group(
+            "nccl" if device.startswith("cuda") else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=120),
+        )
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    if device.startswith("cuda"):
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(0)
+
+
+def padded_vocab(vocab: int, multiple: int = 128) -> int:
+    return -(-vocab // multiple) * multiple
+
+
+def megatron_config(hf_config: Any, *, dtype: torch.dtype, cpu: bool, init: bool = True) -> Any:
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    c = hf_config
+    fam = type(c).__name__
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kw: dict[str, Any] = dict(
+        num_layers=c.num_hidden_layers,
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        num_query_groups=c.num_key_value_heads,
+        kv_channels=head_dim,
+        ffn_hidden_size=c.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=c.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=fam == "Qwen2Config" or bool(getattr(c, "attention_bias", False)),
+        qk_layernorm=fam in ("Qwen3Config", "Qwen3MoeConfig"),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        apply_query_key_layer_scaling=False,
+        attention_softmax_in_fp32=True,
+        rotary_interleaved=False,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=cpu,
+        perform_initialization=init,
+        apply_rope_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        init_method_std=0.02,
+    )
+    if fam == "Qwen3MoeConfig":
+        kw.update(
+            num_moe_experts=c.num_experts,
+            moe_router_topk=c.num_experts_per_tok,
+            moe_ffn_hidden_size=c.moe_intermediate_size,
+            moe_router_pre_softmax=not c.norm_topk_prob,
+            moe_router_score_function="softmax",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="allgather",
+            moe_layer_freq=1,
+        )
+    return TransformerConfig(**kw)
+
+
+def _layer_spec(config: Any, moe_format: str) -> Any:
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    num_experts = getattr(config, "num_moe_experts", None)
+    backend, _, experts = moe_format.partition("/")
+    grouped = experts == "grouped"
+    if backend == "te":
+        import transformer_engine  # noqa: F401  (raises here, reported as a skip, when absent)
+
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=grouped, qk_layernorm=config.qk_layernorm
+        )
+    return specs.get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=grouped, qk_layernorm=config.qk_layernorm,
+        normalization="RMSNorm",
+    )
+
+
+def experts_class(model: torch.nn.Module) -> str | None:
+    """The class name of the first MoE experts module, or None for a dense model."""
+    for name, mod in model.named_modules():
+        if name.endswith("mlp.experts"):
+            return type(mod).__name__
+    return None
+
+
+def build_megatron(
+    hf_config: Any,
+    *,
+    dtype: torch.dtype,
+    device: str,
+    moe_format: str = "local/sequential",
+    seed: int = 0,
+    perturb: bool = True,
+    init: bool = True,
+) -> torch.nn.Module:
+    """A TP1 ``GPTModel`` of ``hf_config`` on ``device`` (``init_parallel`` first)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    cpu = not device.startswith("cuda")
+    config = megatron_config(hf_config, dtype=dtype, cpu=cpu, init=init)
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    torch.manual_seed(seed)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_spec(config, moe_format),
+        vocab_size=padded_vocab(hf_config.vocab_size),
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=int(theta),
+    )
+    model = model.to(device=device).eval()
+    if perturb:
+        perturb_(model, seed=seed + 1)
+    return model
+
+
+@torch.no_grad()
+def perturb_(model: torch.nn.Module, *, seed: int) -> None:
+    """Give every parameter distinctive values, deterministically (CPU generator, sorted names):
+    matrices N(0, 0.02) ... N(0, 0.05), norm weights 1 + N(0, 0.1), other vectors N(0, 0.05)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if p.dim() >= 2:
+            v = torch.randn(p.shape, generator=g) * 0.03
+        elif "norm" in name:
+            v = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+        else:
+            v = 0.05 * torch.randn(p.shape, generator=g)
+        p.copy_(v.to(p.dtype))
+
+
+@torch.no_grad()
+def megatron_logits(model: torch.nn.Module, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Megatron's own forward (``attention_mask=None``: causal mask by the layer spec), logits
+    ``[b, s, vocab]`` with the padding columns dropped, float32."""
+    b, s = ids.shape
+    pos = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, s)
+    out = model(ids, pos, attention_mask=None)
+    if out.shape[0] == s and out.shape[1] == b:  # [s, b, v] in some versions
+        out = out.transpose(0, 1)
+    return out[..., :vocab].float()
+
+
+def describe(model: torch.nn.Module) -> str:
+    n = sum(p.numel() for p in model.parameters())
+    return f"{type(model).__name__} params={n} experts={experts_class(model)}"
+
+
+def log_env() -> None:
+    log(f"megatron-core {megatron_version()}")

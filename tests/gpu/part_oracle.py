@@ -1,0 +1,151 @@
+"""Part 2 of the GPU evidence: the functional oracle for ``MegatronSource``.
+
+A TP1 megatron-core ``GPTModel`` (local spec, Megatron's own init then perturbed) runs its own
+forward; ``MegatronSource`` exports it; a transformers model of the same config loads the export
+strictly (every parameter written, no unknown name); its forward must give the same logits:
+float32 first (tight: 2e-4 of the largest logit; TF32 off), then the same weights in bf16
+(3e-2 relative; for MoE, 90% of positions within it, because bf16 routing may flip a near-tie).
+Megatron's forward and transformers' forward are two independent implementations of the same
+function, so this checks every name, split, concatenation, transpose and trim of the export,
+including the ones a names-and-shapes check cannot see (q/k/v row grouping, gate/up order).
+
+Configs: dense Qwen3 (qk-norm, tied, head_dim != hidden/heads), Llama (untied), Qwen2 (qkv bias);
+Qwen3-MoE in every expert format megatron-core can build here (local SequentialMLP; legacy
+GroupedMLP where this megatron-core still has it; TEGroupedMLP where Transformer Engine is
+installed) -- formats that cannot be built are reported as skips with the reason.
+
+``--dry-run``: on CPU, builds the Megatron models (``use_cpu_initialization``), exports, loads into
+transformers and runs the transformers forward; Megatron's forward does not run on CPU and is skipped.
+
+    python tests/gpu/part_oracle.py --configs qwen3,llama,qwen2,qwen3_moe [--dry-run] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from facts import Facts, log  # noqa: E402
+
+FP32_REL = 2e-4
+BF16_REL = 3e-2
+MOE_BF16_POS_FRACTION = 0.9
+
+
+def _export_into_hf(model, cfg, dtype, device, facts: Facts, tag: str):
+    """MegatronSource(model) -> a fresh transformers model (strict). Returns the HF model."""
+    from hf_side import HFReceiver, build_hf
+
+    from weightsync.sources import MegatronSource
+
+    src = MegatronSource(model, hf_config=cfg)
+    hf = build_hf(cfg, device=device, dtype=dtype, seed=99)
+    recv = HFReceiver(hf, track=False)
+    loaded = recv.load_weights(src.iter_full())
+    facts.check(f"{tag}: export loads strictly, every HF parameter written",
+                not recv.missing() and len(loaded) == len(src.metadata),
+                f"loaded {len(loaded)} of {len(src.metadata)} declared; missing {recv.missing()[:5]}")
+    return src, hf
+
+
+def run_config(family: str, fmt: str, device: str, facts: Facts) -> None:
+    import torch
+
+    from hf_side import checkpoint_layout, compare_logits, fixed_batch, hf_logits, tiny_config
+    from megatron_side import build_megatron, describe, experts_class, megatron_logits
+
+    cfg = tiny_config(family)
+    moe = family.endswith("_moe")
+    tag = f"{family}[{fmt}]" if moe else family
+    try:
+        model = build_megatron(cfg, dtype=torch.float32, device=device, moe_format=fmt, seed=5)
+    except Exception as e:  # noqa: BLE001
+        if fmt != "local/sequential":
+            facts.skip(tag, f"cannot build this expert format here: {type(e).__name__}: {str(e)[:300]}")
+            return
+        raise
+    ecls = experts_class(model)
+    if fmt == "local/grouped" and ecls == "SequentialMLP":
+        facts.skip(tag, "this megatron-core's local spec has no legacy GroupedMLP (builds SequentialMLP again)")
+        return
+    log(f"[oracle] {tag}: {describe(model)}")
+
+    layout = checkpoint_layout(cfg)
+    src, hf = _export_into_hf(model, cfg, torch.float32, device, facts, f"{tag} fp32")
+    meta = {m.name: tuple(m.shape) for m in src.metadata}
+    want = {k: v[1] for k, v in layout.items()}
+    facts.check(f"{tag}: metadata == save_pretrained names and shapes", meta == want,
+                f"only in metadata {sorted(set(meta) - set(want))[:4]}, only in checkpoint "
+                f"{sorted(set(want) - set(meta))[:4]}, shape diffs "
+                f"{ {k: (meta[k], want[k]) for k in set(meta) & set(want) if meta[k] != want[k]} }")
+
+    ids = fixed_batch(cfg.vocab_size, device=device)
+    hl = hf_logits(hf, ids)
+    facts.check(f"{tag} fp32: transformers forward on the export is finite", bool(torch.isfinite(hl).all()),
+                tuple(hl.shape))
+    if not device.startswith("cuda"):
+        facts.skip(f"{tag}: Megatron forward", "does not run on CPU (dry run)")
+        return
+    ml = megatron_logits(model, ids, cfg.vocab_size)
+    c = compare_logits(hl, ml)
+    facts.check(f"{tag} fp32: transformers(export) logits == Megatron logits (rel<= {FP32_REL})",
+                c["shape_equal"] and c["finite"] and c["rel_err"] <= FP32_REL, c)
+    facts.number(f"{tag} fp32 rel_err", c["rel_err"])
+
+    mb = build_megatron(cfg, dtype=torch.bfloat16, device=device, moe_format=fmt, seed=5, perturb=False)
+    mb.load_state_dict(model.state_dict(), strict=True)
+    del model
+    _, hfb = _export_into_hf(mb, cfg, torch.bfloat16, device, facts, f"{tag} bf16")
+    c = compare_logits(hf_logits(hfb, ids), megatron_logits(mb, ids, cfg.vocab_size), tol=BF16_REL)
+    ok = c["shape_equal"] and c["finite"] and (
+        c["pos_within_tol"] >= MOE_BF16_POS_FRACTION if moe else c["rel_err"] <= BF16_REL
+    )
+    facts.check(
+        f"{tag} bf16: transformers(export) logits == Megatron logits "
+        f"({'>= 90% of positions ' if moe else ''}rel<= {BF16_REL})", ok, c,
+    )
+    facts.number(f"{tag} bf16 rel_err", c["rel_err"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default="qwen3,llama,qwen2,qwen3_moe")
+    ap.add_argument("--formats", default=None, help="MoE expert formats (default: all of MOE_FORMATS)")
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    families = [f for f in args.configs.split(",") if f]
+    facts = Facts("oracle_" + "_".join(families), dry_run=args.dry_run)
+    import torch
+
+    from megatron_side import MOE_FORMATS, init_parallel, megatron_version
+
+    device = "cpu" if args.dry_run else "cuda:0"
+    if not args.dry_run:
+        if not torch.cuda.is_available():
+            facts.check("CUDA available", False, "no CUDA device; use --dry-run on CPU")
+            return facts.finish(args.json)
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    log(f"[oracle] megatron-core {megatron_version()} torch {torch.__version__}")
+    try:
+        init_parallel(device)
+    except Exception as e:  # noqa: BLE001
+        facts.error("init_parallel", e)
+        return facts.finish(args.json)
+    formats = args.formats.split(",") if args.formats else list(MOE_FORMATS)
+    for family in families:
+        for fmt in formats if family.endswith("_moe") else ["local/sequential"]:
+            try:
+                run_config(family, fmt, device, facts)
+            except Exception as e:  # noqa: BLE001 - next config still runs
+                facts.error(f"{family}[{fmt}]", e)
+    return facts.finish(args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""A receiver process for round trips through vLLM's engines, and the client that drives it.
+
+The receiver is a separate (spawned) process holding vLLM 0.33's **real** worker-side
+``IPCWeightTransferEngine`` and a transformers model behind ``HFReceiver``. Only two things are
+substituted, both outside the data plane under test:
+
+* ``vllm.model_executor.model_loader.mtp_validation`` is stubbed (its import chain needs the whole
+  serving stack; the engine only uses its ``disable_mtp_completeness_check`` context manager);
+* ``start_weight_update`` / ``finish_weight_update`` skip vLLM's *layerwise reload* (it needs a vLLM
+  model); ``finish`` still closes the packed-buffer importer exactly like vLLM's does.
+
+``PipeClient`` implements vLLM's ``VLLMWeightSyncClient`` protocol (four methods) over a pipe, plus
+test-only calls (build a model, report what arrived, compute logits).
+
+For the CPU dry run (``mode="loopback"``) both engines are replaced by a loopback speaking the same
+four-phase protocol with CPU tensors in the message: everything else (sources, spawning, strict
+load, reports, logits) is the code that runs on the GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import traceback
+import types
+from typing import Any
+
+import torch
+
+__all__ = ["start_receiver", "PipeClient", "LoopbackTrainerEngine", "trainer_engine"]
+
+
+def _stub_mtp_validation() -> None:
+    name = "vllm.model_executor.model_loader.mtp_validation"
+    if name in sys.modules:
+        return
+    stub = types.ModuleType(name)
+    stub.disable_mtp_completeness_check = contextlib.nullcontext  # type: ignore[attr-defined]
+    sys.modules[name] = stub
+
+
+def _ipc_worker_engine(device: torch.device, model: Any) -> Any:
+    _stub_mtp_validation()
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+
+    class Engine(IPCWeightTransferEngine):
+        def start_weight_update(self) -> None:  # layerwise reload needs a vLLM model
+            pass
+
+        def finish_weight_update(self) -> None:
+            self._packed_importer.close()
+
+    pc = types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
+    vcfg = types.SimpleNamespace(parallel_config=pc, model_config=None)
+    return Engine(WeightTransferConfig(backend="ipc"), vcfg, device, model)
+
+
+class _LoopbackWorkerEngine:
+    """CPU stand-in for the worker engine: ``update_weights`` carries the tensors themselves."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def parse_init_info(self, d: dict) -> dict:
+        return d
+
+    def init_transfer_engine(self, info: dict) -> None:
+        self.packed = info.get("packed", False)
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, info: dict) -> None:
+        self.model.load_weights(list(zip(info["names"], info["tensors"])))
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _receiver_main(conn: Any, mode: str, device_str: str) -> None:
+    from hf_side import HFReceiver, build_hf, hf_logits
+
+    device = torch.device(device_str)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    recv: HFReceiver | None = None
+    engine: Any = None
+    while True:
+        method, arg = conn.recv()
+        try:
+            result: Any = None
+            if method == "stop":
+                if engine is not None:
+                    engine.shutdown()
+                conn.send(("ok", None))
+                return
+            elif method == "build":
+                config, dtype, seed, track = arg
+                recv = HFReceiver(build_hf(config, device=device, dtype=dtype, seed=seed), track=track)
+                engine = _ipc_worker_engine(device, recv) if mode == "ipc" else _LoopbackWorkerEngine(recv)
+            elif method == "reset":
+                assert recv is not None
+                recv.reset()
+            elif method == "report":
+                assert recv is not None
+                result = {"received": list(recv.received), "missing": recv.missing()}
+            elif method == "checksums":
+                assert recv is not None
+                result = recv.checksums()
+            elif method == "logits":
+                assert recv is not None
+                result = hf_logits(recv.model, arg.to(device)).cpu()
+            elif method == "init_weight_transfer_engine":
+                engine.init_transfer_engine(engine.parse_init_info(arg))
+            elif method == "start_weight_update":
+                engine.start_weight_update()
+            elif method == "update_weights":
+                for info in arg if isinstance(arg, list) else [arg]:
+                    engine.update_weights(info)
+            elif method == "finish_weight_update":
+                engine.finish_weight_update()
+            else:
+                raise ValueError(f"unknown receiver call {method!r}")
+            conn.send(("ok", result))
+        except Exception as e:  # noqa: BLE001 - reported to the trainer
+            conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"))
+
+
+class PipeClient:
+    """vLLM's ``VLLMWeightSyncClient`` over a pipe to the receiver process (+ test-only calls)."""
+
+    def __init__(self, conn: Any, proc: Any, timeout_s: float = 120.0) -> None:
+        self.conn = conn
+        self.proc = proc
+        self.timeout_s = timeout_s
+
+    def call(self, method: str, arg: Any = None) -> Any:
+        self.conn.send((method, arg))
+        if not self.conn.poll(self.timeout_s):
+            raise TimeoutError(f"receiver did not answer {method!r} within {self.timeout_s}s")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"receiver failed in {method!r}: {value}")
+        return value
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self.call("start_weight_update")
+
+    def update_weights(self, update_info: Any) -> None:
+        self.call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.call("finish_weight_update")
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call("stop")
+        except Exception:  # noqa: BLE001
+            pass
+        self.proc.join(timeout=20)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=5)
+
+
+def start_receiver(mode: str, device: str, timeout_s: float = 120.0) -> PipeClient:
+    """Spawn the receiver process (``mode`` "ipc" on CUDA, "loopback" on CPU)."""
+    import multiprocessing as mp
+    import os
+
+    ctx = mp.get_context("spawn")
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    os.environ["PYTHONPATH"] = here + os.pathsep + os.environ.get("PYTHONPATH", "")
+    a, b = ctx.Pipe()
+    proc = ctx.Process(target=_receiver_main, args=(b, mode, device), daemon=True)
+    proc.start()
+    return PipeClient(a, proc, timeout_s)
+
+
+class LoopbackTrainerEngine:
+    """CPU stand-in for ``IPCTrainerWeightTransferEngine`` (dry run only): the same trainer_init
+    checks and four-phase round trip, chunked by bytes when packed, tensors copied into the message."""
+
+    def __init__(self, client: Any, source: Any, packed: bool, buffer_bytes: int) -> None:
+        self.client, self.source, self.packed, self.buffer_bytes = client, source, packed, buffer_bytes
+
+    @classmethod
+    def trainer_init(cls, init_info: Any, *, client: Any, source: Any) -> "LoopbackTrainerEngine":
+        if not source.implements_iter_full():
+            raise TypeError(f"{type(source).__name__} does not implement iter_full()")
+        if len(source.owned_names(init_info.rank)) != len(source.metadata):
+            raise ValueError(f"rank {init_info.rank} does not own every parameter")
+        client.init_weight_transfer_engine({"packed": init_info.packed})
+        return cls(client, source, init_info.packed, init_info.packed_buffer_size_bytes)
+
+    def send_weights(self) -> None:
+        self.client.start_weight_update()
+        names: list[str] = []
+        tensors: list[torch.Tensor] = []
+        size = 0
+        for name, t in self.source.iter_full():
+            nbytes = t.numel() * t.element_size()
+            if self.packed and names and size + nbytes > self.buffer_bytes:
+                self.client.update_weights({"names": names, "tensors": tensors})
+                names, tensors, size = [], [], 0
+            names.append(name)
+            tensors.append(t.detach().to("cpu", copy=True).contiguous())
+            size += nbytes
+        if names:
+            self.client.update_weights({"names": names, "tensors": tensors})
+        self.client.finish_weight_update()
+
+    def shutdown(self) -> None:
+        pass
+
+
+def trainer_engine(mode: str, *, client: Any, source: Any, packed: bool, buffer_bytes: int) -> Any:
+    """vLLM's real trainer engine through its factory ("ipc"), or the CPU loopback."""
+    if mode == "ipc":
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        info = IPCTrainerInitInfo(rank=0, packed=packed, packed_buffer_size_bytes=buffer_bytes)
+        return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+    info = IPCTrainerInitInfo(rank=0, packed=packed, packed_buffer_size_bytes=buffer_bytes)
+    return LoopbackTrainerEngine.trainer_init(info, client=client, source=source)

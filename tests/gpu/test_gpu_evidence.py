@@ -1,0 +1,56 @@
+"""The GPU evidence as pytest tests: each runs one part of ``run_all.PARTS`` in its own subprocess
+(as ``bash .ci/gpu`` does) and asserts on the facts it reports. Skipped without CUDA and the kit."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import run_all  # noqa: E402
+
+PARTS = {name: (script, extra, timeout) for name, script, extra, timeout in run_all.PARTS}
+
+
+def _run(name: str) -> dict:
+    script, extra, timeout = PARTS[name]
+    with tempfile.TemporaryDirectory() as d:
+        row = run_all._run_part(name, [sys.executable, os.path.join(run_all.ROOT, script), *extra],
+                                timeout, os.path.join(d, f"{name}.json"), 29300 + os.getpid() % 500)
+    doc = row["result"] or {}
+    failed = [f"{c['name']}: {c['detail']}" for c in doc.get("checks", []) if not c["ok"]]
+    assert row["status"] == "PASS", f"{name}: {row['status']} (rc {row['rc']}); failed: {failed}"
+    return doc
+
+
+def test_ipc_round_trip_fsdp_source_through_vllm_ipc_engines():
+    doc = _run("ipc_fsdp")
+    names = [c["name"] for c in doc["checks"]]
+    for mode in ("unpacked", "packed"):
+        assert any(n.startswith(f"fsdp/{mode} refit 2: receiver logits") for n in names)
+
+
+def test_ipc_round_trip_megatron_source_through_vllm_ipc_engines():
+    doc = _run("ipc_megatron")
+    assert any("receiver logits == trainer logits" in c["name"] for c in doc["checks"])
+
+
+def test_megatron_export_logits_match_transformers_dense():
+    doc = _run("oracle_dense")
+    for fam in ("qwen3", "llama", "qwen2"):
+        assert any(c["name"].startswith(f"{fam} fp32: transformers(export) logits") for c in doc["checks"])
+
+
+def test_megatron_export_logits_match_transformers_moe():
+    doc = _run("oracle_moe")
+    assert any("local/sequential] bf16: transformers(export) logits" in c["name"] for c in doc["checks"])
+
+
+@pytest.mark.parametrize("name", ["bench_ipc", "bench_megatron"])
+def test_gpu_benchmarks_run_and_check_their_transfers(name):
+    doc = _run(name)
+    assert any(k.startswith("ratio") for k in doc["numbers"])
