@@ -16,6 +16,7 @@ collective or ships garbage. Two guarantees live here:
 
 from __future__ import annotations
 
+import ast
 import hashlib
 from collections.abc import Iterable, Iterator
 from functools import cached_property
@@ -30,7 +31,9 @@ from .groups import (
     DEFAULT_TIMEOUT_S,
     Board,
     PeerFailedError,
+    activate,
     bounded_group,
+    deactivate,
     discard_groups,
     group_ranks,
     next_tag,
@@ -144,11 +147,6 @@ def control_group(group: Any = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) ->
     return bounded_group(group_ranks(group), timeout_s=timeout_s)
 
 
-def _digest_tensor(metadata: list[ParamMeta]) -> torch.Tensor:
-    raw = bytes.fromhex(metadata_digest(metadata)) + len(metadata).to_bytes(8, "little")
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-
-
 def verify_metadata_agreement(
     metadata: list[ParamMeta],
     *,
@@ -159,8 +157,8 @@ def verify_metadata_agreement(
 ) -> None:
     """Raise on every rank of ``group`` unless all ranks hold identical ``metadata``.
 
-    One all-gather of a 40-byte digest (sha256 of names, dtypes, shapes, owners, mesh, placements, plus
-    the entry count) on a bounded gloo group: a rank that does not arrive within ``timeout_s`` is
+    One exchange of a digest (sha256 of names, dtypes, shapes, owners, mesh, placements, plus the
+    entry count) on the default store (``Board.exchange``; no process group is involved): a rank that does not arrive within ``timeout_s`` is
     named in a ``SyncTimeoutError``; a rank that failed before arriving (its ``metadata`` raised,
     say) and posted on ``board`` is quoted in a ``PeerFailedError``. Only on mismatch is the full
     metadata exchanged, to name the first differing entry in a ``CrossRankMismatchError`` raised
@@ -171,25 +169,20 @@ def verify_metadata_agreement(
     ranks = group_ranks(group)
     if len(ranks) == 1:
         return
-    cgroup = bounded_group(ranks, timeout_s=timeout_s, purpose="pass")
     board = board or Board(next_tag("agree"))
     rank = dist.get_rank()
-    mine = _digest_tensor(metadata)
-    digests = [torch.empty_like(mine) for _ in ranks]
-    work = dist.all_gather(digests, mine, group=cgroup, async_op=True)
-    try:
-        wait_bounded(
-            work, board=board, ranks=ranks, timeout_s=timeout_s,
-            what=f"the cross-rank {what} agreement (before the first collective)",
-        )
-    except WeightSyncError:
-        discard_groups()  # the all-gather may still be pending on this group
-        raise
-    if all(torch.equal(d, mine) for d in digests):
+    digest = f"{metadata_digest(metadata)}:{len(metadata)}"
+    digests = board.exchange(
+        digest, ranks=ranks, timeout_s=timeout_s,
+        what=f"the cross-rank {what} agreement (before the first collective)",
+    )
+    if all(d == digest for d in digests.values()):
         return
-    entries = [meta_entry(m) for m in metadata]
-    everyone: list[Any] = [None] * len(ranks)
-    dist.all_gather_object(everyone, entries, group=cgroup)
+    entries = board.exchange(
+        repr([meta_entry(m) for m in metadata]), ranks=ranks, timeout_s=timeout_s,
+        what=f"the exchange of differing {what}",
+    )
+    everyone = [ast.literal_eval(entries[r]) for r in ranks]
     raise CrossRankMismatchError(_first_difference(rank, ranks, everyone, what))
 
 
@@ -305,6 +298,8 @@ class CheckedSource(WeightSource):
         board = Board(next_tag("pass")) if multi else None
         count, last = 0, None
         sums: list[tuple[str, torch.Tensor]] = []
+        if board is not None:
+            activate(board)
         try:
             metadata = self.metadata
             if multi and self.agree and not self._agreed:
@@ -346,6 +341,9 @@ class CheckedSource(WeightSource):
             board.fail(f"{type(e).__name__}: {e}")
             discard_groups()
             raise
+        finally:
+            if board is not None:
+                deactivate(board)
 
     def fail_unstarted_pass(self, reason: str, *, passes_before: int) -> None:
         """Tell the peers of a pass this rank never started (its engine failed before iterating) that
@@ -361,15 +359,11 @@ class CheckedSource(WeightSource):
 
     def _end_of_pass(self, board: Board, what: str, count: int, metadata: list[ParamMeta]) -> None:
         ranks = group_ranks(None)
-        mine = torch.tensor([count], dtype=torch.int64)
-        counts = [torch.empty_like(mine) for _ in ranks]
-        group = bounded_group(ranks, timeout_s=self.timeout_s, purpose="pass")
-        work = dist.all_gather(counts, mine, group=group, async_op=True)
-        wait_bounded(
-            work, board=board, ranks=ranks, timeout_s=self.timeout_s,
+        counts = board.exchange(
+            str(count), ranks=ranks, timeout_s=self.timeout_s,
             what=f"the end-of-pass check of {what} (this rank yielded {count} tensors)",
         )
-        for r, c in zip(ranks, counts):
+        for r, c in counts.items():
             want = _owned_count(metadata, r)
             if int(c) != want:
                 raise CrossRankMismatchError(

@@ -46,6 +46,7 @@ __all__ = [
     "group_ranks",
     "next_tag",
     "wait_bounded",
+    "active_board",
 ]
 
 logger = get_logger(__name__)
@@ -163,6 +164,50 @@ class Board:
         rank, _, message = self._store.get("first").decode().partition("\x00")
         return int(rank), message
 
+    def exchange(
+        self,
+        value: str,
+        *,
+        ranks: Sequence[int],
+        what: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> dict[int, str]:
+        """Every rank of ``ranks`` posts ``value``; return ``{rank: value}`` once all have.
+
+        Runs on the store, not on a process group: nothing to pair up, nothing left pending when a
+        rank gives up, so a failed pass leaves no group misaligned and no group has to be built at
+        a moment a late rank might miss. Fast path: one set, one check, one multi-get. Slow path:
+        the same polling as ``wait_bounded`` (board after ``_QUIET_S``, ``SyncTimeoutError`` naming
+        the absent ranks after ``timeout_s``, posted on the board so a straggler learns why).
+        """
+        step = self.next_step()
+        keys = [f"x/{step}/{r}" for r in ranks]
+        self._store.set(f"x/{step}/{self.rank}", value)
+        t0 = time.monotonic()
+        pause = 1e-4
+        while not self._store.check(keys):
+            waited = time.monotonic() - t0
+            if waited > _QUIET_S:
+                failure = self.failure()
+                if failure is not None and failure[0] != self.rank:
+                    raise PeerFailedError(
+                        f"rank {self.rank}: rank {failure[0]} failed while this rank waited in "
+                        f"{what}: {failure[1]}"
+                    )
+                if waited > timeout_s:
+                    absent = [r for r, k in zip(ranks, keys) if not self._store.check([k])]
+                    message = (
+                        f"rank {self.rank}: {what} did not complete within {timeout_s:g}s; "
+                        f"{_late(absent)} (ranks of this exchange: {list(ranks)}). A late rank is "
+                        "usually still in a previous step, stopped iterating early, or is not "
+                        "calling the sync at all."
+                    )
+                    self.fail(message)
+                    raise SyncTimeoutError(message)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        return {r: v.decode() for r, v in zip(ranks, self._store.multi_get(keys))}
+
     def mark_waiting(self, step: int, what: str) -> None:
         self._store.set(f"wait/{step}/{self.rank}", what)
 
@@ -171,10 +216,28 @@ class Board:
         return [r for r in ranks if r != self.rank and not self._store.check([f"wait/{step}/{r}"])]
 
 
+_ACTIVE: list[Board] = []
+
+
+def active_board() -> Board | None:
+    """The board of the checked pass running in this process, if any (``CheckedSource`` sets it), so
+    a source's own ``wait_bounded`` calls hear about failures posted by other ranks' checks."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def activate(board: Board) -> None:
+    _ACTIVE.append(board)
+
+
+def deactivate(board: Board) -> None:
+    if board in _ACTIVE:
+        _ACTIVE.remove(board)
+
+
 def wait_bounded(
     work: Any,
     *,
-    board: Board,
+    board: Board | None = None,
     ranks: Sequence[int],
     what: str,
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -182,10 +245,13 @@ def wait_bounded(
     """Wait for async ``work`` (issued with ``async_op=True``) at most ``timeout_s``.
 
     ``what`` names the exchange ("all-gather of 'model.layers.0.mlp.up_proj.weight'") and appears in
-    every error. Raises ``PeerFailedError`` as soon as another rank of the pass posts a failure,
+    every error. ``board`` defaults to the active checked pass's board (``active_board``), else a
+    private one (timeouts still name the absent ranks). Raises ``PeerFailedError`` as soon as another rank of the pass posts a failure,
     ``SyncTimeoutError`` naming the absent ranks after ``timeout_s``, and converts an error of the
     work itself into ``SyncTimeoutError`` with the same context.
     """
+    if board is None:
+        board = active_board() or Board(next_tag("wait"))
     step = board.next_step()
     rank = board.rank
     if work.is_completed():

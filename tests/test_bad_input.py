@@ -1,0 +1,217 @@
+"""The bad-input suite: every case ends in a named error on EVERY rank within a bounded time, nothing
+the user passed is mutated, and the next sync after a recoverable error works.
+
+Each world runs many scenarios in sequence on 2 gloo ranks and returns, per scenario and rank, the
+error type, message and seconds it took to raise; the parent asserts. Sources are small fakes over
+tiny ``nn.Module``s wrapped with ``weightsync.sources.checked`` -- the checks are the subject, the
+sources are only the way to misbehave -- plus the real ``FSDPSource`` / loopback cases where noted.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import cached_property
+
+import pytest
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+from worlds import run_world
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 20.0  # weightsync's bound in these worlds; every error below must come far sooner
+
+
+def _model(hidden: int = 8) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(hidden, hidden), torch.nn.Linear(hidden, 4), torch.nn.Linear(4, 4, bias=False)
+    )
+
+
+class ToySource(WeightSource):
+    """Every rank holds the whole model; ``misbehave`` (a function of the pair list) applies on
+    ``bad_rank`` only. With ``gather=True`` each tensor is rebuilt by an all-gather of row shards on a
+    bounded group (like an FSDP unit gather), waited through ``wait_bounded``."""
+
+    def __init__(self, model, *, misbehave=None, bad_rank=1, gather=False):
+        self.model = model
+        self.misbehave = misbehave
+        self.bad_rank = bad_rank
+        self.gather = gather
+
+    @cached_property
+    def metadata(self):
+        return [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
+
+    def _pairs(self):
+        pairs = [(n, p.detach()) for n, p in self.model.named_parameters()]
+        if self.misbehave is not None and dist.get_rank() == self.bad_rank:
+            pairs = self.misbehave(pairs)
+        return pairs
+
+    def iter_full(self):
+        if not self.gather:
+            yield from self._pairs()
+            return
+        from weightsync.sources.groups import bounded_group, wait_bounded
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        group = bounded_group(timeout_s=TIMEOUT_S, purpose="pass")
+        for name, full in self._pairs():
+            shard = full.chunk(world, 0)[rank].contiguous()
+            parts = [torch.empty_like(shard) for _ in range(world)]
+            work = dist.all_gather(parts, shard, group=group, async_op=True)
+            wait_bounded(work, ranks=range(world), what=f"all-gather of {name!r}", timeout_s=TIMEOUT_S)
+            yield name, torch.cat(parts)
+
+
+def _outcome(fn):
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        return {"type": type(e).__name__, "msg": str(e), "s": time.monotonic() - t0}
+    return {"type": None, "msg": "", "s": time.monotonic() - t0}
+
+
+def _drain(source):
+    return [(n, t.clone()) for n, t in source.iter_full()]
+
+
+def _snapshot(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+SCENARIOS = {
+    "order": lambda p: [p[1], p[0], *p[2:]],
+    "extra": lambda p: p + [("extra.weight", torch.zeros(2))],
+    "missing": lambda p: [p[0], *p[2:]],
+    "dtype": lambda p: [p[0], (p[1][0], p[1][1].to(torch.float64)), *p[2:]],
+    "shape": lambda p: [p[0], (p[1][0], p[1][1][:-1]), *p[2:]],
+    "non_contiguous": lambda p: [*p[:4], (p[4][0], p[4][1].t())],  # 4x4: same shape, transposed view
+}
+
+
+def world_stream_cases(rank, world_size):
+    from weightsync.sources import checked
+
+    facts = {}
+    model = _model()
+    for case, bad in SCENARIOS.items():
+        before = _snapshot(model)
+        src = checked(ToySource(model, misbehave=bad), timeout_s=TIMEOUT_S)
+        meta_before = list(src.metadata)
+        facts[case] = _outcome(lambda: _drain(src))
+        facts[case]["unmutated"] = _same(before, _snapshot(model)) and src.metadata == meta_before
+        # the next sync after the error works, on the same model, same process groups
+        good = checked(ToySource(model), timeout_s=TIMEOUT_S)
+        facts[case]["next_ok"] = [n for n, _ in _drain(good)] == [n for n, _ in model.named_parameters()]
+
+    # a rank with another model config: caught before any gather
+    other = _model(hidden=8 if rank == 0 else 6)
+    before = _snapshot(other)
+    src = checked(ToySource(other, gather=True), timeout_s=TIMEOUT_S)
+    facts["config"] = _outcome(lambda: _drain(src))
+    facts["config"]["unmutated"] = _same(before, _snapshot(other))
+    facts["config"]["next_ok"] = len(_drain(checked(ToySource(model, gather=True)))) == 5
+
+    # a rank that stops early while its peers wait in a gather for the next parameter
+    src = checked(ToySource(model, gather=True, misbehave=lambda p: p[:2]), timeout_s=TIMEOUT_S)
+    facts["stops_early"] = _outcome(lambda: _drain(src))
+    facts["stops_early"]["next_ok"] = len(_drain(checked(ToySource(model, gather=True)))) == 5
+
+    # a rank that never starts the pass at all (rank-conditional sync): bounded, names the rank
+    src = checked(ToySource(model), timeout_s=3.0)
+    if rank == 0:
+        facts["absent"] = _outcome(lambda: _drain(src))
+    else:
+        time.sleep(4.0)  # then it shows up late, for the same pass
+        facts["absent"] = _outcome(lambda: _drain(src))
+    facts["absent"]["next_ok"] = len(_drain(checked(ToySource(model)))) == 5
+    return facts
+
+
+def test_stream_and_rank_divergence_raise_named_errors_on_every_rank():
+    out = run_world(world_stream_cases, 2, timeout=180)
+    print({r: {c: round(f["s"], 2) for c, f in facts.items()} for r, facts in out.items()})
+    for case in SCENARIOS:
+        bad, peer = out[1][case], out[0][case]
+        assert bad["type"] == "MetadataMismatchError", (case, bad)
+        assert bad["msg"].startswith("rank 1:"), (case, bad)
+        assert peer["type"] == "PeerFailedError", (case, peer)
+        assert "rank 1 failed" in peer["msg"] and bad["msg"] in peer["msg"], (case, peer)
+        for r in (0, 1):
+            assert out[r][case]["s"] < 5, (case, r, out[r][case])  # named error, not a timeout
+            assert out[r][case]["unmutated"] and out[r][case]["next_ok"], (case, r, out[r][case])
+    assert "name/order" in out[1]["order"]["msg"] and "'0.bias'" in out[1]["order"]["msg"]
+    assert "more tensors" in out[1]["extra"]["msg"] and "'extra.weight'" in out[1]["extra"]["msg"]
+    assert "index 1" in out[1]["missing"]["msg"] and "'0.bias'" in out[1]["missing"]["msg"]
+    assert "dtype" in out[1]["dtype"]["msg"] and "float64" in out[1]["dtype"]["msg"]
+    assert "shape" in out[1]["shape"]["msg"] and "(7,)" in out[1]["shape"]["msg"]
+    assert "non-contiguous" in out[1]["non_contiguous"]["msg"] and "'2.weight'" in out[1]["non_contiguous"]["msg"]
+
+    for r in (0, 1):
+        cfg = out[r]["config"]
+        assert cfg["type"] == "CrossRankMismatchError", cfg
+        assert cfg["msg"].startswith(f"rank {r}:") and "rank 1 differs from rank 0" in cfg["msg"]
+        assert "entry 0" in cfg["msg"] and "(shape)" in cfg["msg"] and "(8, 8)" in cfg["msg"] and "(6, 6)" in cfg["msg"]
+        assert cfg["s"] < 5 and cfg["unmutated"] and cfg["next_ok"], cfg
+
+    early_bad, early_peer = out[1]["stops_early"], out[0]["stops_early"]
+    assert early_bad["type"] == "MetadataMismatchError" and "stopped after 2" in early_bad["msg"]
+    assert early_peer["type"] == "PeerFailedError"
+    assert "all-gather of '1.weight'" in early_peer["msg"] and "stopped after 2" in early_peer["msg"]
+    assert early_peer["s"] < 5 and early_bad["next_ok"] and early_peer["next_ok"]
+
+    late0, late1 = out[0]["absent"], out[1]["absent"]
+    assert late0["type"] == "SyncTimeoutError" and "rank 1 never reached it" in late0["msg"], late0
+    assert 2.5 < late0["s"] < 10, late0
+    assert late1["type"] == "PeerFailedError" and "rank 1 never reached it" in late1["msg"], late1
+    assert late1["s"] < 5 and late0["next_ok"] and late1["next_ok"]
+
+
+# ---- preflight across ranks -----------------------------------------------------------------
+
+
+def world_preflight(rank, world_size):
+    import ctypes.util  # noqa: F401
+
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
+
+    from weightsync.plugins.preflight import check_engine
+
+    class Client:
+        def init_weight_transfer_engine(self, init_info): ...
+        def start_weight_update(self): ...
+        def update_weights(self, update_info): ...
+        def finish_weight_update(self, weight_version=None): ...
+
+    # vLLM's own communicator over the trainer's gloo world, with an "NCCL" lacking its symbols:
+    # vLLM disables it. Only the sender holds it; the non-sender must still raise.
+    comm = PyNcclCommunicator(dist.group.WORLD, device="cpu", library_path="libc.so.6")
+    engine = NCCLTrainerWeightTransferEngine(
+        client=Client(), source=ToySource(_model()), is_sender=rank == 0, rank=rank
+    )
+    engine.model_update_group = comm if rank == 0 else None
+    facts = {"vllm_disabled": bool(comm.disabled and not comm.available)}
+    facts["disabled"] = _outcome(lambda: check_engine(engine, timeout_s=TIMEOUT_S))
+    return facts
+
+
+def test_preflight_disabled_nccl_raises_on_every_rank():
+    out = run_world(world_preflight, 2, timeout=120)
+    for r in (0, 1):
+        f = out[r]
+        assert f["vllm_disabled"]
+        assert f["disabled"]["type"] == "SilentTransportError", f
+        assert f["disabled"]["msg"].startswith(f"rank {r}:")
+        assert "disabled" in f["disabled"]["msg"] and "ncclCommSuspend" in f["disabled"]["msg"]
+    assert "preflight failed on rank 0" in out[1]["disabled"]["msg"]
