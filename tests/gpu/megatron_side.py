@@ -31,6 +31,7 @@ __all__ = [
     "MOE_FORMATS",
     "padded_vocab",
     "megatron_version",
+    "allow_cpu_forward",
 ]
 
 #: Expert formats to try, in order; those that cannot be built here are reported as skips.
@@ -202,13 +203,33 @@ def perturb_(model: torch.nn.Module, *, seed: int) -> None:
         p.copy_(v.to(p.dtype))
 
 
+def allow_cpu_forward() -> None:
+    """Dry run only: megatron-core's local-spec forward is CPU-clean except that rotary embedding
+    moves ``inv_freq`` to ``torch.cuda.current_device()`` and attention forks the CUDA RNG tracker;
+    point the first at the CPU and make the second a no-op, in this process.
+    (The causal mask, the other CUDA-only default, is passed explicitly on CPU.)"""
+    if torch.cuda.is_available():
+        return
+    import contextlib
+
+    from megatron.core import tensor_parallel
+
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # Attention forks the CUDA RNG for dropout (0 here); there is no CUDA RNG on CPU.
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+
+
 @torch.no_grad()
 def megatron_logits(model: torch.nn.Module, ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Megatron's own forward (``attention_mask=None``: causal mask by the layer spec), logits
-    ``[b, s, vocab]`` with the padding columns dropped, float32."""
+    """Megatron's own forward (on CUDA ``attention_mask=None``: the causal mask comes from the layer
+    spec; on CPU an explicit causal mask, True = masked), logits ``[b, s, vocab]`` with the padding
+    columns dropped, float32."""
     b, s = ids.shape
     pos = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, s)
-    out = model(ids, pos, attention_mask=None)
+    mask = None
+    if ids.device.type == "cpu":
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
+    out = model(ids, pos, attention_mask=mask)
     if out.shape[0] == s and out.shape[1] == b:  # [s, b, v] in some versions
         out = out.transpose(0, 1)
     return out[..., :vocab].float()

@@ -15,8 +15,8 @@ Checked, packed and unpacked, each over two refits (the second after the trainer
 * the receiver's logits on a fixed batch equal the trainer's (FSDP: the FSDP2 forward, same
   kernels, tight; Megatron: Megatron's own forward, bf16 tolerance).
 
-``--dry-run`` runs it all on CPU with gloo and a loopback transport instead of CUDA IPC; the
-Megatron forward (which does not run on CPU) is then skipped and reported so.
+``--dry-run`` runs it all on CPU with gloo and a loopback transport instead of CUDA IPC (Megatron's
+forward with ``megatron_side.allow_cpu_forward``).
 
     python tests/gpu/part_ipc.py --source fsdp,megatron,module [--dry-run] [--json out.json]
 """
@@ -35,7 +35,7 @@ from facts import Facts, log  # noqa: E402
 #: small enough that the transfer takes many chunks.
 PACKED_BUFFER_BYTES = 600_000
 #: bf16 logits of two implementations (Megatron vs transformers) agree to this relative error.
-BF16_CROSS_IMPL_REL = 3e-2
+BF16_CROSS_IMPL_REL = 5e-2
 #: bf16 logits of the same transformers model, FSDP2 forward vs plain forward.
 BF16_SAME_IMPL_REL = 1e-2
 
@@ -58,7 +58,7 @@ def _init_dist(device: str) -> None:
 
 
 def _build_trainer(kind: str, cfg, device: str, facts: Facts):
-    """(model, source, trainer_logits_fn or None, params to mutate)."""
+    """(model, source, trainer_logits_fn, module whose parameters the refit mutates)."""
     import torch
 
     from hf_side import build_hf, fixed_batch, hf_logits
@@ -88,14 +88,16 @@ def _build_trainer(kind: str, cfg, device: str, facts: Facts):
                     cmp_fsdp["rel_err"] <= BF16_SAME_IMPL_REL, cmp_fsdp)
         return model, FSDPSource(model), (lambda: hf_logits(model, ids)), model
     if kind == "megatron":
-        from megatron_side import build_megatron, describe, init_parallel, megatron_logits
+        from megatron_side import allow_cpu_forward, build_megatron, describe, init_parallel, megatron_logits
 
         from weightsync.sources import MegatronSource
 
         init_parallel(device)
         model = build_megatron(cfg, dtype=torch.bfloat16, device=device, seed=11)
         log(f"[ipc] megatron trainer: {describe(model)}")
-        fn = (lambda: megatron_logits(model, ids, cfg.vocab_size)) if device.startswith("cuda") else None
+        if not device.startswith("cuda"):
+            allow_cpu_forward()
+        fn = lambda: megatron_logits(model, ids, cfg.vocab_size)  # noqa: E731
         return model, MegatronSource(model, hf_config=cfg), fn, model
     raise KeyError(kind)
 
@@ -152,9 +154,6 @@ def run_source(kind: str, family: str, device: str, mode: str, client, facts: Fa
                     facts.check(f"{tag}: refit 2 exported new values", exported != first, "digests changed")
                 else:
                     first = exported
-                if trainer_logits is None:
-                    facts.skip(f"{tag} refit {refit}: logits", "Megatron forward does not run on CPU (dry run)")
-                    continue
                 ref = trainer_logits().cpu()
                 c = _cmp(client.call("logits", ids), ref)
                 facts.check(

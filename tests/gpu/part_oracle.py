@@ -4,7 +4,7 @@ A TP1 megatron-core ``GPTModel`` (local spec, Megatron's own init then perturbed
 forward; ``MegatronSource`` exports it; a transformers model of the same config loads the export
 strictly (every parameter written, no unknown name); its forward must give the same logits:
 float32 first (tight: 2e-4 of the largest logit; TF32 off), then the same weights in bf16
-(3e-2 relative; for MoE, 90% of positions within it, because bf16 routing may flip a near-tie).
+(5e-2 relative; for MoE, 90% of positions within it, because bf16 routing may flip a near-tie).
 Megatron's forward and transformers' forward are two independent implementations of the same
 function, so this checks every name, split, concatenation, transpose and trim of the export,
 including the ones a names-and-shapes check cannot see (q/k/v row grouping, gate/up order).
@@ -14,8 +14,8 @@ Qwen3-MoE in every expert format megatron-core can build here (local SequentialM
 GroupedMLP where this megatron-core still has it; TEGroupedMLP where Transformer Engine is
 installed) -- formats that cannot be built are reported as skips with the reason.
 
-``--dry-run``: on CPU, builds the Megatron models (``use_cpu_initialization``), exports, loads into
-transformers and runs the transformers forward; Megatron's forward does not run on CPU and is skipped.
+``--dry-run``: the same on CPU (``use_cpu_initialization``; Megatron's forward runs there with two
+CUDA-only defaults redirected, see ``megatron_side.allow_cpu_forward``).
 
     python tests/gpu/part_oracle.py --configs qwen3,llama,qwen2,qwen3_moe [--dry-run] [--json out.json]
 """
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from facts import Facts, log  # noqa: E402
 
 FP32_REL = 2e-4
-BF16_REL = 3e-2
+BF16_REL = 5e-2
 MOE_BF16_POS_FRACTION = 0.9
 
 
@@ -49,6 +49,24 @@ def _export_into_hf(model, cfg, dtype, device, facts: Facts, tag: str):
                 not recv.missing() and len(loaded) == len(src.metadata),
                 f"loaded {len(loaded)} of {len(src.metadata)} declared; missing {recv.missing()[:5]}")
     return src, hf
+
+
+def _negative_control(hf, ids, ml, cfg, facts: Facts, tag: str) -> None:
+    """The comparison can fail: swapping layer 0's two key/value groups in ``k_proj`` (what a
+    wrong q/k/v row grouping would do) must move the logits beyond the fp32 tolerance."""
+    import torch
+
+    from hf_side import compare_logits, hf_logits
+
+    w = hf.model.layers[0].self_attn.k_proj.weight
+    half = w.shape[0] // 2
+    with torch.no_grad():
+        saved = w.detach().clone()
+        w.copy_(torch.cat([saved[half:], saved[:half]]))
+        c = compare_logits(hf_logits(hf, ids), ml)
+        w.copy_(saved)
+    facts.check(f"{tag}: negative control (k groups swapped) is detected", c["rel_err"] > 10 * FP32_REL,
+                f"rel_err {c['rel_err']:.3g}")
 
 
 def run_config(family: str, fmt: str, device: str, facts: Facts) -> None:
@@ -86,14 +104,12 @@ def run_config(family: str, fmt: str, device: str, facts: Facts) -> None:
     hl = hf_logits(hf, ids)
     facts.check(f"{tag} fp32: transformers forward on the export is finite", bool(torch.isfinite(hl).all()),
                 tuple(hl.shape))
-    if not device.startswith("cuda"):
-        facts.skip(f"{tag}: Megatron forward", "does not run on CPU (dry run)")
-        return
     ml = megatron_logits(model, ids, cfg.vocab_size)
     c = compare_logits(hl, ml)
     facts.check(f"{tag} fp32: transformers(export) logits == Megatron logits (rel<= {FP32_REL})",
                 c["shape_equal"] and c["finite"] and c["rel_err"] <= FP32_REL, c)
     facts.number(f"{tag} fp32 rel_err", c["rel_err"])
+    _negative_control(hf, ids, ml, cfg, facts, tag)
 
     mb = build_megatron(cfg, dtype=torch.bfloat16, device=device, moe_format=fmt, seed=5, perturb=False)
     mb.load_state_dict(model.state_dict(), strict=True)
@@ -121,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     facts = Facts("oracle_" + "_".join(families), dry_run=args.dry_run)
     import torch
 
-    from megatron_side import MOE_FORMATS, init_parallel, megatron_version
+    from megatron_side import MOE_FORMATS, allow_cpu_forward, init_parallel, megatron_version
 
     device = "cpu" if args.dry_run else "cuda:0"
     if not args.dry_run:
@@ -131,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+    else:
+        allow_cpu_forward()
     log(f"[oracle] megatron-core {megatron_version()} torch {torch.__version__}")
     try:
         init_parallel(device)
