@@ -93,7 +93,7 @@ class FSDPSource(WeightSource):
             if not isinstance(t, TensorTransform):
                 raise TypeError(
                     f"transforms= entries must implement TensorTransform "
-                    f"(matches/outputs/apply), got {type(t).__name__}"
+                    f"(handles/entries/apply), got {type(t).__name__}"
                 )
         self._module = module
         self.wire = WirePolicy.build(dtype, keep_fp32)
@@ -137,8 +137,8 @@ class FSDPSource(WeightSource):
             layout = dtensor_layout(t)
             shape = tuple(t.shape)  # a DTensor's global shape: no communication
             if e.transform is not None:
-                outs = e.transform.outputs(e.name, shape, wd)
-                for name, oshape, odtype in outs:
+                for name, oshape in e.transform.entries(e.name):
+                    odtype = wd
                     if layout is None:
                         metas.append(ParamMeta(name, odtype, tuple(oshape)))
                     else:
@@ -235,7 +235,7 @@ class FSDPSource(WeightSource):
                 continue
             layout = dtensor_layout(t)
             device = gather_device(t.device_mesh)
-            if layout[2] is None or e.transform is not None:
+            if layout is None or layout[2] is None or e.transform is not None:
                 yield from self._emit(i, fallback_full(t, wd, device, stats))
             else:
                 local = t.to_local().detach()

@@ -44,11 +44,12 @@ def is_member(t: torch.Tensor) -> bool:
 
 
 def dtensor_layout(t: torch.Tensor):
-    """``(owners, mesh_shape, placements)`` in vLLM's terms, or None for a plain tensor.
+    """``(owners, mesh_shape, placements)`` in vLLM's terms, or None (owned by every rank,
+    replicated: a plain tensor, or a DTensor on a mesh that does not span the world).
 
-    Same rule as vLLM's ``ModuleSource``: owners are the mesh's global ranks, placements are
-    declared only when every one is a plain ``Shard``/``Replicate`` (else None: replicated, and
-    ``iter_local`` gathers it).
+    Same rule as vLLM's ``ModuleSource`` otherwise: owners are the mesh's global ranks,
+    placements are declared only when every one is a plain ``Shard``/``Replicate`` (else None:
+    replicated, and ``iter_local`` gathers it).
     """
     mesh = getattr(t, "device_mesh", None)
     if mesh is None:
@@ -59,6 +60,11 @@ def dtensor_layout(t: torch.Tensor):
 
     grid = mesh.mesh
     owners = tuple(int(r) for r in grid.flatten().tolist())
+    if _world_size() != len(owners):
+        # A sub-mesh (FSDP over the data-parallel dim while TP replicates): its ranks differ from
+        # rank to rank, so declaring them would make metadata differ across ranks. Every rank
+        # holds a replica group of it, so it is declared owned by every rank, replicated.
+        return None
     placements = []
     for p in t.placements:
         if type(p) is TShard:
@@ -68,6 +74,12 @@ def dtensor_layout(t: torch.Tensor):
         else:
             return owners, tuple(grid.shape), None
     return owners, tuple(grid.shape), tuple(placements)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def fsdp_units(module: nn.Module) -> dict[int, int]:

@@ -62,20 +62,21 @@ _MAYBE_WRAPPER = "module"
 
 @runtime_checkable
 class TensorTransform(Protocol):
-    """A per-name hook that turns one gathered in-memory tensor into checkpoint tensors.
+    """A per-name hook that turns one gathered in-memory tensor into checkpoint tensors
+    (``experts.ExpertTransform`` implements it for transformers-5 fused MoE experts).
 
-    ``outputs`` declares what ``apply`` will yield from metadata alone (no data), so metadata stays
-    collective-free; ``apply`` runs after the gather on the full wire-dtype tensor and must yield
-    exactly the declared names, shapes and dtypes, in order, as contiguous tensors.
+    ``handles(name)``: whether it converts the tensor whose de-wrapped in-memory name is ``name``.
+    ``entries(name)``: the ``(checkpoint name, full shape)`` pairs it turns it into, from names
+    alone (no data), so metadata stays collective-free; they travel in the input's wire dtype.
+    ``apply(name, full)``: runs after the gather on the full wire-dtype tensor and yields exactly
+    those pairs, in order, as contiguous tensors.
     """
 
-    def matches(self, name: str) -> bool: ...
+    def handles(self, name: str) -> bool: ...
 
-    def outputs(
-        self, name: str, shape: tuple[int, ...], dtype: torch.dtype
-    ) -> list[tuple[str, tuple[int, ...], torch.dtype]]: ...
+    def entries(self, name: str) -> list[tuple[str, tuple[int, ...]]]: ...
 
-    def apply(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]: ...
+    def apply(self, name: str, full: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]: ...
 
 
 @dataclass(frozen=True)
@@ -269,7 +270,7 @@ def checkpoint_entries(
     # Tensor transforms and transformers' own conversions.
     out: list[CheckpointEntry] = []
     for e in entries:
-        t = next((t for t in transforms if t.matches(e.name)), None)
+        t = next((t for t in transforms if t.handles(e.name)), None)
         out.append(e if t is None else CheckpointEntry(e.name, e.path, e.is_buffer, e.aliases, t))
     unmapped = [
         (n, r)
