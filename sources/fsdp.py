@@ -164,7 +164,6 @@ class FSDPSource(WeightSource):
         meta = self.metadata  # raises UnmappedParameterError etc. before any collective
         if self.agree and not self._agreed:
             verify_metadata_agreement(meta, timeout_s=self.timeout_s, what="FSDPSource metadata")
-            stats.collectives += 2  # bounded barrier + digest all-gather (control group)
             self._agreed = True
         return stats
 
@@ -198,9 +197,10 @@ class FSDPSource(WeightSource):
             else:
                 mesh, axis = step.mesh, step.axis
                 pieces = [
-                    ShardPiece(i, tensors[i].to_local(), tuple(tensors[i].shape), wds[i])
+                    ShardPiece(self.entries[i].name, tensors[i].to_local(), tuple(tensors[i].shape), wds[i])
                     for i in step.indices
                 ]
+                index_of = {self.entries[i].name: i for i in step.indices}
                 gather = BatchedGather(
                     pieces,
                     group=mesh.get_group(axis),
@@ -208,9 +208,10 @@ class FSDPSource(WeightSource):
                     index=mesh.get_local_rank(axis),
                     device=step.device,
                     stats=stats,
+                    timeout_s=self.timeout_s,
                 )
-                for i, full in gather:
-                    yield from self._emit(i, full)
+                for name, full in gather:
+                    yield from self._emit(index_of[name], full)
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors of every owned name, in metadata order (collective over each mesh)."""

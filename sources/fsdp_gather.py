@@ -126,8 +126,10 @@ class BatchedGather:
         index: int,
         device: torch.device,
         stats: PassStats,
+        timeout_s: float,
     ) -> None:
         self.pieces = pieces
+        self.timeout_s = timeout_s
         self.group = group
         self.n = n
         self.index = index
@@ -166,7 +168,8 @@ class BatchedGather:
                 seg[rows:].zero_()
         recv = torch.empty(n * block, dtype=torch.uint8, device=self.device)
         self.stats.hold(n * block)
-        _all_gather(recv, send, self.group)
+        what = f"all-gather of {len(self.pieces)} tensor(s) {self.pieces[0].key!r}..{self.pieces[-1].key!r}"
+        _all_gather(recv, send, self.group, what=what, timeout_s=self.timeout_s)
         self.stats.collectives += 1
         self.stats.bytes_received += (n - 1) * block
         del send
@@ -191,9 +194,19 @@ class BatchedGather:
             self.stats.hold(-n * block)
 
 
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, *, what: str, timeout_s: float) -> None:
+    """One all-gather. On gloo (CPU) it is bounded: ``groups.wait_bounded`` raises
+    ``SyncTimeoutError`` naming the absent ranks, or ``PeerFailedError`` as soon as a checked
+    pass's board reports another rank's failure, instead of blocking for the group's timeout.
+    Device backends are left to their own watchdog: polling would synchronize the host."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
+    if dist.get_backend(group) != "gloo":
+        fn(out, inp, group=group)
+        return
+    from .groups import wait_bounded
+
+    work = fn(out, inp, group=group, async_op=True)
+    wait_bounded(work, ranks=dist.get_process_group_ranks(group), what=what, timeout_s=timeout_s)
 
 
 def fallback_full(dt, wire_dtype: torch.dtype, device: torch.device, stats: PassStats) -> torch.Tensor:

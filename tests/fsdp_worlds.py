@@ -488,4 +488,18 @@ def world_wrappers(rank: int, world_size: int, *, oracle_dir: str) -> dict:
     diverging = FSDPSource(model, dtype=torch.bfloat16 if rank == 0 else torch.float16)
     facts["err_diverge"] = errors_of(diverging.iter_full)
     dist.barrier()
+
+    # 7) a rank that stops iterating mid-pass: the other raises a named timeout, never hangs.
+    import time
+
+    quitter = FSDPSource(model, timeout_s=3.0)
+    if rank == 1:
+        it = quitter.iter_full()
+        next(it)
+        it.close()
+        time.sleep(6.0)  # stay alive (no collective) while rank 0 waits out its bound
+    else:
+        t0 = time.monotonic()
+        facts["err_quit"] = errors_of(quitter.iter_full)
+        facts["err_quit_s"] = time.monotonic() - t0
     return pack(facts)

@@ -210,3 +210,11 @@ def test_bad_input_raises_named_errors_on_every_rank(wrappers):
         assert f["err_module"].startswith("TypeError") and "module=" in f["err_module"]
         assert f["err_diverge"].startswith("CrossRankMismatchError"), f["err_diverge"]
         assert "dtype" in f["err_diverge"] or "float16" in f["err_diverge"]
+
+
+def test_rank_stopping_mid_pass_is_a_named_timeout_not_a_hang(wrappers):
+    results, _ = wrappers
+    err = results[0]["err_quit"]
+    assert err is not None and err.startswith("SyncTimeoutError"), err
+    assert "rank 1" in err and "all-gather" in err, err
+    assert results[0]["err_quit_s"] < 30
