@@ -15,10 +15,13 @@ Invariants, and why:
   ``is_sender``; the driver does the same for pause / resume / commit.
 * **A failure raises on every rank, never a hang or a half-raised world.** Control-plane calls happen
   on rank 0 only, so a failed pause or rendezvous is invisible to the other ranks, which would walk
-  into the next collective alone. After each phase that can fail on one rank (prepare: engine build +
-  pause; send: send + commit + resume) the ranks exchange their outcome in one small gloo
-  all-gather; any failure raises on every rank, naming the rank(s) and phase. The rank that failed
-  re-raises its own exception (chained), after rank 0 has resumed generation.
+  into the next collective alone. After each phase that can fail on one rank (engine init,
+  preflight, pause, send + commit + resume) the ranks exchange their outcome on the process group's
+  store (``Board.exchange``: bounded, nothing left pending when a rank gives up); any failure raises
+  on every rank, naming the rank(s) and phase. The rank that failed re-raises its own exception
+  (with a note), after rank 0 has resumed generation. A sender whose consumer failed halfway
+  through the source's pass finishes the pass alone (engines in ``FINISHABLE_PASS_BACKENDS``), so
+  peers blocked in the source's gathers complete them and hear the error.
 * **Bad configuration raises before any bytes move**: argument errors at construction (same on every
   rank), rank / backend disagreement between ranks and the IPC-over-remote-HTTP refusal at the first
   sync, before ``trainer_init``.
@@ -33,12 +36,15 @@ Invariants, and why:
 from __future__ import annotations
 
 import importlib
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from functools import cached_property
 from typing import Any
 
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
     TrainerInitInfo,
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
@@ -47,7 +53,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-from weightsync.sources.check import DEFAULT_TIMEOUT_S, checked, control_group
+from weightsync.sources.check import DEFAULT_TIMEOUT_S, checked
+from weightsync.sources.groups import Board, next_tag
 from weightsync.sources.errors import WeightSyncError
 from weightsync.sources.logs import get_logger
 
@@ -90,6 +97,68 @@ class _CommittingClient:
         return getattr(self.client, name)
 
 
+#: Backends whose non-sender ranks do nothing during ``send_weights`` but iterate the source, and
+#: whose sender lets a failure propagate out of ``send_weights``: a sender that failed mid-pass can
+#: finish the pass alone (its peers are blocked in the source's gathers, not in engine collectives).
+#: vLLM's IPC engine is not one: its ranks meet in per-chunk handle all-gathers and barriers.
+#: An engine can declare itself with a ``weightsync_finishable_pass`` attribute.
+FINISHABLE_PASS_BACKENDS = frozenset({"nccl"})
+
+
+class _TrackedSource(WeightSource):
+    """What the engine iterates: the driver's source, unchanged (same metadata, same iterator
+    objects, no per-tensor work), except that it remembers the pass in flight so the driver can
+    finish it when the engine's consumer failed halfway."""
+
+    def __init__(self, source: WeightSource) -> None:
+        self.source = source
+        self.live: Iterator[Any] | None = None
+        self.passes = 0
+
+    @cached_property
+    def metadata(self) -> list[ParamMeta]:
+        return self.source.metadata
+
+    def owned_names(self, rank: int) -> list[str]:
+        return self.source.owned_names(rank)
+
+    def implements_iter_full(self) -> bool:
+        return self.source.implements_iter_full()
+
+    def implements_iter_local(self) -> bool:
+        return self.source.implements_iter_local()
+
+    def iter_full(self) -> Iterator[Any]:
+        self.passes += 1
+        self.live = iter(self.source.iter_full())
+        return self.live
+
+    def iter_local(self) -> Iterator[Any]:
+        self.passes += 1
+        self.live = iter(self.source.iter_local())
+        return self.live
+
+    def finish_pass(self, passes_before: int) -> int:
+        """Run this sync's pass to its end, discarding tensors, so peers blocked in its collectives
+        complete them: the rest of a suspended pass, or a whole pass if none started. Returns the
+        number of tensors drained."""
+        if self.passes == passes_before:
+            it: Iterator[Any] | None = iter(self.source.iter_full())
+        else:
+            it = self.live
+            if inspect.isgenerator(it) and inspect.getgeneratorstate(it) == inspect.GEN_CLOSED:
+                return 0
+        n = 0
+        for _ in it or ():
+            n += 1
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "source":
+            raise AttributeError(name)
+        return getattr(self.source, name)
+
+
 def _run_preflight(engine: TrainerWeightTransferEngine) -> None:
     """PREFLIGHT CALL SITE: ``weightsync.plugins.preflight.check_engine(engine)`` if that module
     exists (it detects transports that would report success without moving bytes, e.g. vLLM's NCCL
@@ -101,6 +170,15 @@ def _run_preflight(engine: TrainerWeightTransferEngine) -> None:
             return
         raise
     preflight.check_engine(engine)
+
+
+def _attempt(fn: Callable[..., None], *args: Any) -> BaseException | None:
+    """Run ``fn``; return what it raised (to be agreed across ranks before re-raising)."""
+    try:
+        fn(*args)
+    except BaseException as e:  # noqa: BLE001 - re-raised by the caller on every rank
+        return e
+    return None
 
 
 def _describe(e: BaseException) -> str:
@@ -167,6 +245,8 @@ class WeightSync:
         if not callable(version_fn):
             raise TypeError(f"WeightSync: version_fn must be callable (step -> str), got {version_fn!r}")
         self.source = checked(source, rank=init_info.rank, timeout_s=timeout_s) if check else source
+        self._tracked = _TrackedSource(self.source)
+        self.timeout_s = timeout_s
         self.init_info = init_info
         self.client = client
         self.every = every
@@ -220,32 +300,33 @@ class WeightSync:
         version = str(weight_version if weight_version is not None else self.version_fn(step))
         t_start = time.perf_counter()
         cold = self._engine is None
+        board = Board(next_tag("weightsync-sync")) if _multi_rank() else None
 
-        # -- prepare: engine (first sync) and pause; outcome agreed before any data collective.
-        err: BaseException | None = None
-        paused_attempted = False
-        pause_s = 0.0
-        try:
-            if cold:
-                self._build_engine()
-            if self.is_sender and self.pause_mode is not None:
-                paused_attempted = True
-                t = time.perf_counter()
-                self.client.pause(self.pause_mode, clear_cache=self.clear_cache)
-                pause_s = time.perf_counter() - t
-        except BaseException as e:  # noqa: BLE001 - re-raised below, on every rank
-            err = e
+        # -- first sync: build the engine on every rank, then the transport preflight. Each step's
+        #    outcome is agreed before the next, so no rank enters a collective its peers skipped.
+        if cold:
+            for phase, fn in (("engine init", self._build_engine), ("preflight", self._preflight)):
+                err = _attempt(fn, board)
+                failed = self._agree(board, phase, err)
+                if failed:
+                    self._drop_engine()  # every rank rebuilds at the next sync
+                    self._raise(phase, failed, err)
+
+        # -- pause (sender), agreed before any data collective.
+        paused_attempted = self.is_sender and self.pause_mode is not None
+        t = time.perf_counter()
+        err = _attempt(self._pause) if paused_attempted else None
+        pause_s = time.perf_counter() - t if paused_attempted else 0.0
         resume_s = 0.0
-        failed = self._agree("prepare", err)
+        failed = self._agree(board, "pause", err)
         if failed:
             if paused_attempted:  # a fan-out pause may have reached some servers
                 self._resume_quietly()
-            if cold:  # every rank rebuilds at the next sync, so every rank must start from scratch
-                self._drop_engine()
-            self._raise("prepare", failed, err)
+            self._raise("pause", failed, err)
 
         # -- send (+ commit on the sender), then resume whatever happened.
         err = None
+        passes_before = self._tracked.passes
         t_send = time.perf_counter()
         try:
             self._commit_client.version = version
@@ -255,6 +336,7 @@ class WeightSync:
                 self._commit_explicitly(version)
         except BaseException as e:  # noqa: BLE001
             err = e
+            self._finish_pass_after(e, passes_before)
         send_s = time.perf_counter() - t_send
         if paused_attempted:
             t = time.perf_counter()
@@ -266,7 +348,7 @@ class WeightSync:
                 else:
                     logger.error("resume after a failed send also failed: %s", _describe(e))
             resume_s = time.perf_counter() - t
-        failed = self._agree("send", err)
+        failed = self._agree(board, "send", err)
         if failed:
             self._raise("send", failed, err)
 
@@ -290,46 +372,68 @@ class WeightSync:
 
     # ---- pieces -------------------------------------------------------------------------------
 
-    def _build_engine(self) -> None:
-        self._check_ranks()
+    def _build_engine(self, board: Board | None) -> None:
+        self._check_ranks(board)
         check_backend = getattr(self.client, "check_backend", None)
         if callable(check_backend):  # e.g. refuse pickled IPC handles to a remote host, on every rank
             check_backend(self.backend)
-        engine = WeightTransferTrainerFactory.trainer_init(
-            self.init_info, client=self._commit_client, source=self.source
+        self._engine = WeightTransferTrainerFactory.trainer_init(
+            self.init_info, client=self._commit_client, source=self._tracked
         )
-        self._engine = engine
-        _run_preflight(engine)
+
+    def _preflight(self, board: Board | None) -> None:
+        assert self._engine is not None
+        _run_preflight(self._engine)
+
+    def _pause(self) -> None:
+        self.client.pause(self.pause_mode, clear_cache=self.clear_cache)
 
     def _drop_engine(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.shutdown()
 
-    def _check_ranks(self) -> None:
+    def _check_ranks(self, board: Board | None) -> None:
         """Every rank has a distinct ``init_info.rank``, one of them 0, and the same backend."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if board is None:
             if self.rank != 0:
                 raise ValueError(
                     f"WeightSync: init_info.rank={self.rank} in a single-process trainer; rank 0 is "
                     "the sender and must exist"
                 )
             return
-        world = dist.get_world_size()
-        mine = (dist.get_rank(), self.rank, self.backend)
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, mine, group=control_group())
-        ranks = [r for _, r, _ in everyone]
-        backends = {b for _, _, b in everyone}
+        ranks_ = list(range(dist.get_world_size()))
+        mine = f"{self.rank} {self.backend}"
+        got = board.exchange(mine, ranks=ranks_, what="the WeightSync rank/backend check")
+        everyone = [got[r].split(" ", 1) for r in ranks_]
+        ranks = [int(r) for r, _ in everyone]
+        backends = [b for _, b in everyone]
         problems = []
         if len(set(ranks)) != len(ranks):
             problems.append(f"init_info.rank values repeat across ranks: {ranks} (global rank order)")
         if 0 not in ranks:
             problems.append(f"no rank has init_info.rank=0 (the sender): {ranks}")
-        if len(backends) != 1:
-            problems.append(f"ranks chose different backends: {[b for _, _, b in everyone]}")
+        if len(set(backends)) != 1:
+            problems.append(f"ranks chose different backends: {backends}")
         if problems:
             raise ValueError(f"rank {dist.get_rank()}: WeightSync misconfigured: " + "; ".join(problems))
+
+    def _finish_pass_after(self, err: BaseException, passes_before: int) -> None:
+        """This rank's ``send_weights`` raised. If peers can only be blocked in the source's own
+        collectives (``FINISHABLE_PASS_BACKENDS``), finish the pass here so they complete it and
+        reach the outcome exchange, instead of waiting out the process-group timeout."""
+        engine = self._engine
+        finishable = getattr(engine, "weightsync_finishable_pass", self.backend in FINISHABLE_PASS_BACKENDS)
+        if not finishable or not _multi_rank():
+            return
+        try:
+            n = self._tracked.finish_pass(passes_before)
+        except BaseException as e:  # noqa: BLE001 - the source itself failed too; peers hear it
+            logger.error("finishing the pass after %s failed: %s", _describe(err), _describe(e))
+            return
+        if n:
+            logger.warning("send failed (%s); finished the pass here (%d tensors) so peers complete it",
+                           _describe(err), n)
 
     def _commit_explicitly(self, version: str) -> None:
         update = getattr(self.client, "update_weight_version", None)
@@ -347,17 +451,19 @@ class WeightSync:
         except BaseException as e:  # noqa: BLE001 - the original failure is what gets raised
             logger.error("resume after a failed prepare also failed: %s", _describe(e))
 
-    def _agree(self, phase: str, err: BaseException | None) -> dict[int, str]:
-        """Exchange each rank's outcome of ``phase``; ``{rank: error}`` for every rank that failed."""
-        mine = None if err is None else _describe(err)
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return {} if mine is None else {self.rank: mine}
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (dist.get_rank(), mine), group=control_group())
-        return {r: m for r, m in everyone if m is not None}
+    def _agree(self, board: Board | None, phase: str, err: BaseException | None) -> dict[int, str]:
+        """Exchange each rank's outcome of ``phase`` (on the store: nothing left pending if a rank
+        gives up); ``{rank: error}`` for every rank that failed."""
+        mine = "" if err is None else _describe(err)
+        if board is None:
+            return {} if err is None else {self.rank: mine}
+        ranks = list(range(dist.get_world_size()))
+        got = board.exchange(mine or "ok", ranks=ranks, timeout_s=self.timeout_s,
+                             what=f"the weight sync {phase} outcome exchange")
+        return {r: v for r, v in got.items() if v != "ok"}
 
     def _raise(self, phase: str, failed: dict[int, str], err: BaseException | None) -> None:
-        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else self.rank
+        me = dist.get_rank() if _multi_rank() else self.rank
         others = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
         resumed = "; generation was resumed" if self.pause_mode is not None else ""
         if err is not None:
@@ -392,6 +498,10 @@ class WeightSync:
             peak_extra_bytes=getattr(stats, "peak_extra_bytes", None),
             cold=cold,
         )
+
+
+def _multi_rank() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _numel(shape: tuple[int, ...]) -> int:

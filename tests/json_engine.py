@@ -27,6 +27,8 @@ class JSONTrainerInitInfo(TrainerInitInfo):
 class JSONTrainerEngine(TrainerWeightTransferEngine[JSONTrainerInitInfo]):
     init_info_cls = JSONTrainerInitInfo
     shutdowns = 0
+    #: non-senders only iterate the source: a failed sender may finish the pass alone (driver).
+    weightsync_finishable_pass = True
 
     @classmethod
     def trainer_init(cls, init_info, *, client, source=None):

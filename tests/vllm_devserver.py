@@ -32,6 +32,8 @@ class DevServer:
         self.api_key = api_key
         self.calls: list[dict[str, Any]] = []
         self.weights: dict[str, Any] = {}
+        #: weight_version -> the weights as they were when that version was committed.
+        self.snapshots: dict[str, dict[str, Any]] = {}
         self.weight_version: str | None = None
         self.paused = False
         self.fail: dict[str, list[int]] = {}
@@ -170,6 +172,7 @@ class DevServer:
         version = (body or {}).get("weight_version")
         if version is not None:
             self.weight_version = version
+            self.snapshots[version] = dict(self.weights)
         return 200, {"message": "Weight update finished"}
 
     def _post_update_weight_version(self, q: dict, body: Any) -> tuple[int, Any]:
