@@ -14,6 +14,10 @@ Qwen3-MoE in every expert format megatron-core can build here (local SequentialM
 GroupedMLP where this megatron-core still has it; TEGroupedMLP where Transformer Engine is
 installed) -- formats that cannot be built are reported as skips with the reason.
 
+Dense configs also run the other direction: transformers weights imported into Megatron by the CPU
+tests' importer (``tests/megatron_worlds.import_hf``), Megatron logits == transformers logits, and
+the export hands back the imported tensors bit for bit.
+
 ``--dry-run``: the same on CPU (``use_cpu_initialization``; Megatron's forward runs there with two
 CUDA-only defaults redirected, see ``megatron_side.allow_cpu_forward``).
 
@@ -67,6 +71,56 @@ def _negative_control(hf, ids, ml, cfg, facts: Facts, tag: str) -> None:
         w.copy_(saved)
     facts.check(f"{tag}: negative control (k groups swapped) is detected", c["rel_err"] > 10 * FP32_REL,
                 f"rel_err {c['rel_err']:.3g}")
+
+
+def _importer():
+    """The test-only HF -> Megatron importer of the CPU Megatron tests (``tests/megatron_worlds``),
+    or None with the reason when it is not there."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    try:
+        from megatron_worlds import import_hf
+
+        return import_hf, ""
+    except Exception as e:  # noqa: BLE001
+        return None, f"tests/megatron_worlds.import_hf not importable: {type(e).__name__}: {e}"
+
+
+def run_imported(family: str, device: str, facts: Facts) -> None:
+    """The other direction: a transformers model (HF init, then every tensor perturbed) imported
+    into Megatron by the CPU tests' importer; Megatron's forward must give the transformers
+    model's logits (fp32), and ``MegatronSource`` must hand back the original tensors bit for bit."""
+    import torch
+
+    from hf_side import build_hf, compare_logits, fixed_batch, hf_logits, tiny_config
+    from megatron_side import build_megatron, megatron_logits
+
+    from weightsync.sources import MegatronSource
+
+    tag = f"{family} (HF->Megatron import)"
+    import_hf, why = _importer()
+    if import_hf is None:
+        facts.skip(tag, why)
+        return
+    cfg = tiny_config(family)
+    hf = build_hf(cfg, device=device, dtype=torch.float32, seed=21)
+    g = torch.Generator().manual_seed(22)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            noise = torch.randn(p.shape, generator=g) * (0.1 if p.dim() == 1 else 0.01)
+            p.add_(noise.to(p.device))
+    state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
+    model = build_megatron(cfg, dtype=torch.float32, device=device, seed=23, perturb=False)
+    import_hf(model, state, cfg)
+    ids = fixed_batch(cfg.vocab_size, device=device)
+    c = compare_logits(megatron_logits(model, ids, cfg.vocab_size), hf_logits(hf, ids))
+    facts.check(f"{tag}: Megatron logits == transformers logits (fp32, rel<= {FP32_REL})",
+                c["shape_equal"] and c["finite"] and c["rel_err"] <= FP32_REL, c)
+    exported = {n: t.detach().cpu() for n, t in MegatronSource(model, hf_config=cfg).iter_full()}
+    want = {k: v for k, v in state.items() if k in exported or not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    diff = sorted(k for k in set(want) | set(exported)
+                  if k not in exported or k not in want or not torch.equal(exported[k], want[k]))
+    facts.check(f"{tag}: export == the imported transformers tensors (bitwise)", not diff,
+                f"{len(exported)} tensors" if not diff else f"differ: {diff[:5]}")
 
 
 def run_config(family: str, fmt: str, device: str, facts: Facts) -> None:
@@ -162,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
                 run_config(family, fmt, device, facts)
             except Exception as e:  # noqa: BLE001 - next config still runs
                 facts.error(f"{family}[{fmt}]", e)
+        if not family.endswith("_moe"):
+            try:
+                run_imported(family, device, facts)
+            except Exception as e:  # noqa: BLE001
+                facts.error(f"{family} (HF->Megatron import)", e)
     return facts.finish(args.json)
 
 

@@ -87,6 +87,7 @@ def _receiver_main(conn: Any, mode: str, device_str: str) -> None:
     device = torch.device(device_str)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = False  # logits are compared with fp32 tolerances
     recv: HFReceiver | None = None
     engine: Any = None
     while True:
