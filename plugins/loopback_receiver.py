@@ -1,0 +1,320 @@
+"""The inference side of the loopback backend: a model that receives weights like a vLLM worker.
+
+``LoopbackReceiver(model)`` implements vLLM's four-phase weight-sync protocol
+(``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update``) plus the pause routes, for any ``torch.nn.Module`` -- typically a
+Hugging Face model, whose ``state_dict`` names are the checkpoint names vLLM's loaders accept.
+
+Invariants:
+
+* Strict, ``load_state_dict(strict=True)``-style: every name in an update must be one of the
+  model's state-dict names (tied aliases such as ``lm_head.weight`` included) with the same dtype
+  and shape, or the update is rejected *before any byte moves* (the receiver answers the sender's
+  go/no-go handshake with "no"); at ``finish_weight_update`` every state-dict entry (a tied group
+  counts once) must have been received in this round, or finish raises listing what is missing and
+  ``weight_version`` does not advance.
+* The receiver consumes exactly the byte stream the update info declares, through the same
+  ``plan_chunks`` as the sender, so it never leaves the sender blocked mid-stream.
+* With ``checksums`` on, ``weightsync.sources.integrity.checksum_tensor`` of every received
+  parameter (its bytes as received, before loading) is compared with the sender's after the stream;
+  a mismatch raises ``ChecksumMismatchError`` (an ``IntegrityError``) naming the parameter(s) and
+  marks the round failed. The receiver also reports them (``weight_checksums()``, the
+  ``ReportsChecksums`` protocol) for trainer-side comparison.
+
+vLLM's own receivers verify nothing end to end: the NCCL/IPC engines load whatever bytes arrive.
+The closest vLLM 0.33 offers is the dev-mode ``/weight_checker`` route, a SHA-256 per *vLLM-layout*
+parameter computed after loading (fused ``qkv_proj`` etc.), which a trainer cannot compute from its
+checkpoint-named tensors without re-doing vLLM's fusion (see ``weightsync.sources.integrity``). The
+loopback checksums cover the wire.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from weightsync.sources.errors import MetadataMismatchError, WeightSyncError
+from weightsync.sources.integrity import IntegrityError, checksum, checksum_tensor
+from weightsync.sources.logs import get_logger
+
+from .loopback_wire import (
+    LoopbackWorkerInitInfo,
+    nbytes_of,
+    open_transport_group,
+    parse_update_info,
+    plan_chunks,
+    wait_work,
+)
+
+__all__ = ["LoopbackReceiver", "ChecksumMismatchError", "PAUSE_MODES"]
+
+logger = get_logger(__name__)
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class ChecksumMismatchError(IntegrityError):
+    """The bytes a receiver got for a parameter are not the bytes the sender sent."""
+
+
+class LoopbackReceiver:
+    """Plays one vLLM inference worker on CPU: joins the loopback transport as group rank
+    ``rank_offset + index`` and loads what rank 0 broadcasts into ``model``.
+
+    Thread-safe for the protocol calls (one update at a time); pause state and the weight version
+    can be read while an update is in flight.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, index: int = 0) -> None:
+        self.model = model
+        self.index = index
+        self.weight_version: str | None = None
+        self.paused = False
+        self.pause_mode: str | None = None
+        self.updates_finished = 0
+        self.last_update: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._init: LoopbackWorkerInitInfo | None = None
+        self._group: Any = None
+        self._store: Any = None
+        self._group_rank = -1
+        self._targets = self._collect_targets(model)
+        self._last_plan: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None
+        self._in_update = False
+        self._received: set[int] = set()
+        self._checksums: dict[str, str] = {}
+        self._failed: str | None = None
+        self._bytes = 0
+        self._tensors = 0
+        self._t0 = 0.0
+
+    # -- the model's names --------------------------------------------------------------------
+
+    @staticmethod
+    def _collect_targets(model: torch.nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
+        """``name -> (group id, tensor)`` over ``state_dict(keep_vars=True)``: parameters and
+        persistent buffers, tied aliases included; aliases of one storage share a group id."""
+        targets: dict[str, tuple[int, torch.Tensor]] = {}
+        groups: dict[tuple[int, int, tuple[int, ...]], int] = {}
+        for name, t in model.state_dict(keep_vars=True).items():
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+            gid = groups.setdefault(key, len(groups))
+            targets[name] = (gid, t)
+        return targets
+
+    def _group_names(self) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for name, (gid, _) in self._targets.items():
+            out.setdefault(gid, []).append(name)
+        return out
+
+    # -- protocol -----------------------------------------------------------------------------
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Join the transport group described by ``init_info`` (blocks until the sender joins)."""
+        try:
+            info = LoopbackWorkerInitInfo(**init_info)
+        except TypeError as e:
+            raise ValueError(f"invalid loopback init_info: {e}") from e
+        rank = info.rank_offset + self.index
+        if rank >= info.world_size:
+            raise ValueError(
+                f"receiver index {self.index} needs group rank {rank}, but init_info.world_size "
+                f"is {info.world_size}"
+            )
+        with self._lock:
+            self.shutdown()
+            self._store, self._group = open_transport_group(
+                info.master_address, info.master_port, rank, info.world_size, info.timeout_s
+            )
+            self._init, self._group_rank = info, rank
+            self._last_plan = None
+        logger.info("receiver %d joined the loopback group as rank %d", self.index, rank)
+
+    def start_weight_update(self) -> None:
+        with self._lock:
+            self._require_init()
+            self._in_update = True
+            self._received = set()
+            self._checksums = {}
+            self._failed = None
+            self._bytes = self._tensors = 0
+            self._t0 = time.perf_counter()
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Receive one chunk of the update: answer the sender's go/no-go, then consume the stream.
+
+        A rejected update (unknown name, dtype or shape mismatch, bad update info) answers "no" to
+        the handshake, so the sender raises before sending a byte, and this call raises the reason.
+        """
+        with self._lock:
+            self._require_init()
+            infos = update_info if isinstance(update_info, list) else [update_info]
+            for info in infos:
+                self._receive_one(info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        with self._lock:
+            if not self._in_update:
+                raise RuntimeError("finish_weight_update without start_weight_update")
+            self._in_update = False
+            if self._failed is not None:
+                raise WeightSyncError(
+                    f"receiver {self.index}: this update failed ({self._failed}); "
+                    f"weight_version stays {self.weight_version!r}"
+                )
+            missing = [
+                names[0] if len(names) == 1 else " = ".join(names)
+                for gid, names in sorted(self._group_names().items())
+                if gid not in self._received
+            ]
+            if missing:
+                raise MetadataMismatchError(
+                    f"receiver {self.index}: the update did not send {len(missing)} of the model's "
+                    f"{len(self._group_names())} tensors: {missing[:20]}"
+                    + (" ..." if len(missing) > 20 else "")
+                    + f"; weight_version stays {self.weight_version!r}"
+                )
+            if weight_version is not None:
+                self.weight_version = weight_version
+            self.updates_finished += 1
+            self.last_update = {
+                "tensors": self._tensors,
+                "bytes_received": self._bytes,
+                "seconds": time.perf_counter() - self._t0,
+                "checksums_verified": bool(self._init and self._init.checksums),
+                "weight_version": self.weight_version,
+            }
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self.paused, self.pause_mode = True, mode
+
+    def resume(self) -> None:
+        self.paused, self.pause_mode = False, None
+
+    def shutdown(self) -> None:
+        self._group = self._store = None
+        self._init = None
+
+    # -- one update_info chunk ----------------------------------------------------------------
+
+    def _require_init(self) -> None:
+        if self._group is None or self._init is None:
+            raise RuntimeError("loopback receiver: init_weight_transfer_engine was not called")
+
+    def _validate(self, info: dict[str, Any]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        plan = parse_update_info(info)
+        if not plan:
+            if self._last_plan is None:
+                raise ValueError("empty update_info, but no previous update to reuse")
+            return self._last_plan
+        problems = []
+        for name, dtype, shape in plan:
+            if name not in self._targets:
+                problems.append(f"unknown parameter {name!r}")
+                continue
+            t = self._targets[name][1]
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                problems.append(
+                    f"parameter {name!r}: update sends {str(dtype).removeprefix('torch.')} "
+                    f"{shape}, model has {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
+                )
+        if problems:
+            raise MetadataMismatchError(
+                f"receiver {self.index} rejects the update ({len(problems)} problems): "
+                + "; ".join(problems[:10])
+                + (" ..." if len(problems) > 10 else "")
+            )
+        self._last_plan = plan
+        return plan
+
+    def _receive_one(self, info: dict[str, Any]) -> None:
+        assert self._init is not None
+        error: Exception | None = None
+        try:
+            if not self._in_update:
+                raise RuntimeError("update_weights without start_weight_update")
+            plan = self._validate(info)
+        except Exception as e:  # answered "no" below, then raised
+            error = e
+        # Go/no-go: every group member contributes 1 if it rejects; the sender sends only on 0.
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+        wait_work(self._group.allreduce([flag]), "update handshake", rank=self._group_rank)
+        if error is not None:
+            self._failed = str(error)
+            raise error
+        if int(flag.item()) != 0:
+            self._failed = "another receiver rejected the update"
+            raise WeightSyncError(f"receiver {self.index}: another receiver rejected the update")
+        sizes = [nbytes_of(d, s) for _, d, s in plan]
+        crcs: list[int] = [0] * len(plan)
+        for chunk in plan_chunks(
+            sizes, packed=self._init.packed, buffer_size=self._init.packed_buffer_size_bytes
+        ):
+            buf = torch.empty(sum(sizes[i] for i in chunk), dtype=torch.uint8)
+            wait_work(self._group.broadcast(buf, 0), "broadcast", rank=self._group_rank)
+            off = 0
+            for i in chunk:
+                piece = buf[off : off + sizes[i]]
+                off += sizes[i]
+                crcs[i] = self._load(plan[i], piece)
+        for i, (name, dtype, shape) in enumerate(plan):
+            if sizes[i] == 0:
+                crcs[i] = self._load(plan[i], torch.empty(0, dtype=torch.uint8))
+        if self._init.checksums:
+            expected = torch.zeros(len(plan), dtype=torch.int64)
+            wait_work(self._group.broadcast(expected, 0), "checksums", rank=self._group_rank)
+            bad = [plan[i][0] for i in range(len(plan)) if int(expected[i]) != crcs[i]]
+            if bad:
+                self._failed = f"checksum mismatch on {bad}"
+                raise ChecksumMismatchError(
+                    f"receiver {self.index}: the bytes received for {len(bad)} parameter(s) do not "
+                    f"match the sender's checksums: {bad[:10]}" + (" ..." if len(bad) > 10 else "")
+                )
+
+    def _load(self, entry: tuple[str, torch.dtype, tuple[int, ...]], data: torch.Tensor) -> int:
+        """Copy one received parameter into the model; return the checksum of its bytes."""
+        name, dtype, shape = entry
+        gid, target = self._targets[name]
+        received = data.view(dtype).view(shape) if data.numel() else torch.empty(shape, dtype=dtype)
+        value = int(checksum_tensor(received))
+        self._checksums[name] = checksum(received)
+        with torch.no_grad():
+            target.copy_(received)
+        self._received.add(gid)
+        self._tensors += 1
+        self._bytes += data.numel()
+        return value
+
+    # -- for tests and the demo ---------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "weight_version": self.weight_version,
+            "is_paused": self.paused,
+            "pause_mode": self.pause_mode,
+            "updates_finished": self.updates_finished,
+            "initialized": self._group is not None,
+            "last_update": dict(self.last_update),
+        }
+
+    @torch.no_grad()
+    def logits(self, input_ids: list[list[int]]) -> torch.Tensor:
+        """The model's logits for ``input_ids`` (eval mode, fp32 on CPU)."""
+        was = self.model.training
+        self.model.eval()
+        try:
+            out = self.model(input_ids=torch.tensor(input_ids, dtype=torch.long))
+        finally:
+            self.model.train(was)
+        return getattr(out, "logits", out).float()
+
+    def weight_checksums(self) -> dict[str, str]:
+        """``{checkpoint name: integrity.checksum}`` of what the last round received, as received
+        (``weightsync.sources.integrity.ReportsChecksums``)."""
+        return dict(self._checksums)

@@ -1,0 +1,199 @@
+"""The loopback wire: what the trainer's sender and the receiver must agree on, in one place.
+
+Invariant: both sides derive everything that shapes the byte stream -- which tensors go in which
+broadcast, how many bytes each one is, the checksum of each parameter -- from the same update info
+(names, dtype names, shapes) through the functions below, so the two sides cannot split the stream
+differently. Nothing here touches a model or a ``WeightSource``.
+
+The transport is a gloo group private to the sender (group rank 0) and the receivers (ranks
+``rank_offset ..``), built from its own ``TCPStore`` with a bounded timeout. It never touches a
+default process group, so the trainer's own groups (and whatever backend they use) are unaffected.
+
+Every stream is raw bytes: each tensor travels as a ``uint8`` view of its storage, so any dtype
+(bf16, fp8, int) crosses gloo unchanged, and the checksums cover exactly the bytes that travelled.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightsync.sources.errors import SyncTimeoutError
+
+__all__ = [
+    "LoopbackWorkerInitInfo",
+    "DEFAULT_PACKED_BUFFER_SIZE_BYTES",
+    "DEFAULT_TIMEOUT_S",
+    "open_transport_group",
+    "byte_view",
+    "nbytes_of",
+    "plan_chunks",
+    "parse_dtype",
+    "parse_update_info",
+    "wait_work",
+]
+
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = 16 * 1024 * 1024
+#: Bound on every transport operation (rendezvous, each broadcast). A dead peer becomes an error.
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(kw_only=True)
+class LoopbackWorkerInitInfo:
+    """What the receiver is told at ``init_weight_transfer_engine`` (JSON-safe, like vLLM's NCCL
+    worker init info): where the transport group's store is, its size, the receivers' first group
+    rank, and the wire parameters the sender will use, so the two cannot disagree."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int = 1
+    packed: bool = True
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    checksums: bool = True
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
+            raise ValueError(f"init_info.master_port must be a TCP port, got {self.master_port!r}")
+        if not isinstance(self.world_size, int) or self.world_size < 2:
+            raise ValueError(
+                f"init_info.world_size must be >= 2 (one sender plus at least one receiver), "
+                f"got {self.world_size!r}"
+            )
+        if not 1 <= self.rank_offset < self.world_size:
+            raise ValueError(
+                f"init_info.rank_offset must be in [1, world_size={self.world_size}), "
+                f"got {self.rank_offset!r}"
+            )
+        if self.packed_buffer_size_bytes <= 0:
+            raise ValueError(
+                f"init_info.packed_buffer_size_bytes must be > 0, got {self.packed_buffer_size_bytes}"
+            )
+        if self.timeout_s <= 0:
+            raise ValueError(f"init_info.timeout_s must be > 0, got {self.timeout_s}")
+
+
+def open_transport_group(
+    master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float
+) -> tuple[Any, Any]:
+    """Join the private transport group; group rank 0 hosts the store. Returns ``(store, group)``.
+
+    Blocks until all ``world_size`` members joined, at most ``timeout_s``; a member that never comes
+    raises ``SyncTimeoutError`` naming the address instead of waiting forever.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(
+            master_address,
+            master_port,
+            world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        group = dist.ProcessGroupGloo(
+            dist.PrefixStore("weightsync/loopback", store), rank, world_size, timeout
+        )
+    except (RuntimeError, dist.DistStoreError) as e:  # type: ignore[attr-defined]
+        raise SyncTimeoutError(
+            f"loopback transport: group rank {rank} of {world_size} could not form the group at "
+            f"{master_address}:{master_port} within {timeout_s:.0f}s: {e}"
+        ) from e
+    return store, group
+
+
+def wait_work(work: Any, what: str, *, rank: int, abort: Any = None, poll_s: float = 0.005) -> None:
+    """Wait for a gloo work item; while waiting, ``abort()`` (if given) may raise to stop early
+    (e.g. the receiver's RPC already failed, so the peer will never join). The work's own timeout
+    (the group's) bounds the wait otherwise."""
+    if abort is not None:
+        import time
+
+        while not work.is_completed():
+            abort()
+            time.sleep(poll_s)
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise SyncTimeoutError(f"loopback transport: group rank {rank}: {what} failed: {e}") from e
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat ``uint8`` tensor sharing its storage (requires contiguity)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return flat.view(torch.uint8)
+
+
+def parse_dtype(name: str, *, param: str) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"update_info: parameter {param!r} has unknown dtype name {name!r}")
+    return dtype
+
+
+def nbytes_of(dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def parse_update_info(
+    update_info: dict[str, Any],
+) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """``[(name, dtype, shape)]`` from the NCCL-shaped dict ``{names, dtype_names, shapes}``."""
+    if not isinstance(update_info, dict):
+        raise ValueError(f"update_info must be a dict, got {type(update_info).__name__}")
+    unknown = set(update_info) - {"names", "dtype_names", "shapes"}
+    if unknown:
+        raise ValueError(f"update_info has unknown keys {sorted(unknown)}")
+    names = list(update_info.get("names", []))
+    dtypes = list(update_info.get("dtype_names", []))
+    shapes = list(update_info.get("shapes", []))
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(
+            f"update_info lists differ in length: {len(names)} names, {len(dtypes)} dtype_names, "
+            f"{len(shapes)} shapes"
+        )
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"update_info names parameter {dup!r} twice")
+    out = []
+    for n, d, s in zip(names, dtypes, shapes):
+        shape = tuple(int(x) for x in s)
+        if any(x < 0 for x in shape):
+            raise ValueError(f"update_info: parameter {n!r} has a negative shape {shape}")
+        out.append((str(n), parse_dtype(d, param=n), shape))
+    return out
+
+
+def plan_chunks(nbytes: list[int], *, packed: bool, buffer_size: int) -> list[list[int]]:
+    """Which parameters travel in which broadcast, as lists of indices into the update info.
+
+    Unpacked: one broadcast per non-empty parameter. Packed: consecutive parameters share a flat
+    buffer while it stays within ``buffer_size``; a parameter larger than the buffer travels alone.
+    Empty parameters travel in no broadcast (nothing to send). Both sides call this with the same
+    sizes, which is what keeps the stream aligned.
+    """
+    chunks: list[list[int]] = []
+    cur: list[int] = []
+    cur_bytes = 0
+    for i, n in enumerate(nbytes):
+        if n == 0:
+            continue
+        if not packed:
+            chunks.append([i])
+            continue
+        if cur and cur_bytes + n > buffer_size:
+            chunks.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(i)
+        cur_bytes += n
+    if cur:
+        chunks.append(cur)
+    return chunks

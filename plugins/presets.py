@@ -1,0 +1,104 @@
+"""Tiny transformers configs for the demo, ``weightsync check`` and tests: built from a config,
+random init, no downloads.
+
+Each preset keeps its family's structure (GQA, tied or untied embeddings, Qwen3's q/k norms,
+Qwen2's qkv biases) at a size that trains in milliseconds on one CPU core.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+__all__ = ["PRESETS", "preset_names", "load_config", "build_model", "UserError"]
+
+
+class UserError(ValueError):
+    """A mistake in what the user asked for (unknown preset, bad path, bad sizes): the CLI prints
+    the message in one line and exits 2."""
+
+
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-llama": dict(model_type="llama", tie_word_embeddings=False, **_COMMON),
+    "tiny-qwen2": dict(model_type="qwen2", tie_word_embeddings=True, **_COMMON),
+    "tiny-qwen3": dict(model_type="qwen3", tie_word_embeddings=True, head_dim=16, **_COMMON),
+    "tiny-mistral": dict(model_type="mistral", tie_word_embeddings=False, **_COMMON),
+}
+
+
+def preset_names() -> list[str]:
+    return sorted(PRESETS)
+
+
+def load_config(
+    preset: str | None = None,
+    path: str | None = None,
+    *,
+    hidden: int | None = None,
+    layers: int | None = None,
+) -> Any:
+    """A transformers config from a preset name (``tiny-qwen3`` or ``qwen3``) or a ``config.json``
+    path (file or directory), optionally resized. Raises ``UserError`` for user mistakes."""
+    from transformers import AutoConfig
+
+    if path is not None:
+        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise UserError(f"--config: no such file: {file}")
+        try:
+            with open(file) as f:
+                raw = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"--config: {file} is not a readable JSON config: {e}") from None
+        if "model_type" not in raw:
+            raise UserError(f"--config: {file} has no 'model_type'")
+        model_type = raw.pop("model_type")
+        try:
+            config = AutoConfig.for_model(model_type, **raw)
+        except (ValueError, KeyError) as e:
+            raise UserError(f"--config: transformers cannot build model_type {model_type!r}: {e}") from None
+    else:
+        name = preset or "tiny-qwen3"
+        key = name if name in PRESETS else f"tiny-{name}"
+        if key not in PRESETS:
+            raise UserError(f"unknown model preset {name!r}; choose one of {', '.join(preset_names())}")
+        kw = dict(PRESETS[key])
+        config = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    if hidden is not None:
+        heads = config.num_attention_heads
+        if hidden <= 0 or hidden % heads:
+            raise UserError(f"--hidden {hidden} must be a positive multiple of the {heads} attention heads")
+        config.hidden_size = hidden
+        config.intermediate_size = 2 * hidden
+        if getattr(config, "head_dim", None) is not None and config.model_type != "qwen3":
+            config.head_dim = hidden // heads
+    if layers is not None:
+        if layers <= 0:
+            raise UserError(f"--layers {layers} must be positive")
+        config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None) is not None:
+            config.layer_types = [config.layer_types[0]] * layers
+    return config
+
+
+def build_model(config: Any, seed: int = 0, dtype: Any = None) -> Any:
+    """``AutoModelForCausalLM.from_config`` with a fixed seed, eager attention, on CPU (fp32 unless
+    ``dtype`` says otherwise)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = dtype or torch.float32
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
+    return model
