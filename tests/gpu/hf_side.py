@@ -115,13 +115,20 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def build_hf(config: Any, *, device: str | torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
     """A transformers causal LM of ``config``, initialized on ``device`` in ``dtype`` with ``seed``,
-    eager attention (the closest to Megatron's unfused softmax), in eval mode."""
+    eager attention (the closest to Megatron's unfused softmax), in eval mode.
+
+    Parameters are created in ``dtype`` (default-dtype context, as ``from_pretrained(dtype=...)``
+    does); buffers keep the dtype the model gives them -- ``module.to(bf16)`` would also round
+    RoPE's fp32 ``inv_freq`` to bf16, which Megatron never does."""
     _, model_cls = _classes(family_of(config))
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(config)
-    return model.to(device=device, dtype=dtype).eval()
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model.eval()
 
 
 def digest(t: torch.Tensor) -> str:

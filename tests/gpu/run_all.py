@@ -30,13 +30,13 @@ MIN_PART_S = 30
 
 #: (name, script relative to the repo root, arguments, timeout in seconds), most important first.
 PARTS = [
-    ("env", "tests/gpu/run_all.py", ["--env"], 60),
+    ("env", "tests/gpu/run_all.py", ["--env"], 90),
     ("ipc_fsdp", "tests/gpu/part_ipc.py", ["--source", "module,fsdp"], 150),
     ("ipc_megatron", "tests/gpu/part_ipc.py", ["--source", "megatron"], 150),
     ("oracle_dense", "tests/gpu/part_oracle.py", ["--configs", "qwen3,llama,qwen2"], 150),
-    ("oracle_moe", "tests/gpu/part_oracle.py", ["--configs", "qwen3_moe"], 120),
     ("bench_ipc", "bench/bench_gpu_ipc.py", [], 180),
     ("bench_megatron", "bench/bench_gpu_megatron.py", [], 120),
+    ("oracle_moe", "tests/gpu/part_oracle.py", ["--configs", "qwen3_moe"], 120),
 ]
 
 
@@ -68,8 +68,8 @@ def env_report(json_path: str | None) -> int:
             facts.number(mod, f"IMPORT FAILED {type(e).__name__}: {str(e)[:200]}")
     for what in ("weightsync.sources", "vllm.distributed.weight_transfer.ipc_engine"):
         try:
-            __import__(what)
-            facts.check(f"import {what}", True, "ok")
+            mod = __import__(what, fromlist=["_"])
+            facts.check(f"import {what}", True, mod.__file__)
         except Exception as e:  # noqa: BLE001
             facts.error(f"import {what}", e)
     for name in ("FSDPSource", "MegatronSource"):
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "gpu-out"))
     ap.add_argument("--dry-run", action="store_true", help="every part on CPU (gloo, loopback)")
     ap.add_argument("--only", default=None, help="comma list of part names")
-    ap.add_argument("--budget", type=float, default=float(os.environ.get("WS_GPU_BUDGET_S", 500)),
+    ap.add_argument("--budget", type=float, default=float(os.environ.get("WS_GPU_BUDGET_S", 450)),
                     help="seconds for all parts together")
     ap.add_argument("--env", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
