@@ -1,0 +1,241 @@
+"""``weightsync``: the command line.
+
+* ``weightsync demo``  -- the README's main job (see ``weightsync.plugins.demo``).
+* ``weightsync check`` -- dry-run one pass of a source on CPU for a transformers config and a
+  layout, verify metadata vs stream vs the checkpoint ``save_pretrained`` writes, print what would
+  be sent.
+
+Asked for N > 1 ranks and not already under ``torchrun``, a command re-runs itself under
+``python -m torch.distributed.run --standalone --nproc-per-node N``. The ranks report their
+verdict through a small result file, so a failed check or demo exits 1 with its own words and not
+with torchrun's traceback; user mistakes (unknown preset, bad path, sizes that do not divide) are
+caught before launching and exit 2 with one line. Exit codes: 0 pass, 1 fail, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any, Sequence
+
+__all__ = ["main"]
+
+# torch 2.14 logs import-time deprecation warnings of its own on every process; a CLI user cannot act
+# on them, so the CLI (only) hides those three loggers' warnings.
+for _noisy in ("torch._opaque_base", "torch._library.opaque_object", "torch.utils.cpp_extension"):
+    logging.getLogger(_noisy).setLevel(logging.ERROR)
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+_RESULT_ENV = "WEIGHTSYNC_RESULT_FILE"
+_ARGV_ENV = "WEIGHTSYNC_ARGV"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse's own code)
+        self.exit(EXIT_USAGE, f"weightsync: error: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .presets import preset_names
+
+    presets = ", ".join(preset_names())
+    p = _Parser(prog="weightsync", description=__doc__.split("\n\n")[0].strip())
+    p.add_argument("-v", "--verbose", action="store_true", help="log weightsync INFO messages")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    d = sub.add_parser(
+        "demo",
+        help="train a tiny FSDP2 model on CPU ranks and sync it into a loopback receiver each step",
+        description="Train a small transformers causal LM (random init, no downloads) with FSDP2 on "
+        "CPU ranks and push its weights after every step through FSDPSource + the loopback backend "
+        "into a receiver process; verifies the receiver's logits equal the trainer's after every "
+        "sync. Exit 0 only if every sync verified.",
+    )
+    d.add_argument("--nproc", type=int, default=2, help="trainer ranks (default 2)")
+    d.add_argument("--steps", type=int, default=3, help="training steps, one sync each (default 3)")
+    d.add_argument("--model", default="tiny-qwen3", help=f"preset: {presets} (default tiny-qwen3)")
+    d.add_argument("--config", help="a transformers config.json (file or directory) instead of --model")
+    d.add_argument("--hidden", type=int, help="override hidden size")
+    d.add_argument("--layers", type=int, help="override number of layers")
+    d.add_argument("--no-packed", dest="packed", action="store_false", help="one broadcast per tensor")
+    d.add_argument("--no-checksums", dest="checksums", action="store_false", help="skip wire checksums")
+
+    c = sub.add_parser(
+        "check",
+        help="dry-run one pass of a source for a config and layout; compare with save_pretrained",
+        description="Build the model from a transformers config on CPU ranks in the given layout, "
+        "run the source's metadata and one full pass through the stream check, compare names, "
+        "shapes and bytes with what transformers' save_pretrained writes for the same config, and "
+        "print what would be sent. Exit 0 if everything matches, 1 if not, 2 for usage errors.",
+    )
+    c.add_argument("--model", default=None, help=f"preset: {presets} (default tiny-qwen3)")
+    c.add_argument("--config", help="a transformers config.json (file or directory) instead of --model")
+    c.add_argument("--layout", choices=("fsdp", "megatron"), default="fsdp")
+    c.add_argument("--nproc", type=int, default=1, help="FSDP ranks (default 1)")
+    c.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
+    c.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
+    c.add_argument("--vpp", type=int, default=None, help="Megatron virtual pipeline size")
+    c.add_argument("--ep", type=int, default=1, help="Megatron expert parallel size")
+    c.add_argument("--dtype", default=None, help="wire dtype, e.g. bfloat16 (default: the model's)")
+    c.add_argument("--hidden", type=int, help="override hidden size")
+    c.add_argument("--layers", type=int, help="override number of layers")
+    c.add_argument("--show", type=int, default=0, help="also list the first N tensors")
+    return p
+
+
+def _usage(message: str) -> int:
+    print(f"weightsync: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    )
+
+
+def _launch(nproc: int, argv: Sequence[str]) -> int:
+    """Re-run ``weightsync argv`` under torchrun with ``nproc`` ranks; return the verdict."""
+    with tempfile.TemporaryDirectory(prefix="weightsync-") as tmp:
+        result = os.path.join(tmp, "result.json")
+        # The ranks get their arguments through the environment: torchrun's own parser would
+        # otherwise read options such as --nproc as abbreviations of its own.
+        env = dict(os.environ, **{_RESULT_ENV: result, _ARGV_ENV: json.dumps(list(argv))})
+        env.setdefault("OMP_NUM_THREADS", "1")
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(nproc), "-m", "weightsync.plugins.cli",
+        ]
+        proc = subprocess.run(cmd, env=env)
+        if not os.path.exists(result):
+            print(
+                f"weightsync: the {nproc} ranks ended without a verdict (torchrun exit code "
+                f"{proc.returncode}); see the output above",
+                file=sys.stderr,
+            )
+            return EXIT_FAIL
+        with open(result) as f:
+            return int(json.load(f)["exit"])
+
+
+def _finish(code: int) -> int:
+    """In a launched rank: rank 0 writes the verdict; every rank exits 0 so torchrun stays quiet."""
+    path = os.environ.get(_RESULT_ENV)
+    if not path:
+        return code
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(path, "w") as f:
+            json.dump({"exit": code}, f)
+    return EXIT_OK
+
+
+def _validate(args: argparse.Namespace) -> Any:
+    """Everything a user can get wrong, checked before any rank starts. Returns the config."""
+    from .presets import UserError, load_config
+
+    if args.config and args.model:
+        raise UserError("pass --model or --config, not both")
+    nproc = getattr(args, "nproc", 1)
+    if nproc < 1 or nproc > 64:
+        raise UserError(f"--nproc must be between 1 and 64, got {nproc}")
+    if getattr(args, "steps", 1) < 1:
+        raise UserError(f"--steps must be >= 1, got {args.steps}")
+    config = load_config(args.model, args.config, hidden=args.hidden, layers=args.layers)
+    if getattr(args, "dtype", None):
+        import torch
+
+        if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
+            raise UserError(f"--dtype {args.dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
+    if args.command == "check" and args.layout == "megatron":
+        _validate_megatron(args, config)
+    return config
+
+
+def _validate_megatron(args: argparse.Namespace, config: Any) -> None:
+    from .presets import UserError
+
+    for flag in ("tp", "pp", "ep"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag} must be >= 1")
+    heads, groups = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if heads % args.tp or groups % args.tp:
+        raise UserError(
+            f"--tp {args.tp} must divide the attention heads ({heads}) and key/value heads ({groups}) "
+            f"of {config.model_type}"
+        )
+    layers = config.num_hidden_layers
+    stages = args.pp * (args.vpp or 1)
+    if layers % stages:
+        raise UserError(f"--pp {args.pp} x --vpp {args.vpp or 1} must divide the {layers} layers")
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if args.ep > 1 and (not experts or experts % args.ep):
+        raise UserError(f"--ep {args.ep} must divide the number of experts ({experts or 'none: dense model'})")
+    raise UserError(
+        "--layout megatron is not available from the CLI yet: this build of weightsync has no "
+        "CPU Megatron dry run wired into `weightsync check` (use --layout fsdp)"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:
+        argv = json.loads(os.environ[_ARGV_ENV]) if _ARGV_ENV in os.environ else sys.argv[1:]
+    argv = list(argv)
+    args = _parser().parse_args(argv)
+    from weightsync.sources.logs import configure_logging
+
+    from .presets import UserError
+
+    configure_logging(logging.INFO if args.verbose else logging.WARNING)
+    if not _under_torchrun():
+        try:
+            _validate(args)
+        except UserError as e:
+            return _usage(str(e))
+        nproc = args.nproc if args.command == "demo" or args.layout == "fsdp" else 1
+        if nproc > 1:
+            return _launch(nproc, argv)
+    try:
+        code = _run(args)
+    except UserError as e:
+        return _finish(_usage(str(e)))
+    except KeyboardInterrupt:
+        return 130
+    return _finish(code)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from .demo import init_cpu_process_group
+
+    init_cpu_process_group()
+    try:
+        if args.command == "demo":
+            from .demo import run_demo
+
+            try:
+                res = run_demo(
+                    steps=args.steps, preset=args.model, config_path=args.config,
+                    hidden=args.hidden, layers=args.layers, packed=args.packed,
+                    checksums=args.checksums,
+                )
+            except Exception as e:  # noqa: BLE001 - a failed sync is a verdict, in words
+                if dist.get_rank() == 0:
+                    print(f"weightsync demo: FAIL: {type(e).__name__}: {e}", file=sys.stderr)
+                return EXIT_FAIL
+            return EXIT_OK if res.ok else EXIT_FAIL
+        from .cli_check import run_check
+
+        return run_check(args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

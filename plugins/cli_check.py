@@ -1,0 +1,182 @@
+"""``weightsync check``: one dry-run pass of a source on CPU ranks, judged against the checkpoint.
+
+Three things must agree for a pass to be PASS:
+
+1. the source's ``metadata`` and its stream, on every rank (``check_stream``: names, order, dtypes,
+   shapes, contiguity, count);
+2. the metadata and the checkpoint transformers' ``save_pretrained`` writes for the same config
+   (the oracle: names, shapes, and -- when no wire ``--dtype`` is asked for -- dtypes and bytes);
+3. every rank's verdict (gathered, so a failure on any rank fails the check everywhere).
+
+Rank 0 prints a table of what would be sent (tensors, bytes, dtypes, owners) and every unmapped
+name: checkpoint tensors the source does not send and sent names the checkpoint does not have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import tempfile
+from collections import Counter, defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .demo import _fmt_bytes, _shard
+from .presets import build_model, load_config
+
+__all__ = ["run_check", "checkpoint_index"]
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def checkpoint_index(model: torch.nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """``{name: (dtype, shape)}`` of the safetensors checkpoint ``model.save_pretrained`` writes."""
+    from safetensors import safe_open
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    with tempfile.TemporaryDirectory(prefix="weightsync-check-") as tmp:
+        model.save_pretrained(tmp)
+        for file in sorted(glob.glob(os.path.join(tmp, "*.safetensors"))):
+            with safe_open(file, "pt") as f:
+                for k in f.keys():
+                    s = f.get_slice(k)
+                    out[k] = (_ST_DTYPES.get(s.get_dtype(), torch.uint8), tuple(s.get_shape()))
+    return out
+
+
+def _owners(m: Any, world: int) -> str:
+    if m.owners is None:
+        return f"all {world}"
+    return ",".join(str(r) for r in m.owners)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from weightsync.sources import FSDPSource
+    from weightsync.sources.check import check_stream
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = load_config(args.model, args.config, hidden=args.hidden, layers=args.layers)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    model = build_model(config, seed=0)
+    oracle = checkpoint_index(model) if rank == 0 else None
+    model = _shard(model)
+    problems: list[str] = []
+    try:
+        source = FSDPSource(model, dtype=dtype)
+        meta = source.metadata
+    except Exception as e:  # noqa: BLE001 - reported as the verdict
+        meta, source = [], None
+        problems.append(f"rank {rank}: metadata failed: {type(e).__name__}: {e}")
+    mine = [m for m in meta if m.owners is None or rank in m.owners]
+    seen = 0
+    if source is not None:
+        bar = tqdm(
+            total=len(mine), desc="weightsync check: pass", unit="tensor", file=sys.stderr,
+            disable=rank != 0 or len(mine) < 64 or not sys.stderr.isatty(), leave=False,
+        )
+        try:
+            for _name, _t in check_stream(source.iter_full(), mine, rank=rank, what="iter_full"):
+                seen += 1
+                bar.update()
+        except Exception as e:  # noqa: BLE001 - reported as the verdict
+            problems.append(f"rank {rank}: pass failed: {type(e).__name__}: {e}")
+        finally:
+            bar.close()
+    verdicts: list[Any] = [None] * world
+    dist.all_gather_object(verdicts, (rank, seen, len(mine), problems))
+    code = None
+    if rank == 0:
+        code = _report(args, config, dtype, meta, oracle or {}, verdicts, world, source)
+    box = [code]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
+
+
+def _report(
+    args: argparse.Namespace,
+    config: Any,
+    dtype: torch.dtype | None,
+    meta: list[Any],
+    oracle: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    verdicts: list[Any],
+    world: int,
+    source: Any,
+) -> int:
+    what = args.config or (args.model or "tiny-qwen3")
+    print(
+        f"weightsync check: {what} ({config.model_type}, {config.num_hidden_layers} layers), "
+        f"layout fsdp x{world}, source {type(source).__name__ if source else '-'}, "
+        f"wire dtype {str(dtype).removeprefix('torch.') if dtype else 'as trained'}"
+    )
+    groups: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for m in meta:
+        g = groups[(str(m.dtype).removeprefix("torch."), _owners(m, world))]
+        g[0] += 1
+        g[1] += m.dtype.itemsize * _numel(m.shape)
+    print(f"  {'tensors':>8}  {'bytes':>10}  {'dtype':<10} owners")
+    for (dt, owners), (n, b) in sorted(groups.items()):
+        print(f"  {n:>8}  {_fmt_bytes(b):>10}  {dt:<10} {owners}")
+    total = sum(m.dtype.itemsize * _numel(m.shape) for m in meta)
+    print(f"  {len(meta):>8}  {_fmt_bytes(total):>10}  total")
+    for m in meta[: args.show]:
+        print(f"    {m.name}  {str(m.dtype).removeprefix('torch.')}  {tuple(m.shape)}  owners {_owners(m, world)}")
+
+    failures: list[str] = []
+    for _rank, seen, expected, problems in verdicts:
+        failures.extend(problems)
+        if not problems and seen != expected:
+            failures.append(f"rank {_rank}: stream yielded {seen} of {expected} tensors")
+    names = {m.name for m in meta}
+    not_sent = [k for k in oracle if k not in names]
+    not_in_ckpt = [m.name for m in meta if m.name not in oracle]
+    shape_diff = [
+        f"{m.name}: sent {tuple(m.shape)}, checkpoint {oracle[m.name][1]}"
+        for m in meta
+        if m.name in oracle and tuple(m.shape) != oracle[m.name][1]
+    ]
+    dtype_diff = []
+    if dtype is None:
+        dtype_diff = [
+            f"{m.name}: sent {m.dtype}, checkpoint {oracle[m.name][0]}"
+            for m in meta
+            if m.name in oracle and m.dtype != oracle[m.name][0]
+        ]
+    ckpt_bytes = sum(d.itemsize * _numel(s) for d, s in oracle.values())
+    print(
+        f"  checkpoint (save_pretrained of the same config): {len(oracle)} tensors, "
+        f"{_fmt_bytes(ckpt_bytes)}"
+    )
+    print(f"  unmapped: checkpoint tensors not sent: {not_sent or 'none'}")
+    print(f"  unmapped: sent names not in the checkpoint: {not_in_ckpt or 'none'}")
+    for label, items in (("shape", shape_diff), ("dtype", dtype_diff)):
+        for item in items[:10]:
+            print(f"  {label} differs: {item}")
+    if dtype is None and not not_sent and not not_in_ckpt and total != ckpt_bytes:
+        failures.append(f"bytes differ: sent {total}, checkpoint {ckpt_bytes}")
+    dtypes = Counter(str(m.dtype).removeprefix("torch.") for m in meta)
+    print(f"  stream vs metadata: {sum(v[1] for v in verdicts)} tensors checked on {world} rank(s); dtypes {dict(dtypes)}")
+    for f in failures:
+        print(f"  FAIL: {f}")
+    ok = not (failures or not_sent or not_in_ckpt or shape_diff or dtype_diff) and bool(meta)
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

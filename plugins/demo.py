@@ -1,0 +1,210 @@
+"""The README's main job: train a sharded model on CPU and sync it into a receiver after every step.
+
+Under ``torchrun`` (or ``weightsync demo --nproc N``, which launches it): every rank builds the same
+small transformers causal LM from a config (random init, no downloads), shards it with FSDP2 on a
+CPU mesh (gloo), and trains it with AdamW on next-token cross-entropy over random ids. Rank 0 starts
+a receiver process (``LoopbackReceiver`` behind vLLM's dev-mode HTTP routes) holding the same
+architecture with *different* initial weights. After each step every rank calls
+``engine.send_weights()`` on a loopback engine built by vLLM's ``WeightTransferTrainerFactory``
+over an ``FSDPSource``; then every rank runs the FSDP forward on a fixed batch and rank 0 compares
+those logits with the receiver's, computed in its own process.
+
+A sync is *verified* iff the receiver's logits equal the trainer's bit for bit: same fp32 weights,
+same CPU kernels, one thread each, eager attention -- nothing is allowed to differ, so no tolerance
+is used. The demo prints one line per sync and a one-line summary; ``run_demo`` returns 0 only if
+every sync verified.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightsync.sources.logs import get_logger
+
+from .presets import build_model, load_config
+
+__all__ = ["DemoResult", "run_demo"]
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class DemoResult:
+    syncs: int = 0
+    verified: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    lines: list[str] = field(default_factory=list)
+    summary: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.syncs > 0 and self.verified == self.syncs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _shard(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+@torch.no_grad()
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    try:
+        return model(input_ids=ids).logits.float()
+    finally:
+        model.train()
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def _share(obj: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def run_demo(
+    *,
+    steps: int = 3,
+    preset: str = "tiny-qwen3",
+    config_path: str | None = None,
+    hidden: int | None = None,
+    layers: int | None = None,
+    packed: bool = True,
+    checksums: bool = True,
+    out: Any = print,
+) -> DemoResult:
+    """Run the demo on the initialized default process group; every rank calls it.
+
+    ``out`` prints on rank 0 only (the CLI passes ``print``). Returns the same ``DemoResult`` on
+    every rank.
+    """
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightsync.sources import FSDPSource
+
+    from .loopback import LoopbackTrainerInitInfo
+    from .loopback_server import ReceiverClient, start_receiver_process
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    say = out if rank == 0 else (lambda *a, **k: None)
+    config = load_config(preset, config_path, hidden=hidden, layers=layers)
+    model = _shard(build_model(config, seed=0))
+    n_params = sum(p.numel() for p in model.parameters())
+
+    handle = None
+    if rank == 0:
+        _, handle = start_receiver_process(functools.partial(build_model, config, 1))
+        where = (handle.url, _free_port())
+    else:
+        where = None
+    url, port = _share(where)
+    result = DemoResult()
+    try:
+        client = ReceiverClient(url)
+        source = FSDPSource(model)
+        info = LoopbackTrainerInitInfo(
+            "127.0.0.1", port, 2, rank=rank, packed=packed, checksums=checksums
+        )
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+        say(
+            f"weightsync demo: {config.model_type} ({n_params:,} params, {config.num_hidden_layers} "
+            f"layers, hidden {config.hidden_size}) on {world} CPU rank(s), FSDP2 + FSDPSource -> "
+            f"loopback receiver (pid {handle.pid if handle else '?'}), packed={packed}, "
+            f"checksums={checksums}"
+        )
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data, as in DP
+        eval_ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
+        trainer_logits = _logits(model, eval_ids)
+        if rank == 0:
+            before, _ = client.logits(eval_ids.tolist())
+            say(f"  before any sync: receiver logits equal trainer's: {torch.equal(before, trainer_logits)}")
+
+        for step in range(1, steps + 1):
+            ids = torch.randint(0, config.vocab_size, (4, 32), generator=gen)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+
+            t0 = time.perf_counter()
+            engine.send_weights(weight_version=f"step-{step}")
+            seconds = time.perf_counter() - t0
+            trainer_logits = _logits(model, eval_ids)
+            verdict = None
+            if rank == 0:
+                got, _ = client.logits(eval_ids.tolist())
+                diff = float((got - trainer_logits).abs().max())
+                verdict = (bool(torch.equal(got, trainer_logits)), diff, client.weight_version())
+            equal, diff, version = _share(verdict)
+            equal = equal and version == f"step-{step}"
+            src, wire = source.last_pass, engine.last_send
+            result.syncs += 1
+            result.verified += int(equal)
+            result.bytes += wire.bytes
+            result.seconds += seconds
+            line = (
+                f"  sync {step}/{steps}: loss {loss.item():.4f} | {wire.tensors} tensors, "
+                f"{_fmt_bytes(wire.bytes)}, {src.collectives} gathers + {wire.collectives} "
+                f"broadcasts, {seconds:.3f} s | receiver {version}: logits "
+                + ("EQUAL (bit-exact)" if equal else f"DIFFER (max |diff| {diff:.3g})")
+            )
+            result.lines.append(line)
+            say(line)
+    finally:
+        if handle is not None:
+            handle.stop()
+    result.summary = (
+        f"weightsync demo: {result.verified}/{result.syncs} syncs verified, "
+        f"{_fmt_bytes(result.bytes)} sent in {result.seconds:.2f} s "
+        f"({world} ranks, {config.model_type}, {n_params:,} params) -> "
+        + ("PASS" if result.ok else "FAIL")
+    )
+    say(result.summary)
+    return result
+
+
+def init_cpu_process_group() -> None:
+    """The default process group for the demo/check: gloo, from torchrun's env, or a 1-rank one."""
+    import datetime
+
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    else:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=300),
+        )
