@@ -1,0 +1,108 @@
+"""``WeightSyncCallback`` for ``transformers.Trainer`` (and TRL trainers, which subclass it).
+
+Invariants, and why:
+
+* **Every rank syncs at the same points**: the callback runs on every rank (the Trainer calls its
+  callbacks on every process), syncs on ``on_train_begin`` (cold sync: vLLM starts from the
+  trainer's initial weights) and on ``on_step_end`` when ``global_step`` is a multiple of ``every``
+  -- ``on_step_end`` fires once per *optimizer* step, after gradient accumulation, so a partially
+  accumulated step is never sent. There is no rank-conditional branch around the sync; only the
+  driver decides, inside, that rank 0 talks HTTP.
+* **Reports land in the Trainer's logs**: with ``trainer=`` the report goes through ``Trainer.log``
+  (``state.log_history`` and every ``report_to`` integration); without it, into
+  ``state.log_history`` directly and into the next ``on_log`` payload.
+* **Built late**: a callable ``sync`` is called with the model at ``on_train_begin``, after
+  accelerate prepared (sharded) it, so the source sees the FSDP2 parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from transformers import TrainerCallback
+
+from weightsync.sources.logs import get_logger
+
+from .driver import WeightSync
+
+__all__ = ["WeightSyncCallback"]
+
+logger = get_logger(__name__)
+
+
+class WeightSyncCallback(TrainerCallback):
+    """Sync the Trainer's model into vLLM: at train begin, then every ``WeightSync.every`` optimizer
+    steps.
+
+    Args:
+        sync: a ``WeightSync``, or ``model -> WeightSync`` called at ``on_train_begin`` with the
+            prepared model (build the source there, e.g. with ``weightsync.plugins.accelerate``).
+        trainer: the Trainer, to log reports through ``Trainer.log`` (recommended).
+        cold_sync: sync at ``on_train_begin`` (step ``state.global_step``, 0 for a fresh run).
+        sync_on_train_end: also sync the final weights if the last step was not a sync step.
+    """
+
+    def __init__(
+        self,
+        sync: WeightSync | Callable[[Any], WeightSync],
+        *,
+        trainer: Any = None,
+        cold_sync: bool = True,
+        sync_on_train_end: bool = False,
+    ) -> None:
+        if not isinstance(sync, WeightSync) and not callable(sync):
+            raise TypeError(
+                f"WeightSyncCallback: sync must be a WeightSync or a callable model -> WeightSync, "
+                f"got {type(sync).__name__}"
+            )
+        self._sync_or_factory = sync
+        self.sync: WeightSync | None = sync if isinstance(sync, WeightSync) else None
+        self.trainer = trainer
+        self.cold_sync = cold_sync
+        self.sync_on_train_end = sync_on_train_end
+        self._pending: dict[str, float] = {}
+
+    def _ensure(self, model: Any) -> WeightSync:
+        if self.sync is None:
+            if model is None:
+                raise ValueError("WeightSyncCallback: the Trainer passed no model to on_train_begin")
+            built = self._sync_or_factory(model)  # type: ignore[operator]
+            if not isinstance(built, WeightSync):
+                raise TypeError(
+                    f"WeightSyncCallback: the sync factory returned {type(built).__name__}, not a WeightSync"
+                )
+            self.sync = built
+        return self.sync
+
+    def _run(self, state: Any, step: int) -> None:
+        assert self.sync is not None
+        report = self.sync.sync(step)
+        metrics = report.metrics()
+        if self.trainer is not None:
+            self.trainer.log(dict(metrics))
+        else:
+            state.log_history.append({**metrics, "step": state.global_step})
+            self._pending.update(metrics)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self._ensure(model)
+        if self.cold_sync:
+            self._run(state, state.global_step)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        assert self.sync is not None, "on_train_begin did not run"
+        if self.sync.should_sync(state.global_step):
+            self._run(state, state.global_step)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.sync is None or not self.sync_on_train_end:
+            return
+        last = self.sync.last_report
+        if last is None or last.step != state.global_step:
+            self._run(state, state.global_step)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        if logs is not None and self._pending:
+            logs.update(self._pending)
+            self._pending = {}
