@@ -1,0 +1,437 @@
+"""Megatron-core MoE layers -> Hugging Face checkpoint tensors, gathered to rank 0 with bounded memory.
+
+One MoE layer of a ``GPTModel`` exports: router weight, router expert bias (a buffer), the routed
+experts (``per_expert`` or ``fused`` wire layout, ``sources/experts.py``), shared experts and the
+shared-expert gate. Names come from ``HFMoENames`` (transformers' own reversal), layout math from
+``experts.py`` / ``layout.py``; this file only knows where Megatron keeps each piece:
+
+* routed experts live on the expert-parallel (EP) x expert-tensor-parallel (ETP) grid: global expert
+  ``e = ep_rank * E_local + j``; each ETP rank holds rows ``[gate_r; up_r]`` of ``linear_fc1`` and
+  columns ``r`` of ``linear_fc2``. Three storage formats:
+  ``SequentialMLP`` ``local_experts.{j}.linear_fc{1,2}.weight``; ``TEGroupedMLP``
+  ``linear_fc1.weight{j}`` / ``linear_fc2.weight{j}`` (same shapes); legacy ``GroupedMLP``
+  ``weight1`` ``[H, E_local * 2F/etp]`` and ``weight2`` ``[E_local * F/etp, H]``, input-by-output
+  (its forward views them as ``[E_local, H, 2F/etp]`` / ``[E_local, F/etp, H]``).
+* router weight and expert bias are replicated over TP and EP; shared experts are split over the
+  dense TP group like a dense MLP (``glu`` fc1, ``row`` fc2); the shared gate is replicated.
+
+Invariants:
+
+* Gather to the sender only: every piece travels point-to-point from the one rank that holds it (in
+  rank 0's replica: lowest global rank with those coordinates) to rank 0, cast to the wire dtype
+  first. Non-zero ranks yield nothing and never hold another rank's shard.
+* Bounded memory on rank 0: experts move in batches of at most ``expert_batch_bytes``. ``per_expert``
+  holds one batch at a time; ``fused`` holds one layer's fused pair (preallocated, filled per batch)
+  plus one batch -- never a ``torch.stack`` of separately materialized experts.
+* Every rank walks the same plan (layers, batches, pieces) in the same order, computed from configs
+  and one cached exchange of parallel coordinates; so sends and receives pair up, and ``entries``
+  (metadata) is collective-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import UnmappedParameterError
+from .experts import (
+    DEFAULT_EXPERT_BATCH_BYTES,
+    ExpertLayout,
+    FusedExpertBuffer,
+    check_expert_layout,
+    default_expert_layout,
+    expert_batches,
+)
+from .layout import concat_shards
+from .logs import get_logger
+from .moe_families import HFMoELayer, HFMoENames
+from .stats import PassStats
+
+__all__ = [
+    "expert_format",
+    "local_expert_weights",
+    "Coords",
+    "MegatronMoEExporter",
+    "megatron_moe_suffixes",
+]
+
+logger = get_logger(__name__)
+
+
+# ---- reading one rank's pieces ------------------------------------------------------------------
+
+
+def expert_format(experts: torch.nn.Module) -> str:
+    """``"sequential"`` | ``"te_grouped"`` | ``"grouped"`` for a Megatron experts module."""
+    if hasattr(experts, "local_experts"):
+        return "sequential"
+    if hasattr(experts, "weight1") and hasattr(experts, "weight2"):
+        return "grouped"
+    fc1 = getattr(experts, "linear_fc1", None)
+    if fc1 is not None and hasattr(fc1, "weight0"):
+        return "te_grouped"
+    raise UnmappedParameterError(
+        f"unknown Megatron experts module {type(experts).__name__}: expected SequentialMLP "
+        "(local_experts), TEGroupedMLP (linear_fc1.weight{j}) or GroupedMLP (weight1/weight2)"
+    )
+
+
+def local_expert_weights(experts: torch.nn.Module, j: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fc1 [2F/etp, H], fc2 [H, F/etp])`` of local expert ``j`` in ``[out, in]`` orientation.
+
+    Views where the storage allows (no copy); legacy ``GroupedMLP`` pieces are transposed views.
+    """
+    fmt = expert_format(experts)
+    if fmt == "sequential":
+        e = experts.local_experts[j]
+        return e.linear_fc1.weight, e.linear_fc2.weight
+    if fmt == "te_grouped":
+        return getattr(experts.linear_fc1, f"weight{j}"), getattr(experts.linear_fc2, f"weight{j}")
+    n = experts.num_local_experts
+    w1 = experts.weight1.view(n, hidden, -1)[j].t()  # [2F/etp, H]
+    w2 = experts.weight2.view(n, -1, hidden)[j].t()  # [H, F/etp]
+    return w1, w2
+
+
+def megatron_moe_suffixes(num_local_experts: int, fmt: str) -> list[str]:
+    """Layer-relative Megatron parameter names of one MoE MLP's routed experts, for binding checks."""
+    if fmt == "sequential":
+        return [
+            f"mlp.experts.local_experts.{j}.linear_fc{k}.weight"
+            for j in range(num_local_experts)
+            for k in (1, 2)
+        ]
+    if fmt == "te_grouped":
+        return [f"mlp.experts.linear_fc{k}.weight{j}" for j in range(num_local_experts) for k in (1, 2)]
+    if fmt == "grouped":
+        return ["mlp.experts.weight1", "mlp.experts.weight2"]
+    raise ValueError(f"unknown expert format {fmt!r}")
+
+
+# ---- who holds what -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Coords:
+    """One rank's Megatron coordinates (what the plan needs to find a piece's holder)."""
+
+    rank: int
+    pp: int
+    tp: int
+    ep: int
+    etp: int
+
+    @staticmethod
+    def mine() -> Coords:
+        from megatron.core import parallel_state as ps
+
+        return Coords(
+            rank=dist.get_rank(),
+            pp=ps.get_pipeline_model_parallel_rank(),
+            tp=ps.get_tensor_model_parallel_rank(),
+            ep=ps.get_expert_model_parallel_rank(),
+            etp=ps.get_expert_tensor_parallel_rank(),
+        )
+
+
+def _moe_modules(chunks: list[torch.nn.Module]) -> dict[int, torch.nn.Module]:
+    """global layer (0-based, from ``layer_number``) -> local MoE MLP module (has ``.router``)."""
+    out: dict[int, torch.nn.Module] = {}
+    for chunk in chunks:
+        for layer in getattr(chunk.decoder, "layers", []):
+            mlp = getattr(layer, "mlp", None)
+            if mlp is not None and hasattr(mlp, "router") and hasattr(mlp, "experts"):
+                out[int(layer.layer_number) - 1] = mlp
+    return out
+
+
+# ---- the exporter -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One tensor moving to rank 0: who holds it and how rank 0 receives it."""
+
+    src: int
+    kind: str  # "router" | "bias" | "fc1" | "fc2" | "shared1" | "shared2" | "sgate"
+    expert: int  # global expert (routed pieces), else -1
+    shard: int  # ETP / TP shard index, else 0
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class MegatronMoEExporter:
+    """Everything MegatronSource needs for the MoE layers of one model.
+
+    ``entries(layer)`` -- the layer's wire ``(name, shape, dtype)`` in stream order, from configs only.
+    ``export(layer)`` -- run on every rank, in the same global layer order; yields ``(name, tensor)``
+    on rank 0 only (full HF tensors, wire dtype, contiguous), nothing elsewhere.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        hf_config: Any,
+        mcfg: Any,
+        *,
+        expert_layout: ExpertLayout | None = None,
+        dtype: torch.dtype | None = None,
+        expert_batch_bytes: int = DEFAULT_EXPERT_BATCH_BYTES,
+        stats: PassStats | None = None,
+    ) -> None:
+        from .megatron_walk import model_chunks
+
+        self.layout: ExpertLayout = check_expert_layout(expert_layout) or default_expert_layout()
+        if expert_batch_bytes <= 0:
+            raise ValueError(f"expert_batch_bytes must be positive, got {expert_batch_bytes}")
+        self.chunks = model_chunks(model)
+        self.mcfg = mcfg
+        self.names = HFMoENames(hf_config)
+        self.dtype = dtype or mcfg.params_dtype
+        self.expert_batch_bytes = expert_batch_bytes
+        self.stats = stats if stats is not None else PassStats()
+        self.ep = mcfg.expert_model_parallel_size
+        self.etp = mcfg.expert_tensor_parallel_size or mcfg.tensor_model_parallel_size
+        self.tp = mcfg.tensor_model_parallel_size
+        self.E = mcfg.num_moe_experts
+        if self.E % self.ep:
+            raise ValueError(f"num_moe_experts={self.E} is not divisible by expert_model_parallel_size={self.ep}")
+        self.E_local = self.E // self.ep
+        self.local = _moe_modules(self.chunks)
+        self._coords: list[Coords] | None = None
+        self._stage_of: dict[int, int] | None = None
+
+    # -- metadata (no collective) ----------------------------------------------------------------
+    def hf_layer(self, layer: int) -> HFMoELayer:
+        hf = self.names.layer(layer)
+        c = self.mcfg
+        spec = hf.experts
+        if (spec.num_experts, spec.hidden, spec.intermediate) != (self.E, c.hidden_size, c.moe_ffn_hidden_size):
+            raise UnmappedParameterError(
+                f"layer {layer}: hf_config experts (E={spec.num_experts}, hidden={spec.hidden}, "
+                f"intermediate={spec.intermediate}) differ from Megatron's (num_moe_experts={self.E}, "
+                f"hidden_size={c.hidden_size}, moe_ffn_hidden_size={c.moe_ffn_hidden_size})"
+            )
+        has_shared = bool(getattr(c, "moe_shared_expert_intermediate_size", None))
+        if has_shared != (hf.shared is not None):
+            raise UnmappedParameterError(
+                f"layer {layer}: Megatron moe_shared_expert_intermediate_size="
+                f"{getattr(c, 'moe_shared_expert_intermediate_size', None)} but the HF family "
+                f"{'has' if hf.shared else 'has no'} shared experts"
+            )
+        if has_shared and hf.shared[0][1][0] != c.moe_shared_expert_intermediate_size:
+            raise UnmappedParameterError(
+                f"layer {layer}: shared expert size {hf.shared[0][1][0]} (hf_config) != "
+                f"{c.moe_shared_expert_intermediate_size} (Megatron)"
+            )
+        if bool(getattr(c, "moe_shared_expert_gate", False)) != (hf.shared_gate is not None):
+            raise UnmappedParameterError(
+                f"layer {layer}: Megatron moe_shared_expert_gate={getattr(c, 'moe_shared_expert_gate', False)} "
+                f"but the HF family {'has' if hf.shared_gate else 'has no'} shared_expert_gate"
+            )
+        if bool(getattr(c, "moe_router_enable_expert_bias", False)) != (hf.router_bias is not None):
+            raise UnmappedParameterError(
+                f"layer {layer}: Megatron moe_router_enable_expert_bias="
+                f"{getattr(c, 'moe_router_enable_expert_bias', False)} but the HF family "
+                f"{'has' if hf.router_bias else 'has no'} e_score_correction_bias"
+            )
+        return hf
+
+    def entries(self, layer: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        hf = self.hf_layer(layer)
+        out = [(hf.router[0], hf.router[1], self.dtype)]
+        if hf.router_bias is not None:
+            out.append((hf.router_bias[0], hf.router_bias[1], torch.float32))
+        out += [(n, s, self.dtype) for n, s in hf.experts.entries(self.layout)]
+        if hf.shared is not None:
+            out += [(n, s, self.dtype) for n, s in hf.shared]
+        if hf.shared_gate is not None:
+            out.append((hf.shared_gate[0], hf.shared_gate[1], self.dtype))
+        return out
+
+    # -- placement (one cached exchange) ---------------------------------------------------------
+    def _placement(self) -> None:
+        if self._coords is not None:
+            return
+        from .check import control_group
+
+        mine = Coords.mine()
+        coords: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(coords, mine, group=control_group())
+        self.stats.collectives += 1
+        stage_of: dict[int, int] = {}
+        for lay in self.local:
+            stage_of[lay] = mine.pp
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(self.local), group=control_group())
+        self.stats.collectives += 1
+        for c, layers in zip(coords, gathered):
+            for lay in layers:
+                stage_of.setdefault(lay, c.pp)
+        self._coords, self._stage_of = coords, stage_of
+
+    def _holder(self, layer: int, **want: int) -> int:
+        assert self._coords is not None and self._stage_of is not None
+        if layer not in self._stage_of:
+            raise UnmappedParameterError(f"MoE layer {layer} is held by no rank (expected from Megatron config)")
+        stage = self._stage_of[layer]
+        for c in self._coords:  # sorted by rank: the lowest rank is in rank 0's replica
+            if c.pp == stage and all(getattr(c, k) == v for k, v in want.items()):
+                return c.rank
+        raise RuntimeError(f"no rank holds layer {layer} with coordinates {want}")
+
+    # -- export (collective over all ranks) ------------------------------------------------------
+    def export(self, layer: int) -> Iterator[tuple[str, torch.Tensor]]:
+        self._placement()
+        hf = self.hf_layer(layer)
+        me = dist.get_rank()
+        mlp = self.local.get(layer)
+        H, F = self.mcfg.hidden_size, self.mcfg.moe_ffn_hidden_size
+        wd = self.dtype
+
+        # router weight / expert bias: replicated, sent by the lowest holder.
+        src = self._holder(layer)
+        yield from self._move(
+            [_Piece(src, "router", -1, 0, hf.router[1], wd)], mlp, me, lambda ps, ts: [(hf.router[0], ts[0])]
+        )
+        if hf.router_bias is not None:
+            yield from self._move(
+                [_Piece(src, "bias", -1, 0, hf.router_bias[1], torch.float32)],
+                mlp, me, lambda ps, ts: [(hf.router_bias[0], ts[0])],
+            )
+
+        # routed experts, in batches.
+        spec = hf.experts
+        per_expert_bytes = spec.expert_bytes(wd)
+        buf = None
+        if self.layout == "fused" and me == 0:
+            buf = FusedExpertBuffer(spec, wd, device=self._device(mlp))
+            self.stats.hold(buf.nbytes)
+        for batch in expert_batches(self.E, per_expert_bytes, self.expert_batch_bytes):
+            pieces = []
+            for e in batch:
+                ep_rank, _ = divmod(e, self.E_local)
+                for r in range(self.etp):
+                    h = self._holder(layer, ep=ep_rank, etp=r)
+                    pieces.append(_Piece(h, "fc1", e, r, (2 * F // self.etp, H), wd))
+                    pieces.append(_Piece(h, "fc2", e, r, (H, F // self.etp), wd))
+
+            def assemble(ps: list[_Piece], ts: list[torch.Tensor], batch=batch):
+                out = []
+                for k, e in enumerate(batch):
+                    n = 2 * self.etp
+                    mine_p = ts[k * n : (k + 1) * n]
+                    (gate, up) = concat_shards("glu", mine_p[0::2])
+                    (down,) = concat_shards("row", mine_p[1::2])
+                    if buf is not None:
+                        buf.put(e, gate, up, down)
+                    else:
+                        out += [
+                            (spec.expert_name(e, "gate"), gate),
+                            (spec.expert_name(e, "up"), up),
+                            (spec.expert_name(e, "down"), down),
+                        ]
+                return out
+
+            yield from self._move(pieces, mlp, me, assemble)
+        if buf is not None:
+            for name, t in buf.take():
+                self.stats.yielded(t.nbytes)
+                yield name, t
+            self.stats.hold(-buf.nbytes)
+
+        # shared experts (dense TP group) and shared gate.
+        if hf.shared is not None:
+            S = hf.shared[0][1][0]
+            pieces = []
+            for r in range(self.tp):
+                h = self._holder(layer, tp=r)
+                pieces.append(_Piece(h, "shared1", -1, r, (2 * S // self.tp, H), wd))
+                pieces.append(_Piece(h, "shared2", -1, r, (H, S // self.tp), wd))
+
+            def assemble_shared(ps, ts):
+                gate, up = concat_shards("glu", ts[0::2])
+                (down,) = concat_shards("row", ts[1::2])
+                return [(hf.shared[0][0], gate), (hf.shared[1][0], up), (hf.shared[2][0], down)]
+
+            yield from self._move(pieces, mlp, me, assemble_shared)
+        if hf.shared_gate is not None:
+            yield from self._move(
+                [_Piece(src, "sgate", -1, 0, hf.shared_gate[1], wd)],
+                mlp, me, lambda ps, ts: [(hf.shared_gate[0], ts[0])],
+            )
+
+    # -- moving pieces ---------------------------------------------------------------------------
+    @staticmethod
+    def _device(mlp: torch.nn.Module | None) -> torch.device:
+        if mlp is None:
+            return torch.device("cpu")
+        return next(mlp.router.parameters()).device
+
+    def _local_piece(self, mlp: torch.nn.Module, p: _Piece) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+
+        if p.kind == "router":
+            t = mlp.router.weight
+        elif p.kind == "bias":
+            t = mlp.router.expert_bias
+        elif p.kind in ("fc1", "fc2"):
+            j = p.expert - ps.get_expert_model_parallel_rank() * self.E_local
+            fc1, fc2 = local_expert_weights(mlp.experts, j, self.mcfg.hidden_size)
+            t = fc1 if p.kind == "fc1" else fc2
+        elif p.kind == "shared1":
+            t = mlp.shared_experts.linear_fc1.weight
+        elif p.kind == "shared2":
+            t = mlp.shared_experts.linear_fc2.weight
+        else:
+            t = mlp.shared_experts.gate_weight
+        if tuple(t.shape) != p.shape:
+            raise UnmappedParameterError(
+                f"rank {dist.get_rank()}: Megatron {p.kind} piece (expert {p.expert}, shard {p.shard}) "
+                f"has shape {tuple(t.shape)}, expected {p.shape} from the config"
+            )
+        return t.detach().to(p.dtype).contiguous()
+
+    def _move(self, pieces: list[_Piece], mlp, me: int, assemble) -> Iterator[tuple[str, torch.Tensor]]:
+        """Send this rank's pieces to rank 0; on rank 0 receive the rest, assemble, yield."""
+        if me != 0:
+            works = []
+            sent = []
+            for p in pieces:
+                if p.src == me:
+                    t = self._local_piece(mlp, p)
+                    sent.append(t)
+                    works.append(dist.isend(t, dst=0))
+                    self.stats.collectives += 1
+            for w in works:
+                w.wait()
+            return
+        device = self._device(mlp)
+        ts: list[torch.Tensor | None] = [None] * len(pieces)
+        works = []
+        held = 0
+        for i, p in enumerate(pieces):
+            if p.src == 0:
+                ts[i] = self._local_piece(mlp, p)
+            else:
+                ts[i] = torch.empty(p.shape, dtype=p.dtype, device=device)
+                works.append(dist.irecv(ts[i], src=p.src))
+                self.stats.collectives += 1
+                self.stats.bytes_received += ts[i].nbytes
+            held += ts[i].nbytes
+        self.stats.hold(held)
+        for w in works:
+            w.wait()
+        out = assemble(pieces, ts)
+        del ts
+        made = sum(t.nbytes for _, t in out)
+        self.stats.hold(made)
+        for name, t in out:
+            self.stats.yielded(t.nbytes)
+            yield name, t
+        del out
+        self.stats.hold(-held - made)

@@ -1,0 +1,138 @@
+"""Hugging Face checkpoint names of one MoE layer, for sources that do not hold a transformers model.
+
+Invariant: the only hand-written facts here are *which transformers in-memory module* plays each
+MoE role per ``model_type`` (router, router bias, shared expert, shared-expert gate); every
+checkpoint name and shape is then read off a meta-device transformers model built from the same
+``hf_config`` and passed through transformers' own save-time reversal
+(``revert_weight_conversion``, via ``experts.expert_names``), so renamings such as Mixtral's
+``mlp`` -> ``block_sparse_moe`` and ``w1/w3/w2`` come from transformers, not from this file. A role
+the family declares but the built model lacks (or the reverse) raises naming the layer.
+
+Nothing here allocates real tensors or communicates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from .errors import UnmappedParameterError
+from .experts import ExpertLayerSpec, expert_names, is_fused_expert_param
+
+__all__ = ["MoERoles", "MOE_ROLES", "HFMoELayer", "HFMoENames"]
+
+
+@dataclass(frozen=True)
+class MoERoles:
+    """Layer-relative transformers in-memory names of each MoE role (``None``: the family has none)."""
+
+    router: str = "mlp.gate.weight"
+    router_bias: str | None = None
+    shared: str | None = None  # module holding gate_proj/up_proj/down_proj
+    shared_gate: str | None = None
+
+
+#: model_type -> roles. Experts themselves are found by shape (``mlp.experts.gate_up_proj``).
+MOE_ROLES: dict[str, MoERoles] = {
+    "qwen3_moe": MoERoles(),
+    "qwen2_moe": MoERoles(shared="mlp.shared_expert", shared_gate="mlp.shared_expert_gate.weight"),
+    "mixtral": MoERoles(),
+    "deepseek_v3": MoERoles(router_bias="mlp.gate.e_score_correction_bias", shared="mlp.shared_experts"),
+}
+
+
+@dataclass(frozen=True)
+class HFMoELayer:
+    """Checkpoint names and full shapes of one MoE layer's non-attention tensors."""
+
+    layer: int
+    router: tuple[str, tuple[int, ...]]
+    router_bias: tuple[str, tuple[int, ...]] | None
+    experts: ExpertLayerSpec
+    shared: tuple[tuple[str, tuple[int, ...]], ...] | None  # (gate, up, down)
+    shared_gate: tuple[str, tuple[int, ...]] | None
+
+
+class HFMoENames:
+    """Per-layer ``HFMoELayer`` for an ``hf_config``, read from a meta-device model (built once)."""
+
+    def __init__(self, hf_config: Any) -> None:
+        self.hf_config = hf_config
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in MOE_ROLES:
+            raise UnmappedParameterError(
+                f"no MoE role table for model_type={model_type!r}; known: {sorted(MOE_ROLES)}"
+            )
+        self.roles = MOE_ROLES[model_type]
+
+    @cached_property
+    def _model(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(self.hf_config)
+
+    @cached_property
+    def _tensors(self) -> dict[str, tuple[int, ...]]:
+        m = self._model
+        return {n: tuple(t.shape) for n, t in [*m.named_parameters(), *m.named_buffers()]}
+
+    @cached_property
+    def _saved(self) -> dict[str, str]:
+        """in-memory name -> checkpoint name, for every non-expert tensor, by transformers' reversal."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        out: dict[str, str] = {}
+        for name, shape in self._tensors.items():
+            if is_fused_expert_param(name, shape):
+                continue
+            got = revert_weight_conversion(self._model, {name: torch.empty(shape, device="meta")})
+            if len(got) == 1:
+                out[name] = next(iter(got))
+        return out
+
+    @cached_property
+    def _specs(self) -> dict[str, ExpertLayerSpec]:
+        fused = {n: s for n, s in self._tensors.items() if is_fused_expert_param(n, s)}
+        return expert_names(self._model, fused)
+
+    def moe_layers(self) -> list[int]:
+        return sorted(int(k.split(".")[2]) for k in self._specs)
+
+    def layer(self, layer: int) -> HFMoELayer:
+        pre = f"model.layers.{layer}."
+        spec = self._specs.get(f"{pre}mlp.experts")
+        if spec is None:
+            raise UnmappedParameterError(
+                f"layer {layer}: the transformers model built from hf_config has no routed experts "
+                f"there (MoE layers: {self.moe_layers()}); Megatron's moe_layer_freq / first-k-dense "
+                "settings disagree with hf_config"
+            )
+
+        def one(rel: str | None, role: str) -> tuple[str, tuple[int, ...]] | None:
+            if rel is None:
+                return None
+            name = pre + rel
+            if name not in self._tensors:
+                raise UnmappedParameterError(f"layer {layer}: transformers model has no {role} {name!r}")
+            if name not in self._saved:
+                raise UnmappedParameterError(f"layer {layer}: {name!r} ({role}) is not saved by save_pretrained")
+            return self._saved[name], self._tensors[name]
+
+        shared = None
+        if self.roles.shared is not None:
+            shared = tuple(
+                one(f"{self.roles.shared}.{p}.weight", "shared expert")  # type: ignore[misc]
+                for p in ("gate_proj", "up_proj", "down_proj")
+            )
+        return HFMoELayer(
+            layer=layer,
+            router=one(self.roles.router, "router"),  # type: ignore[arg-type]
+            router_bias=one(self.roles.router_bias, "router bias"),
+            experts=spec,
+            shared=shared,
+            shared_gate=one(self.roles.shared_gate, "shared-expert gate"),
+        )

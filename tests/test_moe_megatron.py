@@ -1,0 +1,236 @@
+"""Megatron MoE export (EP / EP x TP with ETP1 and ETP2 / PP, three expert formats) against
+Megatron's own resharding: every rank saves with ``dist_checkpointing``, torch's DCP reader
+assembles full tensors from megatron's shard metadata, and rank 0's export must equal them
+(per_expert and fused), while other ranks yield nothing. Names/shapes come from transformers'
+reversal (checked against ``save_pretrained`` in test_moe_names.py).
+"""
+
+from __future__ import annotations
+
+import resource
+import tempfile
+
+import pytest
+import torch
+from worlds import run_world
+
+pytestmark = pytest.mark.slow
+
+
+def _hf_config(family: str, *, layers: int, experts: int, hidden: int, moe_ffn: int, shared: int | None, dense_first: int = 0):
+    from transformers import AutoConfig
+
+    common = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=64, num_experts_per_tok=2)
+    if family == "qwen2_moe":
+        kw = dict(moe_intermediate_size=moe_ffn, shared_expert_intermediate_size=shared,
+                  num_experts=experts, intermediate_size=40)
+    elif family == "qwen3_moe":
+        kw = dict(moe_intermediate_size=moe_ffn, num_experts=experts, intermediate_size=40,
+                  head_dim=hidden // 4, mlp_only_layers=list(range(dense_first)))
+    elif family == "mixtral":
+        kw = dict(intermediate_size=moe_ffn, num_local_experts=experts, head_dim=hidden // 4)
+    elif family == "deepseek_v3":
+        kw = dict(moe_intermediate_size=moe_ffn, n_routed_experts=experts, n_shared_experts=shared // moe_ffn,
+                  n_group=2, topk_group=1, first_k_dense_replace=dense_first, intermediate_size=40,
+                  q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4)
+    return AutoConfig.for_model(family, **common, **kw)
+
+
+def _world(rank, world_size, *, ckpt, family, tp=1, pp=1, ep=1, etp=None, fmt="sequential", layers=2,
+           experts=4, hidden=16, moe_ffn=12, shared=None, shared_gate=False, expert_bias=False,
+           dense_first=0, layouts=("per_expert", "fused"), batch_bytes=None, measure_rss=False):
+    from moe_megatron import build_gpt, init_parallel, megatron_checkpoint, moe_config
+
+    import torch.distributed as dist
+    from weightsync.sources.megatron_experts import MegatronMoEExporter, expert_format
+
+    init_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
+    freq = [0] * dense_first + [1] * (layers - dense_first)
+    mcfg = moe_config(layers=layers, hidden=hidden, experts=experts, moe_ffn=moe_ffn, shared_ffn=shared,
+                      shared_gate=shared_gate, expert_bias=expert_bias, moe_layer_freq=freq,
+                      expert_format=fmt, tp=tp, pp=pp, ep=ep, etp=etp)
+    model = build_gpt(mcfg, expert_format=fmt)
+    hf = _hf_config(family, layers=layers, experts=experts, hidden=hidden, moe_ffn=moe_ffn,
+                    shared=shared, dense_first=dense_first)
+    if not measure_rss:
+        megatron_checkpoint(model, ckpt)
+    moe_layers = [i for i in range(layers) if freq[i]]
+    facts: dict = {"formats": sorted({expert_format(m.mlp.experts) for m in model.decoder.layers if hasattr(m.mlp, "router")})}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for layout in layouts:
+        ex = MegatronMoEExporter(model, hf, mcfg, expert_layout=layout,
+                                 **({"expert_batch_bytes": batch_bytes} if batch_bytes else {}))
+        declared = [e for lay in moe_layers for e in ex.entries(lay)]
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        ex.stats.start()
+        got = []
+        for lay in moe_layers:
+            for name, t in ex.export(lay):
+                got.append((name, tuple(t.shape), t.dtype, t.is_contiguous()))
+                if not measure_rss:
+                    facts.setdefault(layout, {})[name] = t.clone()
+                del t
+        ex.stats.stop()
+        facts[f"{layout}_rss_growth_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
+        facts[f"{layout}_declared"] = [(n, tuple(s), d) for n, s, d in declared]
+        facts[f"{layout}_stream"] = got
+        facts[f"{layout}_stats"] = ex.stats.as_dict()
+    facts["unchanged"] = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    dist.barrier()
+    return facts
+
+
+def _oracle(ckpt):
+    from moe_megatron import load_full_checkpoint
+
+    return load_full_checkpoint(ckpt)
+
+
+def _ck(ck, suffix, layer):
+    """One layer's tensor from megatron's checkpoint (per-layer keys, or layers stacked on dim 0)."""
+    key = f"decoder.layers.{layer}.{suffix}"
+    return ck[key] if key in ck else ck[f"decoder.layers.{suffix}"][layer]
+
+
+def _expect(ck, hf, layer, spec_names, *, shared=False, gate=False, bias=False):
+    """HF-named tensors of one layer, cut from megatron's full checkpoint tensors."""
+    fc1 = _ck(ck, "mlp.experts.experts.linear_fc1.weight", layer)
+    fc2 = _ck(ck, "mlp.experts.experts.linear_fc2.weight", layer)
+    F = fc2.shape[-1]
+    out = {spec_names["router"]: _ck(ck, "mlp.router.weight", layer)}
+    if bias:
+        out[spec_names["bias"]] = _ck(ck, "mlp.router.expert_bias", layer)
+    for e in range(fc1.shape[0]):
+        out[spec_names["expert"](e, "gate")] = fc1[e, :F]
+        out[spec_names["expert"](e, "up")] = fc1[e, F:]
+        out[spec_names["expert"](e, "down")] = fc2[e]
+    if shared:
+        s1 = _ck(ck, "mlp.shared_experts.linear_fc1.weight", layer)
+        S = s1.shape[0] // 2
+        out[spec_names["shared"][0]] = s1[:S]
+        out[spec_names["shared"][1]] = s1[S:]
+        out[spec_names["shared"][2]] = _ck(ck, "mlp.shared_experts.linear_fc2.weight", layer)
+    if gate:
+        out[spec_names["sgate"]] = _ck(ck, "mlp.shared_experts.gate_weight", layer)
+    return out
+
+
+def _check(res, ckpt, family, moe_layers, *, experts, **kw):
+    from weightsync.sources.moe_families import HFMoENames
+
+    ck = _oracle(ckpt)
+    r0 = res[0]
+    names = HFMoENames(_hf_config(family, **kw["hf"]))
+    want: dict[str, torch.Tensor] = {}
+    for lay in moe_layers:
+        L = names.layer(lay)
+        spec = dict(router=L.router[0], bias=L.router_bias and L.router_bias[0], expert=L.experts.expert_name,
+                    shared=L.shared and [n for n, _ in L.shared], sgate=L.shared_gate and L.shared_gate[0])
+        want.update(_expect(ck, None, lay, spec, shared=L.shared is not None, gate=L.shared_gate is not None,
+                            bias=L.router_bias is not None))
+    # per_expert: exactly megatron's tensors under HF names, in declared order, contiguous.
+    got = r0["per_expert"]
+    assert sorted(got) == sorted(want)
+    for n, t in want.items():
+        assert torch.equal(got[n].to(t.dtype), t), n
+    assert [(n, s, d) for n, s, d, _ in r0["per_expert_stream"]] == r0["per_expert_declared"]
+    assert all(c for *_, c in r0["per_expert_stream"])
+    # fused: gate_up[e] == [gate_e; up_e], down[e] == down_e, every other tensor identical.
+    if "fused" in r0:
+        fz = r0["fused"]
+        assert [(n, s, d) for n, s, d, _ in r0["fused_stream"]] == r0["fused_declared"]
+        for lay in moe_layers:
+            spec = names.layer(lay).experts
+            gu, dn = fz[spec.fused_gate_up], fz[spec.fused_down]
+            assert tuple(gu.shape) == (experts, 2 * spec.intermediate, spec.hidden)
+            for e in range(experts):
+                assert torch.equal(gu[e], torch.cat([want[spec.expert_name(e, "gate")], want[spec.expert_name(e, "up")]]))
+                assert torch.equal(dn[e], want[spec.expert_name(e, "down")])
+        rest = {n for n in want if ".experts." not in n}
+        assert all(torch.equal(fz[n], want[n]) for n in rest)
+    for r, facts in res.items():
+        assert facts["unchanged"], f"rank {r} mutated its model"
+        if r:
+            assert facts["per_expert_stream"] == [], f"rank {r} yielded tensors"
+            assert "per_expert" not in facts
+    return r0
+
+
+def test_ep2_sequential_shared_expert_gate_qwen2_moe():
+    ckpt = tempfile.mkdtemp()
+    kw = dict(layers=2, experts=4, hidden=16, moe_ffn=12, shared=20)
+    res = run_world(_world, 2, ckpt=ckpt, family="qwen2_moe", ep=2, shared_gate=True, **kw)
+    assert res[0]["formats"] == ["sequential"]
+    r0 = _check(res, ckpt, "qwen2_moe", [0, 1], experts=4, hf=kw)
+    # fused wire: 2 tensors per layer instead of 3E
+    assert r0["fused_stats"]["tensors"] < r0["per_expert_stats"]["tensors"]
+
+
+def test_tp2_ep2_etp1_deepseek_bias_shared_first_dense():
+    ckpt = tempfile.mkdtemp()
+    kw = dict(layers=3, experts=4, hidden=16, moe_ffn=12, shared=12, dense_first=1)
+    res = run_world(_world, 4, ckpt=ckpt, family="deepseek_v3", tp=2, ep=2, etp=1, expert_bias=True,
+                    timeout=300, **kw)
+    r0 = _check(res, ckpt, "deepseek_v3", [1, 2], experts=4, hf=kw)
+    assert r0["per_expert"]["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+
+
+def test_tp2_ep2_etp2_legacy_grouped_qwen3_moe():
+    ckpt = tempfile.mkdtemp()
+    kw = dict(layers=2, experts=4, hidden=16, moe_ffn=12, shared=None)
+    res = run_world(_world, 4, ckpt=ckpt, family="qwen3_moe", tp=2, ep=2, etp=2, fmt="grouped",
+                    timeout=300, **kw)
+    assert res[0]["formats"] == ["grouped"]
+    _check(res, ckpt, "qwen3_moe", [0, 1], experts=4, hf=kw)
+
+
+def test_pp2_ep2_sequential_mixtral():
+    ckpt = tempfile.mkdtemp()
+    kw = dict(layers=4, experts=4, hidden=16, moe_ffn=12, shared=None)
+    res = run_world(_world, 4, ckpt=ckpt, family="mixtral", pp=2, ep=2, timeout=300, **kw)
+    r0 = _check(res, ckpt, "mixtral", [0, 1, 2, 3], experts=4, hf=kw)
+    assert "model.layers.3.block_sparse_moe.experts.3.w3.weight" in r0["per_expert"]
+    assert "model.layers.3.block_sparse_moe.experts.w13" in r0["fused"]
+
+
+def test_te_grouped_names_map_to_the_same_pieces():
+    """TE is not installed: TEGroupedMLP's storage (linear_fc{1,2}.weight{j}) is checked by name."""
+    from weightsync.sources.megatron_experts import expert_format, local_expert_weights, megatron_moe_suffixes
+
+    class _Lin(torch.nn.Module):
+        def __init__(self, shapes):
+            super().__init__()
+            for j, s in enumerate(shapes):
+                self.register_parameter(f"weight{j}", torch.nn.Parameter(torch.randn(*s)))
+
+    class TEGroupedMLP(torch.nn.Module):
+        num_local_experts = 2
+
+        def __init__(self):
+            super().__init__()
+            self.linear_fc1 = _Lin([(24, 16)] * 2)
+            self.linear_fc2 = _Lin([(16, 12)] * 2)
+
+    m = TEGroupedMLP()
+    assert expert_format(m) == "te_grouped"
+    fc1, fc2 = local_expert_weights(m, 1, 16)
+    assert fc1 is m.linear_fc1.weight1 and fc2 is m.linear_fc2.weight1
+    names = {f"mlp.experts.{n}" for n, _ in m.named_parameters()}
+    assert names == set(megatron_moe_suffixes(2, "te_grouped"))
+
+
+def test_per_expert_never_materializes_a_layer():
+    """Rank 0's peak RSS growth over a pass (the OS's number, not ours) stays far below one layer's
+    experts with a 2-expert batch bound, and exceeds it when the bound is lifted (so the test can
+    fail)."""
+    kw = dict(layers=1, experts=16, hidden=256, moe_ffn=512, shared=None)
+    layer_kib = 16 * 3 * 256 * 512 * 4 // 1024  # 24 MiB of fp32 experts
+    per_expert = 3 * 256 * 512 * 4
+    small = run_world(_world, 2, ckpt="", family="qwen3_moe", ep=2, layouts=("per_expert",),
+                      batch_bytes=2 * per_expert, measure_rss=True, timeout=300, **kw)[0]
+    big = run_world(_world, 2, ckpt="", family="qwen3_moe", ep=2, layouts=("per_expert",),
+                    batch_bytes=64 * per_expert, measure_rss=True, timeout=300, **kw)[0]
+    assert small["per_expert_rss_growth_kib"] < layer_kib // 3, small["per_expert_rss_growth_kib"]
+    assert big["per_expert_rss_growth_kib"] > layer_kib // 2, big["per_expert_rss_growth_kib"]
+    assert small["per_expert_stats"]["peak_extra_bytes"] <= 2 * 2 * per_expert
