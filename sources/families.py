@@ -1,0 +1,181 @@
+"""Per-family name tables: Megatron-core ``GPTModel`` parameter names -> Hugging Face checkpoint names.
+
+Invariant: a family is *data* -- which HF architectures it serves and which optional tensors its
+checkpoint carries for a given ``hf_config`` -- over one shared table of Megatron names. Every
+Megatron name maps to a layout ``kind`` (``sources/layout.py``) and the HF tensor(s) it fuses, in HF
+order; Transformer-Engine spec names (fused norms) are aliases of the local-spec names, so both
+specs export the same checkpoint. A Megatron parameter that no table names, or that the family's
+checkpoint does not carry, is an error listing the names, never a silent skip.
+
+Layer-relative names (after ``decoder.layers.{j}.`` / ``model.layers.{i}.``) live in ``ATTENTION``
+and ``DENSE_MLP``; model-level names in ``GLOBAL``. The MLP table is consumed by the dense MLP
+handler (``sources/megatron_plan.py``) so MoE layers can bring their own table later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import UnmappedParameterError
+
+__all__ = [
+    "Entry",
+    "Family",
+    "ATTENTION",
+    "DENSE_MLP",
+    "GLOBAL",
+    "TE_ALIASES",
+    "FAMILIES",
+    "family_for",
+    "canonical_suffix",
+    "megatron_to_hf",
+]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One Megatron parameter: its TP layout kind and the HF tensors it holds, in HF order."""
+
+    kind: str
+    hf: tuple[str, ...]
+
+
+_QKV_W = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_QKV_B = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+
+#: Attention half of a decoder layer (local-spec names), in HF order.
+ATTENTION: dict[str, Entry] = {
+    "input_layernorm.weight": Entry("replicated", ("input_layernorm.weight",)),
+    "self_attention.linear_qkv.weight": Entry("qkv", _QKV_W),
+    "self_attention.linear_qkv.bias": Entry("qkv", _QKV_B),
+    "self_attention.q_layernorm.weight": Entry("replicated", ("self_attn.q_norm.weight",)),
+    "self_attention.k_layernorm.weight": Entry("replicated", ("self_attn.k_norm.weight",)),
+    "self_attention.linear_proj.weight": Entry("row", ("self_attn.o_proj.weight",)),
+    # Row-parallel biases are added after the reduce: replicated, not split.
+    "self_attention.linear_proj.bias": Entry("replicated", ("self_attn.o_proj.bias",)),
+}
+
+#: Dense (gated) MLP half of a decoder layer (local-spec names), in HF order.
+DENSE_MLP: dict[str, Entry] = {
+    "pre_mlp_layernorm.weight": Entry("replicated", ("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.weight": Entry("glu", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    "mlp.linear_fc1.bias": Entry("glu", ("mlp.gate_proj.bias", "mlp.up_proj.bias")),
+    "mlp.linear_fc2.weight": Entry("row", ("mlp.down_proj.weight",)),
+    "mlp.linear_fc2.bias": Entry("replicated", ("mlp.down_proj.bias",)),
+}
+
+#: Transformer-Engine spec fuses the pre-norms into the following linear.
+TE_ALIASES: dict[str, str] = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+#: Model-level parameters.
+GLOBAL: dict[str, tuple[str, Entry]] = {
+    "embedding.word_embeddings.weight": ("embed", Entry("vocab", ("model.embed_tokens.weight",))),
+    "decoder.final_layernorm.weight": ("norm", Entry("replicated", ("model.norm.weight",))),
+    "output_layer.weight": ("lm_head", Entry("vocab", ("lm_head.weight",))),
+}
+
+HF_LAYER_PREFIX = "model.layers.{}."
+
+
+def _flag(name: str, default: bool = False) -> Callable[[Any], bool]:
+    return lambda cfg: bool(getattr(cfg, name, default) or False)
+
+
+_ALWAYS = lambda cfg: True  # noqa: E731
+_NEVER = lambda cfg: False  # noqa: E731
+
+
+@dataclass(frozen=True)
+class Family:
+    """Which optional tensors a family's checkpoint carries, as predicates of its ``hf_config``."""
+
+    name: str
+    architectures: tuple[str, ...]
+    qkv_bias: Callable[[Any], bool] = _NEVER
+    o_bias: Callable[[Any], bool] = _NEVER
+    qk_norm: Callable[[Any], bool] = _NEVER
+    mlp_bias: Callable[[Any], bool] = _NEVER
+
+    def layer_keys(self, hf_config: Any) -> dict[str, Entry]:
+        """Megatron layer-relative names (local spec) this checkpoint has, in HF order."""
+        skip = set()
+        if not self.qkv_bias(hf_config):
+            skip.add("self_attention.linear_qkv.bias")
+        if not self.o_bias(hf_config):
+            skip.add("self_attention.linear_proj.bias")
+        if not self.qk_norm(hf_config):
+            skip |= {"self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"}
+        if not self.mlp_bias(hf_config):
+            skip |= {"mlp.linear_fc1.bias", "mlp.linear_fc2.bias"}
+        return {k: e for k, e in {**ATTENTION, **DENSE_MLP}.items() if k not in skip}
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        "llama",
+        ("LlamaForCausalLM",),
+        qkv_bias=_flag("attention_bias"),
+        o_bias=_flag("attention_bias"),
+        mlp_bias=_flag("mlp_bias"),
+    ),
+    Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=_ALWAYS),
+    Family(
+        "qwen3",
+        ("Qwen3ForCausalLM",),
+        qkv_bias=_flag("attention_bias"),
+        o_bias=_flag("attention_bias"),
+        qk_norm=_ALWAYS,
+    ),
+    Family("mistral", ("MistralForCausalLM",)),
+)
+
+
+def family_for(hf_config: Any) -> Family:
+    """The family serving ``hf_config.architectures`` (or ``model_type``); raises if none does."""
+    archs = tuple(getattr(hf_config, "architectures", None) or ())
+    for fam in FAMILIES:
+        if any(a in fam.architectures for a in archs):
+            return fam
+    model_type = getattr(hf_config, "model_type", None)
+    for fam in FAMILIES:
+        if model_type == fam.name:
+            return fam
+    known = sorted(a for f in FAMILIES for a in f.architectures)
+    raise UnmappedParameterError(
+        f"MegatronSource has no name table for architectures={list(archs)} "
+        f"(model_type={model_type!r}); known: {known}"
+    )
+
+
+def canonical_suffix(suffix: str) -> str:
+    """The local-spec name of a layer-relative Megatron name (TE fused-norm names are aliases)."""
+    return TE_ALIASES.get(suffix, suffix)
+
+
+def megatron_to_hf(
+    name: str, *, hf_config: Any, layer_of: Callable[[int], int] = lambda j: j
+) -> tuple[str, ...]:
+    """HF checkpoint name(s) of one Megatron ``GPTModel`` parameter name (names only, no tensors).
+
+    ``layer_of`` maps the module's local layer index to the global (0-based) layer number.
+    Raises ``UnmappedParameterError`` for a name the family's checkpoint does not carry.
+    """
+    fam = family_for(hf_config)
+    if name in GLOBAL:
+        return GLOBAL[name][1].hf
+    parts = name.split(".")
+    if len(parts) > 3 and parts[0] == "decoder" and parts[1] == "layers" and parts[2].isdigit():
+        suffix = canonical_suffix(".".join(parts[3:]))
+        entry = fam.layer_keys(hf_config).get(suffix)
+        if entry is not None:
+            prefix = HF_LAYER_PREFIX.format(layer_of(int(parts[2])))
+            return tuple(prefix + h for h in entry.hf)
+    raise UnmappedParameterError(
+        f"Megatron parameter {name!r} has no Hugging Face name in the {fam.name} table for this "
+        "hf_config"
+    )

@@ -1,0 +1,148 @@
+"""Megatron's fused tensor layouts versus Hugging Face checkpoint tensors: pure tensor functions.
+
+One invariant makes every Megatron TP export a concatenation: **after the local split, TP shard
+``r`` of a Megatron parameter is a plain ``torch.chunk`` piece ``r`` of each Hugging Face tensor it
+fuses** (dim 0 for column-parallel, dim 1 for row-parallel). So a full HF tensor is
+``torch.cat([split(shard_r)[i] for r in range(tp)], dim)``, and ``iter_local`` can declare the
+pieces as ``Shard(dim)`` without gathering. The fused layouts:
+
+* ``linear_qkv`` (column-parallel) rows are grouped per query group:
+  ``[q_0 .. q_{H/G-1}, k, v] x G``, each block ``head_dim`` rows. TP rank ``r`` holds groups
+  ``r*G/tp .. (r+1)*G/tp - 1`` whole, so its q rows are chunk ``r`` of ``q_proj``, and likewise for
+  k and v. Splitting the *full* tensor with the same function gives the same answer (G groups).
+* ``linear_fc1`` with a gated linear unit: the full tensor is ``[gate; up]`` but TP rank ``r`` holds
+  ``[gate_r; up_r]``: each shard must be split in two before concatenating. Concatenating the
+  shards and then chunking is wrong for tp > 1.
+* Vocabulary-parallel embedding / output layer: rows are padded to ``padded_vocab`` (a multiple of
+  ``make_vocab_size_divisible_by * tp``) and split evenly; HF keeps ``vocab_size`` rows. Shard ``r``
+  holds HF rows ``[r*padded/tp, (r+1)*padded/tp) & [0, vocab_size)``; whether that is a
+  ``torch.chunk`` piece depends on the numbers (``vocab_is_chunked``).
+
+Nothing here communicates or mutates its input; outputs are contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "split_qkv",
+    "split_glu",
+    "local_split",
+    "concat_shards",
+    "vocab_rows",
+    "vocab_is_chunked",
+    "trim_vocab",
+    "KIND_DIM",
+]
+
+#: Tensor dim along which a kind's TP shards are pieces of the HF tensors (None: replicated).
+KIND_DIM: dict[str, int | None] = {
+    "replicated": None,
+    "column": 0,
+    "row": 1,
+    "qkv": 0,
+    "glu": 0,
+    "vocab": 0,
+}
+
+
+def split_qkv(
+    qkv: torch.Tensor, *, heads_per_group: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split a Megatron ``linear_qkv`` weight or bias (full, or one TP shard) into ``(q, k, v)``.
+
+    Rows are ``[q x heads_per_group, k, v]`` blocks of ``head_dim`` rows, repeated once per query
+    group held. Works for any number of whole groups, which is what a TP shard holds.
+    """
+    block = (heads_per_group + 2) * head_dim
+    if qkv.shape[0] % block:
+        raise ValueError(
+            f"linear_qkv has {qkv.shape[0]} rows, not a whole number of query groups of "
+            f"({heads_per_group} q heads + k + v) x head_dim {head_dim} = {block} rows"
+        )
+    groups = qkv.shape[0] // block
+    rest = tuple(qkv.shape[1:])
+    g = qkv.reshape(groups, heads_per_group + 2, head_dim, *rest)
+    q = g[:, :heads_per_group].reshape(groups * heads_per_group * head_dim, *rest)
+    k = g[:, heads_per_group].reshape(groups * head_dim, *rest)
+    v = g[:, heads_per_group + 1].reshape(groups * head_dim, *rest)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def split_glu(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split one ``linear_fc1`` shard (or the tp=1 tensor) of a gated MLP into ``(gate, up)``.
+
+    Megatron stores ``[gate_r; up_r]`` per TP shard (gate first, as in ``glu``'s
+    ``torch.chunk(x, 2, -1)``), so the split is per shard.
+    """
+    if fc1.shape[0] % 2:
+        raise ValueError(f"gated linear_fc1 has an odd number of rows ({fc1.shape[0]})")
+    gate, up = torch.chunk(fc1, 2, dim=0)
+    return gate.contiguous(), up.contiguous()
+
+
+def local_split(kind: str, shard: torch.Tensor, *, heads_per_group: int = 0, head_dim: int = 0):
+    """This TP shard's piece of each HF tensor the Megatron parameter fuses, in HF order."""
+    if kind == "qkv":
+        return split_qkv(shard, heads_per_group=heads_per_group, head_dim=head_dim)
+    if kind == "glu":
+        return split_glu(shard)
+    if kind not in KIND_DIM:
+        raise ValueError(f"unknown layout kind {kind!r}")
+    return (shard.contiguous(),)
+
+
+def concat_shards(kind: str, shards: list[torch.Tensor], **geometry: int) -> tuple[torch.Tensor, ...]:
+    """Full HF tensors from every TP shard (in TP order) of one Megatron parameter.
+
+    ``shards`` of a ``replicated`` kind is one tensor (every TP rank holds the same). Vocabulary
+    shards must already be trimmed to their HF rows (``vocab_rows``).
+    """
+    dim = KIND_DIM[kind]
+    if dim is None:
+        if len(shards) != 1:
+            raise ValueError(f"a replicated parameter takes one shard, got {len(shards)}")
+        return (shards[0].contiguous(),)
+    pieces = [local_split(kind, s, **geometry) for s in shards]
+    return tuple(torch.cat([p[i] for p in pieces], dim=dim) for i in range(len(pieces[0])))
+
+
+def vocab_rows(vocab_size: int, padded_vocab: int, tp: int, tp_rank: int) -> tuple[int, int]:
+    """``(start, stop)`` of the HF vocabulary rows that TP shard ``tp_rank`` holds.
+
+    The shard's local rows ``[0, stop - start)`` are those rows; the rest is padding. A shard made
+    only of padding gets ``start == stop``.
+    """
+    if padded_vocab % tp:
+        raise ValueError(f"padded vocabulary {padded_vocab} is not divisible by tp={tp}")
+    if padded_vocab < vocab_size:
+        raise ValueError(f"padded vocabulary {padded_vocab} is smaller than vocab_size {vocab_size}")
+    per = padded_vocab // tp
+    start = min(tp_rank * per, vocab_size)
+    stop = min((tp_rank + 1) * per, vocab_size)
+    return start, stop
+
+
+def vocab_is_chunked(vocab_size: int, padded_vocab: int, tp: int) -> bool:
+    """True iff the trimmed vocabulary shards are exactly ``torch.chunk(vocab_size rows, tp)``.
+
+    ``torch.chunk`` gives ``ceil(V/tp)`` rows per piece (the last ones shorter or empty); Megatron
+    gives ``padded/tp`` per shard before trimming. They agree iff ``padded/tp == ceil(V/tp)``
+    (then only the last non-empty shard carries padding) -- e.g. V=255, padded=256, tp=2 -- and
+    disagree when padding spans more than a chunk -- e.g. V=250, padded=256, tp=2 (125 vs 128).
+    """
+    c = -(-vocab_size // tp)
+    for r in range(tp):
+        start, stop = vocab_rows(vocab_size, padded_vocab, tp, r)
+        chunk = max(0, min(c, vocab_size - r * c))
+        if stop - start != chunk:
+            return False
+    return True
+
+
+def trim_vocab(weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The first ``vocab_size`` rows of a (padded) vocabulary tensor, contiguous."""
+    if weight.shape[0] < vocab_size:
+        raise ValueError(f"vocabulary tensor has {weight.shape[0]} rows, fewer than {vocab_size}")
+    return weight[:vocab_size].contiguous()

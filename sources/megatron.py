@@ -1,0 +1,366 @@
+"""``MegatronSource``: a megatron-core ``GPTModel`` (TP / PP / VPP, dense) as Hugging Face tensors.
+
+Invariants:
+
+* ``metadata`` is computed from ``hf_config``, Megatron's config and the parallel sizes
+  (``sources/megatron_plan.py``): no collective, no export pass, identical on every rank.
+* ``mode="full"`` (vLLM's NCCL broadcast engine; the default): every parameter's ``owners`` is
+  ``(0,)`` -- rank 0, the only sender, is the only rank that yields. Every trainer rank still calls
+  ``iter_full()`` (vLLM's trainer engines do, on every rank): inside it the ranks of rank 0's
+  model-parallel replica send their TP shards, cast to the wire dtype first, point-to-point to
+  rank 0 and yield nothing, so **no non-sender ever materializes a full tensor**; ranks of other
+  data-parallel / context-parallel replicas return at once. Rank 0 splits each shard (QKV per query
+  group, GLU per shard, vocabulary trimmed) and concatenates the pieces.
+* ``mode="local"`` (vLLM's ``nccl_m2n`` engine): each TP rank of the sender's replica yields its own
+  piece of each HF tensor, no communication. After the local split a TP shard is a plain
+  ``torch.chunk`` piece (``Shard(0)`` for q/k/v/gate/up/embedding, ``Shard(1)`` for o/down), owners
+  are that stage's TP ranks in TP order. A vocabulary whose padding makes the pieces differ from
+  ``torch.chunk`` falls back to one owner (the stage's first TP rank), which gathers the trimmed
+  rows from its TP peers. Under PP the owners of later stages do not start at rank 0, which vLLM's
+  NCCL engine rejects -- that is why the mode is a constructor choice.
+* Every pass checks this rank's stream against ``metadata`` (``check_stream``) and the first pass
+  verifies that all ranks hold the same metadata before any byte moves.
+* Tied embeddings export ``model.embed_tokens.weight`` only (from the first stage); the last
+  stage's ``output_layer.weight`` copy under PP is never read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import cached_property
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import ParamMeta, Replicate, Shard, WeightSource
+
+from .check import DEFAULT_TIMEOUT_S, check_stream, local_shape, verify_metadata_agreement
+from .errors import UnmappedParameterError
+from .families import family_for
+from .layout import KIND_DIM, concat_shards, local_split, vocab_is_chunked, vocab_rows
+from .logs import get_logger
+from .megatron_plan import Geometry, Unit, build_plan
+from .megatron_topology import Topology, megatron_topology
+from .megatron_walk import Bound, model_chunks, walk_chunks
+from .stats import PassStats
+
+__all__ = ["MegatronSource"]
+
+logger = get_logger(__name__)
+
+Mode = Literal["full", "local"]
+
+
+def _hf_geometry(hf_config: Any, mcfg: Any, chunk: torch.nn.Module, tp: int, rank: int) -> Geometry:
+    """Read the shapes from ``hf_config``; raise naming every field Megatron disagrees with."""
+    heads = hf_config.num_attention_heads
+    groups = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    g = Geometry(
+        hidden=hf_config.hidden_size,
+        heads=heads,
+        groups=groups,
+        head_dim=head_dim,
+        ffn=hf_config.intermediate_size,
+        vocab=hf_config.vocab_size,
+        padded_vocab=int(chunk.vocab_size),
+        layers=hf_config.num_hidden_layers,
+        tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        tp=tp,
+    )
+    checks = [
+        ("hidden_size", g.hidden, "hidden_size", mcfg.hidden_size),
+        ("num_attention_heads", g.heads, "num_attention_heads", mcfg.num_attention_heads),
+        ("num_key_value_heads", g.groups, "num_query_groups", mcfg.num_query_groups or mcfg.num_attention_heads),
+        ("head_dim", g.head_dim, "kv_channels", mcfg.kv_channels),
+        ("intermediate_size", g.ffn, "ffn_hidden_size", mcfg.ffn_hidden_size),
+        ("num_hidden_layers", g.layers, "num_layers", mcfg.num_layers),
+        ("tie_word_embeddings", g.tied, "share_embeddings_and_output_weights",
+         bool(getattr(chunk, "share_embeddings_and_output_weights", False))),
+        ("(gated MLP)", True, "gated_linear_unit", bool(mcfg.gated_linear_unit)),
+    ]
+    bad = [f"hf_config.{h}={hv!r} but Megatron {m}={mv!r}" for h, hv, m, mv in checks if hv != mv]
+    if g.vocab > g.padded_vocab:
+        bad.append(f"hf_config.vocab_size={g.vocab} exceeds Megatron's padded vocabulary {g.padded_vocab}")
+    if g.groups % tp:
+        bad.append(f"num_key_value_heads={g.groups} is not divisible by tp={tp}")
+    if bad:
+        raise ValueError(f"rank {rank}: MegatronSource: the model does not match hf_config: " + "; ".join(bad))
+    return g
+
+
+class MegatronSource(WeightSource):
+    """Hugging Face checkpoint tensors from a megatron-core ``GPTModel`` under TP / PP / VPP / DP.
+
+    Args:
+        model: this rank's ``GPTModel`` or the list of its virtual-pipeline chunks (wrappers such
+            as DDP / ``Float16Module`` are unwrapped). ``parallel_state`` must be initialized.
+        hf_config: the transformers config of the target checkpoint (decides names and shapes).
+        dtype: wire dtype; default Megatron's ``params_dtype``. Shards are cast before they move.
+        mode: ``"full"`` (``iter_full``, vLLM NCCL broadcast: owners ``(0,)``) or ``"local"``
+            (``iter_local``, vLLM ``nccl_m2n``: owners are each stage's TP ranks).
+        check: check each pass's stream against ``metadata`` on this rank.
+        timeout_s: bound on the first pass's cross-rank metadata agreement.
+
+    Raises at construction (on every rank, before any byte moves): ``UnmappedParameterError`` for an
+    unknown architecture or a Megatron parameter the checkpoint has no name for (MoE layers today),
+    ``ValueError`` when the model and ``hf_config`` disagree on a shape.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | list[torch.nn.Module],
+        *,
+        hf_config: Any,
+        dtype: torch.dtype | None = None,
+        mode: Mode = "full",
+        check: bool = True,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        if mode not in ("full", "local"):
+            raise ValueError(f"MegatronSource mode must be 'full' or 'local', got {mode!r}")
+        self.mode: Mode = mode
+        self.check = check
+        self.timeout_s = timeout_s
+        self.last_pass = PassStats()
+        self._agreed = False
+        self._topo: Topology = megatron_topology()
+        rank = self._topo.rank
+        chunks = model_chunks(model)
+        if len(chunks) != self._topo.vpp:
+            raise ValueError(
+                f"rank {rank}: got {len(chunks)} model chunk(s) but virtual pipeline size is "
+                f"{self._topo.vpp}; pass every virtual-pipeline chunk of this rank, in order"
+            )
+        mcfg = chunks[0].config
+        self.family = family_for(hf_config)
+        self.geometry = _hf_geometry(hf_config, mcfg, chunks[0], self._topo.tp, rank)
+        self.dtype: torch.dtype = dtype or mcfg.params_dtype
+        bound, unmapped, layer_names = walk_chunks(chunks)
+        try:
+            self.plan: list[Unit] = build_plan(
+                family=self.family,
+                hf_config=hf_config,
+                mcfg=mcfg,
+                geometry=self.geometry,
+                pp=self._topo.pp,
+                vpp=self._topo.vpp,
+                local_layer_names=layer_names,
+            )
+        except UnmappedParameterError as e:
+            raise UnmappedParameterError(f"rank {rank}: {e}") from e
+        self._bound = self._bind(bound, unmapped)
+        self._device = next(iter(self._bound.values())).param.device if self._bound else torch.device("cpu")
+        self._vocab_chunked = vocab_is_chunked(self.geometry.vocab, self.geometry.padded_vocab, self._topo.tp)
+
+    # ---- construction -----------------------------------------------------------------------
+
+    def _bind(self, bound: dict[tuple, Bound], unmapped: list[str]) -> dict[tuple, Bound]:
+        """Every plan unit of this stage gets its local parameter; anything left over is an error."""
+        topo, rank = self._topo, self._topo.rank
+        mine: dict[tuple, Bound] = {}
+        problems: list[str] = []
+        for unit in self.plan:
+            if unit.stage != topo.pp_rank:
+                continue
+            b = bound.pop(unit.key, None)
+            if b is None:
+                problems.append(f"missing Megatron parameter for {list(unit.names)} (pp stage {unit.stage}, chunk {unit.chunk})")
+                continue
+            if b.chunk != unit.chunk:
+                problems.append(f"{b.name} is on chunk {b.chunk}, Megatron's layer offsets put it on chunk {unit.chunk}")
+            if tuple(b.param.shape) != unit.shard_shape:
+                problems.append(
+                    f"{b.name} has shape {tuple(b.param.shape)}, hf_config and tp={topo.tp} imply {unit.shard_shape}"
+                )
+            mine[unit.key] = b
+        if self.geometry.tied:
+            bound.pop(("lm_head",), None)  # the last stage's copy of the tied embedding
+        for key, b in bound.items():
+            where = "this pipeline stage" if key[0] != "layer" else f"layer {key[1]} (not placed on this stage)"
+            unmapped.append(f"chunk{b.chunk}:{b.name} ({where})")
+        if unmapped:
+            raise UnmappedParameterError(
+                f"rank {rank}: Megatron parameters with no tensor in the {self.family.name} checkpoint "
+                f"for this hf_config: {unmapped}"
+            )
+        if problems:
+            raise ValueError(f"rank {rank}: MegatronSource cannot export this model: " + "; ".join(problems))
+        return mine
+
+    # ---- metadata ---------------------------------------------------------------------------
+
+    def _unit_metas(self, unit: Unit) -> list[ParamMeta]:
+        if self.mode == "full":
+            return [ParamMeta(n, self.dtype, s, owners=(0,)) for n, s in zip(unit.names, unit.shapes)]
+        ranks = self._topo.stage_ranks(unit.stage)
+        dim = KIND_DIM[unit.kind]
+        if unit.kind == "vocab" and not self._vocab_chunked:
+            ranks, dim = ranks[:1], None
+        placement = Replicate() if dim is None else Shard(dim)
+        return [
+            ParamMeta(n, self.dtype, s, owners=tuple(ranks), mesh_shape=(len(ranks),), placements=(placement,))
+            for n, s in zip(unit.names, unit.shapes)
+        ]
+
+    @cached_property
+    def metadata(self) -> list[ParamMeta]:
+        return [m for unit in self.plan for m in self._unit_metas(unit)]
+
+    def implements_iter_full(self) -> bool:
+        return self.mode == "full"
+
+    def implements_iter_local(self) -> bool:
+        return self.mode == "local"
+
+    # ---- passes -----------------------------------------------------------------------------
+
+    def _expected(self) -> list[ParamMeta]:
+        r = self._topo.rank
+        return [m for m in self.metadata if m.owners is None or r in m.owners]
+
+    def _start(self) -> None:
+        if not self._agreed:
+            verify_metadata_agreement(self.metadata, timeout_s=self.timeout_s, what="MegatronSource metadata")
+            self._agreed = True
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Rank 0 yields every HF tensor; its model-parallel peers send shards; others do nothing."""
+        if self.mode != "full":
+            raise NotImplementedError("MegatronSource(mode='local') implements iter_local(), not iter_full()")
+        pairs = self._full_pass()
+        if self.check:
+            pairs = check_stream(pairs, self._expected(), rank=self._topo.rank)
+        yield from pairs
+
+    def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each TP rank of the sender's replica yields its piece of each HF tensor of its stage."""
+        if self.mode != "local":
+            raise NotImplementedError("MegatronSource(mode='full') implements iter_full(), not iter_local()")
+        pairs = self._local_pass()
+        if self.check:
+            expected = self._expected()
+            shapes = [local_shape(m, self._topo.rank) for m in expected]
+            pairs = check_stream(pairs, expected, rank=self._topo.rank, what="iter_local", local_shapes=shapes)
+        yield from pairs
+
+    # ---- pieces -----------------------------------------------------------------------------
+
+    def _piece_rows(self, unit: Unit, tp_rank: int) -> int | None:
+        """Rows of TP shard ``tp_rank`` that are real vocabulary (None: not a vocab unit)."""
+        if unit.kind != "vocab":
+            return None
+        start, stop = vocab_rows(self.geometry.vocab, self.geometry.padded_vocab, self._topo.tp, tp_rank)
+        return stop - start
+
+    def _piece_shape(self, unit: Unit, tp_rank: int) -> tuple[int, ...]:
+        rows = self._piece_rows(unit, tp_rank)
+        return unit.shard_shape if rows is None else (rows, *unit.shard_shape[1:])
+
+    def _piece(self, unit: Unit, stats: PassStats) -> torch.Tensor:
+        """This rank's shard of ``unit`` in the wire dtype, vocabulary padding cut, contiguous."""
+        param = self._bound[unit.key].param.detach()
+        rows = self._piece_rows(unit, self._topo.tp_rank)
+        if rows is not None:
+            param = param[:rows]
+        piece = param.to(self.dtype).contiguous()
+        if piece.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+            stats.hold(piece.numel() * piece.element_size())
+        return piece
+
+    def _geometry_kw(self) -> dict[str, int]:
+        return {"heads_per_group": self.geometry.heads_per_group, "head_dim": self.geometry.head_dim}
+
+    def _senders(self, unit: Unit) -> tuple[int, ...]:
+        """Global ranks whose piece of ``unit`` the gatherer needs, in TP order (empty pieces dropped)."""
+        ranks = self._topo.stage_ranks(unit.stage)
+        if unit.kind == "replicated":
+            return ranks[:1]
+        if unit.kind == "vocab":
+            return tuple(r for t, r in enumerate(ranks) if self._piece_rows(unit, t) > 0)
+        return ranks
+
+    def _gather_to(self, unit: Unit, dst: int, stats: PassStats) -> list[torch.Tensor] | None:
+        """Point-to-point gather of ``unit``'s pieces to global rank ``dst``.
+
+        Returns the pieces in TP order on ``dst``; on a sender returns None after its send has
+        completed. Every participant walks the plan in the same order, so sends and receives pair
+        up without a tag protocol. Waiting on each request keeps the tensors alive until the
+        transfer finished on whatever stream the caller is on.
+        """
+        rank = self._topo.rank
+        senders = self._senders(unit)
+        stage_ranks = self._topo.stage_ranks(unit.stage)
+        if rank == dst:
+            pieces, works = [], []
+            for src in senders:
+                if src == rank:
+                    pieces.append(self._piece(unit, stats))
+                    continue
+                buf = torch.empty(self._piece_shape(unit, stage_ranks.index(src)), dtype=self.dtype, device=self._device)
+                stats.hold(buf.numel() * buf.element_size())
+                works.append(dist.irecv(buf, src=src))
+                stats.collectives += 1
+                stats.bytes_received += buf.numel() * buf.element_size()
+                pieces.append(buf)
+            for w in works:
+                w.wait()
+            return pieces
+        if rank in senders:
+            piece = self._piece(unit, stats)
+            dist.isend(piece, dst=dst).wait()
+            stats.collectives += 1
+            stats.hold(-stats._extra)
+        return None
+
+    # ---- full mode ----------------------------------------------------------------------------
+
+    def _full_pass(self) -> Iterator[tuple[str, torch.Tensor]]:
+        stats = self.last_pass = PassStats().start()
+        try:
+            self._start()
+            if not self._topo.in_sender_replica:
+                return  # other data-parallel replicas: nothing to do
+            for unit in self.plan:
+                pieces = self._gather_to(unit, 0, stats)
+                if pieces is None:
+                    continue
+                outs = concat_shards(unit.kind, pieces, **self._geometry_kw())
+                held = sum(o.numel() * o.element_size() for o in outs)
+                stats.hold(held)
+                del pieces
+                for name, out in zip(unit.names, outs):
+                    stats.yielded(out.numel() * out.element_size())
+                    yield name, out
+                del outs
+                stats.hold(-stats._extra)
+        finally:
+            stats.stop()
+
+    # ---- local mode ---------------------------------------------------------------------------
+
+    def _local_pass(self) -> Iterator[tuple[str, torch.Tensor]]:
+        stats = self.last_pass = PassStats().start()
+        rank = self._topo.rank
+        try:
+            self._start()
+            if not self._topo.in_sender_replica:
+                return
+            for unit in self.plan:
+                if unit.stage != self._topo.pp_rank:
+                    continue
+                if unit.kind == "vocab" and not self._vocab_chunked:
+                    # Fallback: the stage's first TP rank owns the whole (trimmed) tensor.
+                    pieces = self._gather_to(unit, self._topo.stage_ranks(unit.stage)[0], stats)
+                    if pieces is None:
+                        continue
+                    outs = concat_shards(unit.kind, pieces)
+                else:
+                    outs = local_split(unit.kind, self._piece(unit, stats), **self._geometry_kw())
+                for name, out in zip(unit.names, outs):
+                    stats.yielded(out.numel() * out.element_size())
+                    yield name, out
+                del outs
+                stats.hold(-stats._extra)
+        finally:
+            stats.stop()

@@ -1,0 +1,215 @@
+"""The export plan of a Megatron ``GPTModel``: every HF tensor, which stage holds it, and its TP shapes.
+
+Invariant: the plan is a pure function of ``hf_config``, Megatron's ``TransformerConfig``, the
+padded vocabulary and the parallel sizes -- never of which rank computes it and never of a
+collective -- so every rank (other pipeline stages and data-parallel replicas included) builds the
+same plan, and ``metadata`` is the plan flattened. Global layer numbers come from Megatron's own
+``get_transformer_layer_offset`` / ``get_num_layers_to_build`` for every ``(pp_rank, vp_stage)``;
+the source then checks them against each local layer's ``layer_number``.
+
+A plan is a list of ``Unit``: one Megatron parameter, exported as one or more HF tensors (QKV -> q,
+k, v; GLU fc1 -> gate, up). Units come in HF order: embedding, layers 0..L-1, final norm, lm_head.
+
+The MLP half of each layer comes from a handler chosen by ``mlp_kind`` (``register_mlp_handler``),
+so MoE layers can be added without touching the rest; today a MoE layer raises
+``UnmappedParameterError`` listing the parameters nobody maps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import UnmappedParameterError
+from .families import ATTENTION, DENSE_MLP, GLOBAL, HF_LAYER_PREFIX, Entry, Family
+
+__all__ = [
+    "Geometry",
+    "Unit",
+    "build_plan",
+    "layer_placement",
+    "mlp_kind",
+    "register_mlp_handler",
+]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The shapes that decide every HF and Megatron tensor shape, read from ``hf_config``."""
+
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    padded_vocab: int
+    layers: int
+    tied: bool
+    tp: int
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.heads // self.groups
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One Megatron parameter of the plan and the HF tensors it becomes."""
+
+    key: tuple  # ("embed",) | ("norm",) | ("lm_head",) | ("layer", global_layer, megatron_suffix)
+    stage: int  # pipeline rank holding it
+    chunk: int  # virtual-pipeline chunk on that stage
+    kind: str  # layout kind, see sources/layout.py
+    names: tuple[str, ...]  # HF names, in order
+    shapes: tuple[tuple[int, ...], ...]  # full HF shapes
+    shard_shape: tuple[int, ...]  # the Megatron parameter's shape on each TP rank
+
+
+def _shapes(suffix: str, g: Geometry) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """(full HF shapes, Megatron TP-shard shape) of one layer-relative Megatron parameter."""
+    h, d, tp = g.hidden, g.head_dim, g.tp
+    q, kv = g.heads * d, g.groups * d
+    if suffix == "self_attention.linear_qkv.weight":
+        return ((q, h), (kv, h), (kv, h)), ((q + 2 * kv) // tp, h)
+    if suffix == "self_attention.linear_qkv.bias":
+        return ((q,), (kv,), (kv,)), ((q + 2 * kv) // tp,)
+    if suffix == "self_attention.linear_proj.weight":
+        return ((h, q),), (h, q // tp)
+    if suffix in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
+        return ((d,),), (d,)
+    if suffix == "mlp.linear_fc1.weight":
+        return ((g.ffn, h), (g.ffn, h)), (2 * g.ffn // tp, h)
+    if suffix == "mlp.linear_fc1.bias":
+        return ((g.ffn,), (g.ffn,)), (2 * g.ffn // tp,)
+    if suffix == "mlp.linear_fc2.weight":
+        return ((h, g.ffn),), (h, g.ffn // tp)
+    # norms and row-parallel biases: replicated, hidden-sized
+    return ((h,),), (h,)
+
+
+# ---- MLP handlers -------------------------------------------------------------------------------
+
+#: ``handler(family, hf_config, mcfg, layer, local_names) -> {megatron suffix: Entry}`` in HF order.
+MLPHandler = Callable[[Family, Any, Any, int, list[str]], dict[str, Entry]]
+_MLP_HANDLERS: dict[str, MLPHandler] = {}
+
+
+def register_mlp_handler(kind: str, handler: MLPHandler) -> None:
+    """Register (or replace) the handler for one ``mlp_kind``."""
+    _MLP_HANDLERS[kind] = handler
+
+
+def mlp_kind(mcfg: Any, layer: int) -> str:
+    """``"dense"`` or ``"moe"`` for global layer ``layer`` (0-based), from Megatron's config only."""
+    if not getattr(mcfg, "num_moe_experts", None):
+        return "dense"
+    freq = getattr(mcfg, "moe_layer_freq", 1)
+    if isinstance(freq, int):
+        return "moe" if layer % freq == 0 else "dense"
+    return "moe" if freq[layer] else "dense"
+
+
+def _dense_mlp(family: Family, hf_config: Any, mcfg: Any, layer: int, local: list[str]) -> dict:
+    keys = family.layer_keys(hf_config)
+    return {k: e for k, e in keys.items() if k in DENSE_MLP}
+
+
+def _moe_unmapped(family: Family, hf_config: Any, mcfg: Any, layer: int, local: list[str]) -> dict:
+    names = [n for n in local if n.startswith("mlp.")] or [
+        "mlp.router.weight",
+        "mlp.experts.*",
+    ]
+    raise UnmappedParameterError(
+        f"layer {layer} is a MoE layer (num_moe_experts={mcfg.num_moe_experts}); MegatronSource has "
+        f"no MoE handler registered, so these Megatron parameters are unmapped: "
+        f"{[f'decoder.layers.<{layer}>.{n}' for n in names]}"
+    )
+
+
+register_mlp_handler("dense", _dense_mlp)
+register_mlp_handler("moe", _moe_unmapped)
+
+
+# ---- layer placement ----------------------------------------------------------------------------
+
+
+def layer_placement(mcfg: Any, pp: int, vpp: int) -> list[tuple[int, int, int]]:
+    """``[(stage, chunk, local_index)]`` indexed by global layer, from Megatron's own functions."""
+    if getattr(mcfg, "pipeline_model_parallel_layout", None) is not None:
+        raise NotImplementedError(
+            "MegatronSource does not support pipeline_model_parallel_layout yet (its offsets depend "
+            "on this rank's parallel_state, so other stages' layers cannot be derived)"
+        )
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    where: dict[int, tuple[int, int, int]] = {}
+    for stage in range(pp):
+        for chunk in range(vpp):
+            vp = chunk if vpp > 1 else None
+            offset = get_transformer_layer_offset(mcfg, vp_stage=vp, pp_rank=stage)
+            n = get_num_layers_to_build(mcfg, vp_stage=vp, pp_rank=stage)
+            for j in range(n):
+                where[offset + j] = (stage, chunk, j)
+    if sorted(where) != list(range(mcfg.num_layers)):
+        raise RuntimeError(
+            f"Megatron's layer offsets do not cover layers 0..{mcfg.num_layers - 1} exactly "
+            f"(got {sorted(where)})"
+        )
+    return [where[i] for i in range(mcfg.num_layers)]
+
+
+# ---- the plan -----------------------------------------------------------------------------------
+
+
+def build_plan(
+    *,
+    family: Family,
+    hf_config: Any,
+    mcfg: Any,
+    geometry: Geometry,
+    pp: int,
+    vpp: int,
+    local_layer_names: dict[int, list[str]] | None = None,
+) -> list[Unit]:
+    """Every unit of the export, in HF order. Pure: no tensors, no communication."""
+    g = geometry
+    local_layer_names = local_layer_names or {}
+    placement = layer_placement(mcfg, pp, vpp)
+    last = (pp - 1, vpp - 1)
+    units: list[Unit] = []
+
+    def global_unit(megatron_name: str, stage: int, chunk: int) -> Unit:
+        role, entry = GLOBAL[megatron_name]
+        full = (g.vocab, g.hidden) if entry.kind == "vocab" else (g.hidden,)
+        shard = (g.padded_vocab // g.tp, g.hidden) if entry.kind == "vocab" else (g.hidden,)
+        return Unit((role,), stage, chunk, entry.kind, entry.hf, (full,), shard)
+
+    units.append(global_unit("embedding.word_embeddings.weight", 0, 0))
+    attention = {k: e for k, e in family.layer_keys(hf_config).items() if k in ATTENTION}
+    for layer, (stage, chunk, _) in enumerate(placement):
+        kind = mlp_kind(mcfg, layer)
+        handler = _MLP_HANDLERS.get(kind)
+        if handler is None:
+            raise UnmappedParameterError(f"layer {layer}: no MLP handler registered for {kind!r}")
+        mlp = handler(family, hf_config, mcfg, layer, local_layer_names.get(layer, []))
+        prefix = HF_LAYER_PREFIX.format(layer)
+        for suffix, entry in {**attention, **mlp}.items():
+            full, shard = _shapes(suffix, g)
+            units.append(
+                Unit(
+                    ("layer", layer, suffix),
+                    stage,
+                    chunk,
+                    entry.kind,
+                    tuple(prefix + h for h in entry.hf),
+                    full,
+                    shard,
+                )
+            )
+    units.append(global_unit("decoder.final_layernorm.weight", *last))
+    if not g.tied:
+        units.append(global_unit("output_layer.weight", *last))
+    return units
