@@ -217,6 +217,12 @@ def allow_cpu_forward() -> None:
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     # Attention forks the CUDA RNG for dropout (0 here); there is no CUDA RNG on CPU.
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    # megatron-core 0.16's router reads an undefined ``te_general_gemm`` without Transformer
+    # Engine (0.19 defines it as None); give it the value 0.19 has.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 @torch.no_grad()
