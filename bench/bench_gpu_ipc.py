@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                         if stat == "median" else min(times["FSDPSource(fsdp2)"]) / min(times[base])
                     facts.number(f"ratio FSDPSource/{base} {mode_tag} {stat}", round(r, 3),
                                  f"(goal <= {GOAL_VS_MODULE}: {'met' if r <= GOAL_VS_MODULE else 'NOT met'})")
+        stats = getattr(sources["FSDPSource(fsdp2)"], "last_pass", None)
+        if stats is not None and hasattr(stats, "as_dict"):
+            facts.number("FSDPSource last_pass", stats.as_dict())
         ct = _copy_baseline(nbytes, device, reps)
         facts.number("d2d copy of the same bytes best_ms", round(min(ct) * 1e3, 3))
         facts.number("d2d copy of the same bytes median_ms", round(statistics.median(ct) * 1e3, 3))
