@@ -129,6 +129,7 @@ def check_stream(
             )
         i += 1
         yield name, tensor
+        del tensor  # never hold the previous tensor while the source produces the next one
     if i != len(expected):
         missing = expected[i]
         raise MetadataMismatchError(
@@ -313,6 +314,7 @@ class CheckedSource(WeightSource):
                     sums.append((name, checksum_tensor(tensor)))
                 count, last = count + 1, name
                 yield name, tensor
+                del tensor  # as in check_stream: no extra reference across the next gather
             if multi and self.end_check:
                 self._end_of_pass(board, what, count, metadata)
             if self.checksums:
