@@ -36,10 +36,10 @@ from torch import nn
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from .check import DEFAULT_TIMEOUT_S, check_stream, local_shape, verify_metadata_agreement
-from .fsdp_gather import BatchedGather, ShardPiece, fallback_full, gather_device
+from .fsdp_gather import BatchedGather, ShardPiece, fallback_full, gather_device, local_of
 from .fsdp_plan import dtensor_layout, fsdp_units, is_dtensor, is_member, plan_steps
 from .logs import current_rank, get_logger
-from .naming import CheckpointEntry, TensorTransform, _state_tensors, checkpoint_entries
+from .naming import CheckpointEntry, TensorTransform, checkpoint_entries
 from .stats import PassStats
 from .wire import WirePolicy
 
@@ -120,9 +120,38 @@ class FSDPSource(WeightSource):
             self._module, include_buffers=self.include_buffers, transforms=self.transforms
         )
 
+    @cached_property
+    def _slots(self) -> list[tuple[dict, str]]:
+        """Where each entry's tensor is registered: ``(module._parameters or _buffers, attr)``.
+
+        Read afresh every pass (FSDP2 re-registers parameters when it unshards / reshards), at the
+        cost of one dict lookup per tensor instead of a walk of the module tree.
+        """
+        slots = []
+        for e in self.entries:
+            owner_path, _, attr = e.path.rpartition(".")
+            owner = self._module.get_submodule(owner_path) if owner_path else self._module
+            slots.append((owner._buffers if e.is_buffer else owner._parameters, attr))
+        return slots
+
     def _resolve(self) -> list[torch.Tensor]:
-        by_path = {p: t for p, t, _ in _state_tensors(self._module, self.include_buffers)}
-        return [by_path[e.path] for e in self.entries]
+        return [table[attr] for table, attr in self._slots]
+
+    @cached_property
+    def _units(self) -> dict[int, int]:
+        return fsdp_units(self._module)
+
+    def _plan(self, tensors: list[torch.Tensor]):
+        """Steps for this pass; reused while the registered tensors are the same objects."""
+        cached = getattr(self, "_plan_cache", None)
+        if cached is not None and len(cached[0]) == len(tensors) and all(
+            a is b for a, b in zip(cached[0], tensors)
+        ):
+            return cached[1]
+        owned = [t if is_member(t) else None for t in tensors]
+        steps = plan_steps(owned, self._wire_dtypes, self._units, self.group_bytes)
+        self._plan_cache = (list(tensors), steps)
+        return steps
 
     @cached_property
     def _wire_dtypes(self) -> list[torch.dtype]:
@@ -182,8 +211,7 @@ class FSDPSource(WeightSource):
     def _raw_full(self, stats: PassStats) -> Iterator[tuple[str, torch.Tensor]]:
         tensors = self._resolve()
         wds = self._wire_dtypes
-        owned = [t if is_member(t) else None for t in tensors]
-        steps = plan_steps(owned, wds, fsdp_units(self._module), self.group_bytes)
+        steps = self._plan(tensors)
         for step in steps:
             if step.kind == "plain":
                 i = step.indices[0]
@@ -197,7 +225,7 @@ class FSDPSource(WeightSource):
             else:
                 mesh, axis = step.mesh, step.axis
                 pieces = [
-                    ShardPiece(self.entries[i].name, tensors[i].to_local(), tuple(tensors[i].shape), wds[i])
+                    ShardPiece(self.entries[i].name, local_of(tensors[i]), tuple(tensors[i].shape), wds[i])
                     for i in step.indices
                 ]
                 index_of = {self.entries[i].name: i for i in step.indices}
@@ -239,7 +267,7 @@ class FSDPSource(WeightSource):
             if layout is None or layout[2] is None or e.transform is not None:
                 yield from self._emit(i, fallback_full(t, wd, device, stats))
             else:
-                local = t.to_local().detach()
+                local = local_of(t)
                 yield e.name, local.to(device=device, dtype=wd).contiguous()
 
     def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
