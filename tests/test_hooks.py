@@ -161,3 +161,131 @@ def test_hf_trainer_fsdp2_callback(tmp_path):
         if previous is not None:
             assert not torch.allclose(got, previous)  # the weights did change between syncs
         previous = got
+
+
+# ---- Lightning (DDP, 2 ranks) --------------------------------------------------------------------
+
+
+def _lightning_world(rank: int, world_size: int, url: str, out_dir: str) -> dict:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    import json_engine  # noqa: F401
+    from json_engine import JSONTrainerInitInfo
+
+    from weightsync.plugins.driver import WeightSync
+    from weightsync.plugins.http import VLLMHTTPClient
+    from weightsync.plugins.lightning import WeightSyncCallback
+
+    class Regressor(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 2, generator=g))
+    seen: dict = {}
+
+    cb = WeightSyncCallback(
+        lambda m: WeightSync(ModuleSource(m.net), JSONTrainerInitInfo(rank=rank), VLLMHTTPClient(url), every=2)
+    )
+
+    class Probe(pl.Callback):
+        def _probe(self, module):
+            rep = cb.sync.last_report
+            if rep is not None and rep.weight_version not in seen:
+                seen[rep.weight_version] = {k: v.detach().tolist() for k, v in module.net.named_parameters()}
+
+        def on_train_start(self, trainer, module):
+            self._probe(module)
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self._probe(module)
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy="ddp", max_steps=6, accumulate_grad_batches=2,
+        logger=pl.loggers.CSVLogger(out_dir), enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=out_dir, callbacks=[cb, Probe()],
+    )
+    trainer.fit(Regressor(), DataLoader(data, batch_size=4))
+    return {
+        "steps": [r.step for r in cb.reports],
+        "params": seen if rank == 0 else None,
+        "global_step": trainer.global_step,
+    }
+
+
+def test_lightning_callback_ddp(tmp_path):
+    with DevServer() as server:
+        out = run_world(_lightning_world, 2, timeout=300, url=server.url, out_dir=str(tmp_path))
+        snapshots = dict(server.snapshots)
+    assert out[0]["global_step"] == 6
+    # cold sync, then every 2 optimizer steps (accumulate_grad_batches=2: 12 batches per rank)
+    assert out[0]["steps"] == out[1]["steps"] == [0, 2, 4, 6]
+    assert sorted(snapshots, key=int) == ["0", "2", "4", "6"]
+    for version, params in out[0]["params"].items():
+        assert set(snapshots[version]) == set(params)
+        for k, v in params.items():
+            torch.testing.assert_close(snapshots[version][k], torch.tensor(v), rtol=0, atol=0)
+    assert not torch.equal(snapshots["0"]["0.weight"], snapshots["6"]["0.weight"])  # it trained
+    metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+    assert "weightsync/bytes" in metrics and "weightsync/send_seconds" in metrics
+
+
+# ---- Megatron-core loop (PP=2 x VPP=2 on 2 ranks) ---------------------------------------------------
+
+
+def _megatron_world(rank: int, world_size: int, url: str) -> dict:
+    import megatron_worlds as mw
+
+    import json_engine  # noqa: F401
+    from json_engine import JSONTrainerInitInfo
+
+    from weightsync.plugins.http import VLLMHTTPClient
+    from weightsync.plugins.megatron import MegatronWeightSync
+
+    cfg = mw.hf_config("llama", layers=8)
+    mw.init_parallel(1, 2, 2)
+    chunks = mw.megatron_model(cfg)
+    assert isinstance(chunks, list) and len(chunks) == 2
+    hook = MegatronWeightSync(chunks, JSONTrainerInitInfo(rank=rank, chunk=16), VLLMHTTPClient(url),
+                              hf_config=cfg, every=1, pause="abort")
+    synced = []
+    for iteration in range(4):
+        # the "optimizer step": this iteration's weights, written by the test-only HF importer
+        mw.import_hf(chunks, mw.hf_model(cfg, seed=iteration).state_dict(), cfg)
+        if iteration == 0:
+            rep = hook.sync_now(0)  # cold sync before the first step
+        else:
+            rep = hook(iteration, update_successful=iteration != 2)  # iteration 2: skipped update
+        synced.append(None if rep is None else rep.weight_version)
+    again = hook(3)  # the same iteration twice: nothing is sent twice
+    hook.shutdown()
+    return {"synced": synced, "again": again}
+
+
+def test_megatron_hook_pp_vpp():
+    import megatron_worlds as mw
+
+    with DevServer() as server:
+        out = run_world(_megatron_world, 2, timeout=300, url=server.url)
+        snapshots = dict(server.snapshots)
+        routes = server.routes()
+    assert out[0]["synced"] == out[1]["synced"] == ["0", "1", None, "3"]
+    assert out[0]["again"] is None
+    assert sorted(snapshots, key=int) == ["0", "1", "3"] and routes.count("pause") == 3
+    cfg = mw.hf_config("llama", layers=8)
+    for version, got in snapshots.items():
+        want = mw.hf_model(cfg, seed=int(version)).state_dict()
+        assert set(got) == set(want), set(got) ^ set(want)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=f"{version}/{k}")
