@@ -1,0 +1,93 @@
+"""The ``weightsync`` console script, run as a user runs it: a subprocess, exit codes and output.
+
+* ``weightsync demo --nproc 2`` self-launches under torchrun, trains FSDP2 on 2 CPU ranks, syncs
+  into a receiver process after every step and verifies the receiver's logits; we parse its
+  summary line.
+* ``weightsync check`` against transformers' ``save_pretrained`` names (counted here, independently,
+  from the model's own state dict), and user mistakes: exit 2, one line, no traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _cli() -> list[str]:
+    exe = shutil.which("weightsync", path=os.path.dirname(sys.executable))
+    return [exe] if exe else [sys.executable, "-m", "weightsync.plugins.cli"]
+
+
+def _run(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [*_cli(), *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def test_console_script_is_installed():
+    assert shutil.which("weightsync", path=os.path.dirname(sys.executable)), "pip install -e . first"
+
+
+def test_demo_two_ranks_verifies_every_sync():
+    r = _run("demo", "--nproc", "2", "--steps", "2")
+    out = r.stdout
+    assert r.returncode == 0, (out, r.stderr[-3000:])
+    m = re.search(r"weightsync demo: (\d+)/(\d+) syncs verified, .* \((\d+) ranks, qwen3, .*-> PASS", out)
+    assert m, out
+    assert m.group(1) == m.group(2) == "2" and m.group(3) == "2"
+    # Before the first sync the receiver holds other weights (different seed): the check can fail.
+    assert "before any sync: receiver logits equal trainer's: False" in out
+    syncs = [line for line in out.splitlines() if line.strip().startswith("sync ")]
+    assert len(syncs) == 2 and all("EQUAL (bit-exact)" in s for s in syncs), syncs
+    assert "receiver step-2" in syncs[-1]
+    assert "Traceback" not in r.stderr
+
+
+def test_check_fsdp_two_ranks_matches_save_pretrained():
+    from weightsync.plugins.presets import build_model, load_config
+
+    model = build_model(load_config("tiny-llama"))
+    n = len(model.state_dict())  # untied llama: every state-dict entry is a checkpoint tensor
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    r = _run("check", "--model", "tiny-llama", "--nproc", "2")
+    out = r.stdout
+    assert r.returncode == 0, (out, r.stderr[-3000:])
+    assert out.strip().endswith("PASS")
+    assert re.search(rf"^\s+{n}\s+\S+ KB\s+total$", out, re.M), out
+    assert f"save_pretrained of the same config): {n} tensors, {nbytes / 1024:.1f} KB" in out
+    assert "checkpoint tensors not sent: none" in out and "not in the checkpoint: none" in out
+    assert re.search(rf"^\s+{n}\s+.*float32\s+0,1$", out, re.M), out  # every tensor owned by both
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["check", "--model", "gpt-17"], "unknown model preset 'gpt-17'"),
+        (["check", "--config", "/no/such/config.json"], "no such file: /no/such/config.json"),
+        (["check", "--layout", "megatron", "--tp", "3"], "--tp 3 must divide the attention heads (4)"),
+        (["demo", "--steps", "0"], "--steps must be >= 1"),
+        (["check", "--tp"], "expected one argument"),
+    ],
+)
+def test_user_mistakes_exit_2_in_one_line(args, words):
+    r = _run(*args, timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    err = [line for line in r.stderr.splitlines() if line.startswith("weightsync")]
+    assert len(err) == 1 and words in err[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_help_everywhere():
+    for args in ([], ["demo"], ["check"]):
+        r = _run(*args, "--help", timeout=60)
+        assert r.returncode == 0 and "usage: weightsync" in r.stdout, r.stderr
+    assert "--nproc" in _run("demo", "--help", timeout=60).stdout
+    assert "--layout" in _run("check", "--help", timeout=60).stdout
