@@ -91,3 +91,36 @@ def test_help_everywhere():
         assert r.returncode == 0 and "usage: weightsync" in r.stdout, r.stderr
     assert "--nproc" in _run("demo", "--help", timeout=60).stdout
     assert "--layout" in _run("check", "--help", timeout=60).stdout
+
+
+def test_check_report_fails_on_unmapped_names_and_shapes(capsys):
+    """The verdict logic against the real save_pretrained index: a source that drops a checkpoint
+    tensor, invents a name, or declares a wrong shape fails with those names printed (exit 1)."""
+    import argparse
+
+    from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
+
+    from weightsync.plugins.cli_check import _report, checkpoint_index
+    from weightsync.plugins.presets import build_model, load_config
+
+    config = load_config("tiny-llama")
+    model = build_model(config)
+    oracle = checkpoint_index(model)
+    meta = list(ModuleSource(model).metadata)
+    args = argparse.Namespace(config=None, model="tiny-llama", show=0)
+    ok = [(0, len(meta), len(meta), [])]
+    assert _report(args, config, None, meta, oracle, ok, 1, None) == 0
+    assert capsys.readouterr().out.strip().endswith("PASS")
+
+    dropped = [m for m in meta if m.name != "model.norm.weight"]
+    invented = dropped + [ParamMeta("model.extra.weight", meta[0].dtype, (4,))]
+    reshaped = [ParamMeta(m.name, m.dtype, (1,) + tuple(m.shape)) if m.name == "lm_head.weight" else m for m in meta]
+    assert _report(args, config, None, invented, oracle, ok, 1, None) == 1
+    out = capsys.readouterr().out
+    assert "not sent: ['model.norm.weight']" in out and "checkpoint: ['model.extra.weight']" in out
+    assert out.strip().endswith("FAIL")
+    assert _report(args, config, None, reshaped, oracle, ok, 1, None) == 1
+    assert "shape differs: lm_head.weight" in capsys.readouterr().out
+    bad_rank = [(0, 3, len(meta), ["rank 1: pass failed: MetadataMismatchError: ..."])]
+    assert _report(args, config, None, meta, oracle, bad_rank, 2, None) == 1
+    assert "FAIL: rank 1: pass failed" in capsys.readouterr().out
