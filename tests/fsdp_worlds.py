@@ -503,3 +503,44 @@ def world_wrappers(rank: int, world_size: int, *, oracle_dir: str) -> dict:
         facts["err_quit"] = errors_of(quitter.iter_full)
         facts["err_quit_s"] = time.monotonic() - t0
     return pack(facts)
+
+
+def receiver_model() -> torch.nn.Module:
+    """The loopback receiver's model: same architecture, different init (seed 9), unwrapped, bf16
+    (the loopback receiver, like a bf16 vLLM server, takes the wire dtype as declared)."""
+    return tiny_model("qwen3", tied=False, seed=9).to(torch.bfloat16)
+
+
+def world_loopback(rank: int, world_size: int, *, oracle_dir: str, port: int, url: str) -> dict:
+    """FSDPSource driven end to end through weightsync's loopback engine (vLLM's trainer factory,
+    4-phase protocol over gloo) into a receiver process: wrapped trainer model (activation
+    checkpointing + torch.compile), fp32 trainer, bf16 on the wire, bf16 receiver."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightsync.plugins.loopback import LoopbackTrainerInitInfo
+    from weightsync.sources import FSDPSource
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = tiny_model("qwen3", tied=False, seed=0)
+    if rank == 0:
+        save_oracle(model, oracle_dir, torch.bfloat16)
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = checkpoint_wrapper(layer)
+    shard(model, mesh)
+    source = FSDPSource(torch.compile(model), dtype=torch.bfloat16)
+    info = LoopbackTrainerInitInfo("127.0.0.1", port, 2, rank=rank, timeout_s=60)
+    from weightsync.plugins.loopback_server import ReceiverClient
+
+    client = ReceiverClient(url) if rank == 0 else _Untouchable()
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    engine.send_weights()
+    facts = {
+        "engine": type(engine).__name__,
+        "tensors": source.last_pass.tensors,
+        "collectives": source.last_pass.collectives,
+        "units": fsdp_unit_count(model),
+    }
+    dist.barrier()
+    return pack(facts)

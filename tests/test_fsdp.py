@@ -218,3 +218,37 @@ def test_rank_stopping_mid_pass_is_a_named_timeout_not_a_hang(wrappers):
     assert err is not None and err.startswith("SyncTimeoutError"), err
     assert "rank 1" in err and "all-gather" in err, err
     assert results[0]["err_quit_s"] < 30
+
+
+def test_loopback_engine_end_to_end(tmp_path):
+    """Trainer world -> weightsync's loopback engine (built by vLLM's trainer factory) -> a receiver
+    process. Oracle: vLLM's own weight digests of the receiver vs of transformers' from_pretrained
+    of the save_pretrained (bf16) checkpoint."""
+    import functools
+
+    from transformers import AutoModelForCausalLM
+    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+
+    from fsdp_worlds import receiver_model, world_loopback
+    from worlds import free_port
+
+    from weightsync.plugins.loopback_server import start_receiver_process
+
+    client, handle = start_receiver_process(functools.partial(receiver_model))
+    with handle:
+        before = client.weight_digests()
+        results = unpack(
+            run_world(
+                world_loopback, 2, timeout=420, oracle_dir=str(tmp_path), port=free_port(), url=handle.url
+            )
+        )
+        after = client.weight_digests()
+    oracle_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    want = dict(compute_tensor_digests(oracle_model))
+    assert sorted(after) == sorted(want)
+    assert after == want
+    assert before != want  # the receiver started from other weights
+    for rank, f in results.items():
+        assert f["engine"] == "LoopbackTrainerWeightTransferEngine"
+        assert f["tensors"] == len(want)
+        assert f["collectives"] <= f["units"] + EXTRA_RUNS
