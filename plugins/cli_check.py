@@ -159,8 +159,8 @@ def _report(
         f"  checkpoint (save_pretrained of the same config): {len(oracle)} tensors, "
         f"{_fmt_bytes(ckpt_bytes)}"
     )
-    print(f"  unmapped: checkpoint tensors not sent: {not_sent or 'none'}")
-    print(f"  unmapped: sent names not in the checkpoint: {not_in_ckpt or 'none'}")
+    print(f"  unmapped: checkpoint tensors not sent: {_some(not_sent)}")
+    print(f"  unmapped: sent names not in the checkpoint: {_some(not_in_ckpt)}")
     for label, items in (("shape", shape_diff), ("dtype", dtype_diff)):
         for item in items[:10]:
             print(f"  {label} differs: {item}")
@@ -173,6 +173,12 @@ def _report(
     ok = not (failures or not_sent or not_in_ckpt or shape_diff or dtype_diff) and bool(meta)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
+
+
+def _some(names: list[str], n: int = 12) -> str:
+    if not names:
+        return "none"
+    return str(names[:n]) + (f" ... ({len(names)} in all)" if len(names) > n else "")
 
 
 def _numel(shape: Any) -> int:

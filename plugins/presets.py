@@ -34,6 +34,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-qwen2": dict(model_type="qwen2", tie_word_embeddings=True, **_COMMON),
     "tiny-qwen3": dict(model_type="qwen3", tie_word_embeddings=True, head_dim=16, **_COMMON),
     "tiny-mistral": dict(model_type="mistral", tie_word_embeddings=False, **_COMMON),
+    # MoE: transformers 5 fuses experts in memory (experts.gate_up_proj / down_proj); the
+    # checkpoint has per-expert tensors.
+    "tiny-qwen3-moe": dict(
+        model_type="qwen3_moe", tie_word_embeddings=False, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[],
+        **_COMMON,
+    ),
+    "tiny-mixtral": dict(
+        model_type="mixtral", tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+        **_COMMON,
+    ),
 }
 
 
