@@ -544,3 +544,81 @@ def world_loopback(rank: int, world_size: int, *, oracle_dir: str, port: int, ur
     }
     dist.barrier()
     return pack(facts)
+
+
+# ---- CUDA (2 GPUs, NCCL): streams and real CPU offload ---------------------------------------
+
+
+def cuda_streams_rank(rank: int, world_size: int, port: int, queue) -> None:
+    """One rank of the 2-GPU check (mp.spawn target). Rank 0 consumes the source the way vLLM's
+    packed NCCL producer does -- resumed inside a side stream, a different one per tensor -- while
+    rank 1 stays on the default stream; the shards were just updated in place on the default
+    stream behind a long kernel. The stream must show the updated values (the source waited for
+    the default stream) and match ``full_tensor()``; with CPUOffloadPolicy the shards live on the
+    host and are staged to the GPU for the gather, and stay on the host."""
+    import datetime
+
+    try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group(
+            "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=120), device_id=torch.device("cuda", rank),
+        )
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        from weightsync.sources import FSDPSource
+
+        mesh = init_device_mesh("cuda", (world_size,))
+        facts: dict[str, Any] = {}
+        for variant in ("gpu", "offload"):
+            model = tiny_model("qwen3", tied=False, seed=0)
+            ref = {n: t.detach().clone() for n, t in model.state_dict().items()}  # unsharded oracle
+            if variant == "gpu":
+                model = model.cuda()
+                shard(model, mesh)
+            else:
+                shard(model, mesh, offload_policy=CPUOffloadPolicy(pin_memory=True))
+            before = module_snapshot(model)
+            with torch.no_grad():
+                if variant == "gpu":
+                    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the update
+                for p in model.parameters():
+                    p._local_tensor.add_(1.0)
+            src = FSDPSource(model, dtype=torch.bfloat16)
+            it = src.iter_full()
+            got = {}
+            side = [torch.cuda.Stream() for _ in range(3)]
+            k = 0
+            while True:
+                if rank == 0:
+                    with torch.cuda.stream(side[k % 3]):
+                        item = next(it, None)
+                        if item is not None:
+                            got[item[0]] = item[1].float().cpu()  # consumed on that stream
+                else:
+                    item = next(it, None)
+                    if item is not None:
+                        got[item[0]] = item[1].float().cpu()
+                if item is None:
+                    break
+                k += 1
+            want = {n: (t.float() + 1.0).to(torch.bfloat16).float().cpu() for n, t in ref.items()}
+            facts[variant] = {
+                "names_equal": sorted(got) == sorted(want),
+                "bad": [n for n in want if not torch.equal(got.get(n, torch.empty(0)), want[n])],
+                "devices": sorted({str(p._local_tensor.device) for p in model.parameters()}),
+                "storage_kept": all(
+                    before[n][1] == (p._local_tensor.data_ptr()) for n, p in model.named_parameters()
+                ),
+                "collectives": src.last_pass.collectives,
+                "units": fsdp_unit_count(model),
+            }
+        queue.put((rank, "ok", facts))
+    except BaseException as e:  # noqa: BLE001
+        import traceback
+
+        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

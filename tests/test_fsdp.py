@@ -252,3 +252,39 @@ def test_loopback_engine_end_to_end(tmp_path):
         assert f["engine"] == "LoopbackTrainerWeightTransferEngine"
         assert f["tensors"] == len(want)
         assert f["collectives"] <= f["units"] + EXTRA_RUNS
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (2 devices for a real gather)")
+def test_cuda_side_streams_and_real_cpu_offload():
+    import multiprocessing as mp
+
+    from fsdp_worlds import cuda_streams_rank
+    from worlds import free_port
+
+    world = min(2, torch.cuda.device_count())
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=cuda_streams_rank, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        for _ in range(world):
+            r, status, value = queue.get(timeout=300)
+            out[r] = (status, value)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    errors = {r: v for r, (s, v) in out.items() if s != "ok"}
+    assert not errors, errors
+    for rank, (_, facts) in out.items():
+        for variant, f in facts.items():
+            assert f["names_equal"] and f["bad"] == [], (rank, variant, f["bad"][:5])
+            assert f["storage_kept"], (rank, variant)
+            assert f["collectives"] <= f["units"] + EXTRA_RUNS, (rank, variant, f)
+        assert facts["offload"]["devices"] == ["cpu"]
+        assert facts["gpu"]["devices"] == [f"cuda:{rank}"]
