@@ -383,6 +383,22 @@ class ExpertTransform:
         self.layout: ExpertLayout = check_expert_layout(expert_layout) or default_expert_layout()
         self.specs = expert_names(model, fused) if fused else {}
 
+    @classmethod
+    def for_module(cls, module: torch.nn.Module, *, expert_layout: ExpertLayout | None = None) -> "ExpertTransform":
+        """The transform for every fused expert parameter of ``module`` -- plain, ``fully_shard``-ed
+        (global DTensor shapes, no gather) or wrapped (``torch.compile`` / activation checkpointing:
+        wrapper segments are removed the way ``FSDPSource`` names tensors). Pass it to
+        ``FSDPSource(module, transforms=[...])``."""
+        from .naming import _wrapper_paths, checkpoint_name, hf_root
+
+        wrappers = _wrapper_paths(module)
+        fused = {}
+        for path, p in module.named_parameters():
+            name = checkpoint_name(path, wrappers)
+            if is_fused_expert_param(name, p.shape):
+                fused[name] = tuple(p.shape)
+        return cls(hf_root(module), fused, expert_layout=expert_layout)
+
     def handles(self, name: str) -> bool:
         module, _, leaf = name.rpartition(".")
         return module in self.specs and leaf in _FUSED_LEAVES

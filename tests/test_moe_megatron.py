@@ -12,9 +12,14 @@ import tempfile
 
 import pytest
 import torch
-from worlds import run_world
+from fsdp_worlds import unpack
+from worlds import run_world as _run_world
 
 pytestmark = pytest.mark.slow
+
+
+def run_world(*a, **k):
+    return unpack(_run_world(*a, **k))
 
 
 def _hf_config(family: str, *, layers: int, experts: int, hidden: int, moe_ffn: int, shared: int | None, dense_first: int = 0):
@@ -78,7 +83,9 @@ def _world(rank, world_size, *, ckpt, family, tp=1, pp=1, ep=1, etp=None, fmt="s
         facts[f"{layout}_stats"] = ex.stats.as_dict()
     facts["unchanged"] = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     dist.barrier()
-    return facts
+    from fsdp_worlds import pack
+
+    return pack(facts)
 
 
 def _oracle(ckpt):
