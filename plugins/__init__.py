@@ -16,6 +16,10 @@ _LAZY: dict[str, str] = {
     "WeightSync": ".driver",
     "VLLMHTTPClient": ".http",
     "ControlPlaneError": ".http",
+    "InsecureTransportError": ".http",
+    # training-loop hooks (callbacks: weightsync.plugins.transformers / .lightning.WeightSyncCallback)
+    "source_from_accelerator": ".accelerate",
+    "MegatronWeightSync": ".megatron",
     "SyncReport": ".report",
     "PreflightError": ".preflight",
     "check_engine": ".preflight",
