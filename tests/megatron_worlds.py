@@ -108,6 +108,19 @@ def megatron_model(cfg, *, divisible_by: int = 128, dtype=torch.float32, spec=No
     )
     spec = spec or get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
     chunks = []
+    # Tied embeddings under PP: GPTModel's constructor moves the shared weight with ``.cuda()``
+    # before its first/last-stage all-reduce; on a CPU gloo world keep it on CPU (test-only).
+    cuda = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    try:
+        chunks = _build_chunks(GPTModel, mcfg, spec, cfg, tp, vpp, divisible_by, ps)
+    finally:
+        torch.Tensor.cuda = cuda
+    return chunks if vpp else chunks[0]
+
+
+def _build_chunks(GPTModel, mcfg, spec, cfg, tp, vpp, divisible_by, ps):
+    chunks = []
     for v in range(vpp or 1):
         vp = v if vpp else None
         chunks.append(
@@ -124,7 +137,7 @@ def megatron_model(cfg, *, divisible_by: int = 128, dtype=torch.float32, spec=No
                 vp_stage=vp,
             )
         )
-    return chunks if vpp else chunks[0]
+    return chunks
 
 
 # ---- test-only importer: HF tensors -> this rank's Megatron shards ---------------------------
@@ -278,13 +291,16 @@ def dcp_save(model, path: str) -> None:
 
 
 def dcp_load(model, path: str) -> None:
+    """Load a checkpoint saved at any TP/PP/VPP into an unsplit (TP1/PP1) model: sharded keys are
+    global, so the chunk containers of the save do not matter."""
     from megatron.core import dist_checkpointing
 
-    chunks = chunk_list(model)
     with cpu_checkpoint_shims():
-        loaded = dist_checkpointing.load({f"model{v}": c.sharded_state_dict() for v, c in enumerate(chunks)}, path)
-    for v, c in enumerate(chunks):
-        c.load_state_dict(loaded[f"model{v}"], strict=False)
+        loaded = dist_checkpointing.load({"model0": model.sharded_state_dict()}, path)
+    missing, unexpected = model.load_state_dict(loaded["model0"], strict=False)
+    bad = [k for k in missing + unexpected if not k.endswith("_extra_state")]
+    if bad:
+        raise AssertionError(f"dist_checkpointing load left {bad}")
 
 
 def gather_local_pieces(source) -> dict[str, torch.Tensor] | None:
