@@ -580,29 +580,37 @@ def cuda_streams_rank(rank: int, world_size: int, port: int, queue) -> None:
             else:
                 shard(model, mesh, offload_policy=CPUOffloadPolicy(pin_memory=True))
             before = module_snapshot(model)
-            with torch.no_grad():
-                if variant == "gpu":
-                    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the update
-                for p in model.parameters():
-                    p._local_tensor.add_(1.0)
             src = FSDPSource(model, dtype=torch.bfloat16)
-            it = src.iter_full()
-            got = {}
             side = [torch.cuda.Stream() for _ in range(3)]
-            k = 0
-            while True:
-                if rank == 0:
-                    with torch.cuda.stream(side[k % 3]):
+
+            def consume() -> dict[str, torch.Tensor]:
+                it = src.iter_full()
+                got, k = {}, 0
+                while True:
+                    if rank == 0:
+                        with torch.cuda.stream(side[k % 3]):
+                            item = next(it, None)
+                            if item is not None:
+                                got[item[0]] = item[1].float().cpu()  # consumed on that stream
+                    else:
                         item = next(it, None)
                         if item is not None:
-                            got[item[0]] = item[1].float().cpu()  # consumed on that stream
-                else:
-                    item = next(it, None)
-                    if item is not None:
-                        got[item[0]] = item[1].float().cpu()
-                if item is None:
-                    break
-                k += 1
+                            got[item[0]] = item[1].float().cpu()
+                    if item is None:
+                        return got
+                    k += 1
+
+            # Warm pass: host-side setup done and the caching allocator holds blocks for these
+            # streams, so the measured pass allocates without cudaMalloc (which can synchronize
+            # the device and hide a missing stream wait).
+            consume()
+            torch.cuda.synchronize()
+            with torch.no_grad():
+                if variant == "gpu":
+                    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time ahead of the update
+                for p in model.parameters():
+                    p._local_tensor.add_(1.0)
+            got = consume()
             want = {n: (t.float() + 1.0).to(torch.bfloat16).float().cpu() for n, t in ref.items()}
             facts[variant] = {
                 "names_equal": sorted(got) == sorted(want),

@@ -288,3 +288,24 @@ def test_cuda_side_streams_and_real_cpu_offload():
             assert f["collectives"] <= f["units"] + EXTRA_RUNS, (rank, variant, f)
         assert facts["offload"]["devices"] == ["cpu"]
         assert facts["gpu"]["devices"] == [f"cuda:{rank}"]
+
+
+def test_plain_module_in_one_process_equals_save_pretrained(tmp_path):
+    """No process group, no FSDP: the same source is a plain drop-in for ModuleSource(model)."""
+    from vllm.distributed.weight_transfer import ModuleSource
+
+    from fsdp_worlds import save_oracle, tiny_model
+
+    from weightsync.sources import FSDPSource
+
+    for tied in (True, False):
+        model = tiny_model("llama", tied=tied, seed=7)
+        d = tmp_path / f"plain-{tied}"
+        save_oracle(model, str(d), torch.bfloat16)
+        src = FSDPSource(model, dtype=torch.bfloat16)
+        got = {n: t.clone() for n, t in src.iter_full()}
+        assert_same_tensors(got, load_oracle(str(d)), f"plain tied={tied}")
+        assert all(m.owners is None for m in src.metadata)
+        assert src.last_pass.collectives == 0
+        # vLLM's ModuleSource keeps named_parameters' names: the same here (no alias, no wrapper)
+        assert [m.name for m in src.metadata] == [m.name for m in ModuleSource(model).metadata]
