@@ -67,6 +67,7 @@ class HFMoENames:
                 f"no MoE role table for model_type={model_type!r}; known: {sorted(MOE_ROLES)}"
             )
         self.roles = MOE_ROLES[model_type]
+        self._saved: dict[str, str | None] = {}
 
     @cached_property
     def _model(self) -> torch.nn.Module:
@@ -80,19 +81,14 @@ class HFMoENames:
         m = self._model
         return {n: tuple(t.shape) for n, t in [*m.named_parameters(), *m.named_buffers()]}
 
-    @cached_property
-    def _saved(self) -> dict[str, str]:
-        """in-memory name -> checkpoint name, for every non-expert tensor, by transformers' reversal."""
-        from transformers.core_model_loading import revert_weight_conversion
+    def _saved_name(self, name: str) -> str | None:
+        """Checkpoint name of one non-expert in-memory tensor, by transformers' reversal (cached)."""
+        if name not in self._saved:
+            from transformers.core_model_loading import revert_weight_conversion
 
-        out: dict[str, str] = {}
-        for name, shape in self._tensors.items():
-            if is_fused_expert_param(name, shape):
-                continue
-            got = revert_weight_conversion(self._model, {name: torch.empty(shape, device="meta")})
-            if len(got) == 1:
-                out[name] = next(iter(got))
-        return out
+            got = revert_weight_conversion(self._model, {name: torch.empty(self._tensors[name], device="meta")})
+            self._saved[name] = next(iter(got)) if len(got) == 1 else None
+        return self._saved[name]
 
     @cached_property
     def _specs(self) -> dict[str, ExpertLayerSpec]:
@@ -118,9 +114,10 @@ class HFMoENames:
             name = pre + rel
             if name not in self._tensors:
                 raise UnmappedParameterError(f"layer {layer}: transformers model has no {role} {name!r}")
-            if name not in self._saved:
+            saved = self._saved_name(name)
+            if saved is None:
                 raise UnmappedParameterError(f"layer {layer}: {name!r} ({role}) is not saved by save_pretrained")
-            return self._saved[name], self._tensors[name]
+            return saved, self._tensors[name]
 
         shared = None
         if self.roles.shared is not None:

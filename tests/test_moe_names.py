@@ -125,3 +125,30 @@ def test_bad_input_names_the_parameter():
     tr = ExpertTransform(model, fused)
     with pytest.raises(ValueError, match="expected a"):
         list(tr.apply(name, torch.zeros(1, 2, 3)))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_megatron_side_names_equal_save_pretrained(family):
+    """HFMoENames (used by the Megatron exporter, built from hf_config alone on a meta model) names
+    every MLP tensor save_pretrained writes for each MoE layer -- no more, no fewer, same shapes."""
+    from weightsync.sources.moe_families import HFMoENames
+
+    model = tiny_model(family)
+    saved = saved_state_dict(model)
+    names = HFMoENames(model.config)
+    assert names.moe_layers() == sorted({int(k.split(".")[2]) for k in saved if ".experts." in k})
+    for layer in names.moe_layers():
+        L = names.layer(layer)
+        ours = {L.router[0]: L.router[1], **dict(L.experts.entries("per_expert"))}
+        for extra in (L.router_bias, L.shared_gate, *(L.shared or ())):
+            if extra is not None:
+                ours[extra[0]] = extra[1]
+        pre = f"model.layers.{layer}."
+        theirs = {
+            k: tuple(v.shape)
+            for k, v in saved.items()
+            if k.startswith(pre) and not k.startswith(pre + "self_attn") and "layernorm" not in k
+        }
+        assert ours == theirs
+    with pytest.raises(UnmappedParameterError, match="no routed experts there"):
+        names.layer(10_000)
