@@ -353,3 +353,134 @@ def test_export_equals_megatron_dist_checkpointing_reshard(tmp_path, world, tp, 
         assert s["tensors"] == 0 and s["bytes_received"] == 0 and s["peak_extra_bytes"] == 0
         assert 0 < s["collectives"] <= f[r]["n_params"]
     assert f[0]["stats"]["collectives"] == sum(f[r]["stats"]["collectives"] for r in range(1, world))
+
+
+# ---- the loopback engine (weightsync.plugins.loopback) end to end, TP2 x PP2 -------------------
+
+
+def _hf_receiver(family: str):
+    return mw.hf_model(mw.hf_config(family), seed=1)  # differs from the trainer's seed-0 weights
+
+
+def _rank_loopback(rank, world_size, url, port, family, tmp):
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightsync.plugins.loopback import LoopbackTrainerInitInfo
+    from weightsync.plugins.loopback_server import ReceiverClient
+    from weightsync.sources import MegatronSource
+
+    cfg = mw.hf_config(family)
+    saved = mw.shared_checkpoint(cfg, f"{tmp}/hf", seed=0)
+    mw.init_parallel(2, 2)
+    model = mw.megatron_model(cfg)
+    mw.import_hf(model, saved, cfg)
+    src = MegatronSource(model, hf_config=cfg)
+    info = LoopbackTrainerInitInfo("127.0.0.1", port, 2, rank=rank, timeout_s=120)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=ReceiverClient(url), source=src)
+    engine.send_weights()
+    return {"stats": src.last_pass.as_dict()}
+
+
+def test_loopback_engine_delivers_megatron_tp2_pp2(tmp_path):
+    import functools
+    import hashlib
+
+    from weightsync.plugins.loopback_server import start_receiver_process
+
+    family = "qwen3"
+    client, handle = start_receiver_process(functools.partial(_hf_receiver, family))
+    with handle:
+        before = client.weight_digests()
+        from worlds import free_port
+
+        f = run_world(_rank_loopback, 4, timeout=400, url=handle.url, port=free_port(), family=family, tmp=str(tmp_path))
+        after = client.weight_digests()
+        ids = [[1, 5, 9, 200], [7, 3, 249, 0]]
+        rlogits, _ = client.logits(ids)
+    trainer = mw.hf_model(mw.hf_config(family), seed=0)  # the weights imported into Megatron
+    want = {
+        n: hashlib.sha256(p.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+        for n, p in trainer.named_parameters()
+    }
+    assert before != after
+    assert after == {n: want[n] for n in after} and set(after) == set(want)
+    with torch.no_grad():
+        assert torch.equal(rlogits, trainer(input_ids=torch.tensor(ids)).logits.float())
+    assert f[0]["stats"]["tensors"] == len(want)
+    assert all(f[r]["stats"]["tensors"] == 0 and f[r]["stats"]["collectives"] > 0 for r in (1, 2, 3))
+
+
+# ---- bad input: raised at construction on every rank, naming rank / parameter / difference ------
+
+
+def _rank_bad_input(rank, world_size, tmp):
+    import transformers as tf
+
+    from weightsync.sources import MegatronSource
+
+    def catch(fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    facts: dict = {}
+    mw.init_parallel(2, 1)
+    cfg = mw.hf_config("llama")
+    model = mw.megatron_model(cfg)
+    # unknown architecture
+    gpt2 = tf.GPT2Config()
+    gpt2.architectures = ["GPT2LMHeadModel"]
+    facts["arch"] = catch(lambda: MegatronSource(model, hf_config=gpt2))
+    # shapes that disagree with the model
+    facts["shape"] = catch(lambda: MegatronSource(model, hf_config=mw.hf_config("llama", intermediate_size=128)))
+    # a Megatron parameter the family's checkpoint does not carry (qkv bias vs a bias-free Llama)
+    facts["extra"] = catch(lambda: MegatronSource(mw.megatron_model(mw.hf_config("qwen2")), hf_config=cfg))
+    # a checkpoint tensor the model does not have (Qwen2 wants qkv bias)
+    facts["missing"] = catch(lambda: MegatronSource(model, hf_config=mw.hf_config("qwen2")))
+    # wrong mode for the engine
+    facts["mode"] = catch(lambda: list(MegatronSource(model, hf_config=cfg).iter_local()))
+    # MoE layers: unmapped until the MoE handler is registered
+    facts["moe"] = catch(lambda: MegatronSource(_moe_model(cfg), hf_config=cfg))
+    # ranks that disagree (rank 1 asks for another wire dtype): raised before any byte moves
+    src = MegatronSource(model, hf_config=cfg, dtype=torch.bfloat16 if rank == 1 else None, timeout_s=60)
+    with mw.count_comm() as comm:
+        facts["diverge"] = catch(lambda: list(src.iter_full()))
+    facts["diverge_comm"] = {k: v for k, v in comm.items() if k in ("isend", "irecv")}
+    facts["diverge_stats"] = src.last_pass.as_dict()
+    return facts
+
+
+def _moe_model(cfg):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    mcfg = TransformerConfig(
+        num_layers=cfg.num_hidden_layers, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+        kv_channels=16, ffn_hidden_size=96, gated_linear_unit=True, normalization="RMSNorm",
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, num_moe_experts=4,
+        moe_router_topk=2, moe_token_dispatcher_type="allgather", moe_ffn_hidden_size=96,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        use_cpu_initialization=True, params_dtype=torch.float32,
+    )
+    spec = get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm")
+    return GPTModel(mcfg, spec, vocab_size=256, max_sequence_length=128, position_embedding_type="rope")
+
+
+def test_bad_input_raises_on_every_rank_before_bytes_move(tmp_path):
+    f = run_world(_rank_bad_input, 2, timeout=400, tmp=str(tmp_path))
+    for r in (0, 1):
+        x = f[r]
+        assert x["arch"].startswith("UnmappedParameterError") and "GPT2LMHeadModel" in x["arch"]
+        assert x["shape"].startswith("ValueError") and f"rank {r}" in x["shape"]
+        assert "intermediate_size=128" in x["shape"] and "ffn_hidden_size=96" in x["shape"]
+        assert x["extra"].startswith("UnmappedParameterError") and "linear_qkv.bias" in x["extra"]
+        assert x["missing"].startswith("ValueError") and "q_proj.bias" in x["missing"]
+        assert x["mode"].startswith("NotImplementedError")
+        assert x["moe"].startswith("UnmappedParameterError") and "mlp.router.weight" in x["moe"]
+        assert "mlp.experts" in x["moe"]
+        assert x["diverge"] is not None and "Mismatch" in x["diverge"].split(":")[0], x["diverge"]
+        assert x["diverge_comm"] == {} and x["diverge_stats"]["collectives"] == 0
