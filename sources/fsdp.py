@@ -18,10 +18,18 @@ Invariants (each is tested multi-rank in ``tests/test_fsdp.py``):
   that need no gather (plain parameters, ignored parameters, Replicate-only DTensors already in
   the wire dtype) are yielded as detached aliases of the module's storage (no copy): valid until
   the trainer next updates the module. The source itself never writes to the module.
-* **Memory**: beyond what the consumer keeps, the source holds one gather group (send buffer +
-  gathered buffer + the tensor being unpacked), i.e. about 2x the largest group's wire bytes.
-  With ``CPUOffloadPolicy`` the packing copy stages each shard to the gather device; the module's
+* **Memory**: beyond what the consumer keeps, the source holds one gather group at a time: the
+  send buffer (this rank's share, ~1/n of the group) + the gathered buffer (the group's wire bytes,
+  rows padded to a multiple of n) + the tensor being unpacked. Units are not held across other
+  units: a unit split by checkpoint order is gathered once per run instead. With
+  ``CPUOffloadPolicy`` the packing copy stages each shard to the gather device; the module's
   parameters stay where they were.
+* **Ownership**: like ``ModuleSource``, a DTensor is owned by its mesh's ranks -- except a DTensor
+  on a sub-mesh that does not span the world (FSDP over the data-parallel dim of an FSDP+TP world),
+  which is declared owned by every rank and replicated, so metadata stays identical across ranks.
+* **Bounded**: on gloo each batched gather waits through ``groups.wait_bounded`` (``timeout_s``):
+  a rank that stops iterating becomes a ``SyncTimeoutError`` naming it, not a hang. The
+  ``full_tensor()`` fallback and device backends rely on the process group's own timeout.
 * **Checks**: each pass checks its stream against ``metadata`` on every rank (``check=True``), and
   the first pass verifies cross-rank metadata agreement before any gather (``agree=True``).
 """
