@@ -73,7 +73,8 @@ def _outcome(fn):
     try:
         fn()
     except Exception as e:  # noqa: BLE001 - reported to the parent
-        return {"type": type(e).__name__, "msg": str(e), "s": time.monotonic() - t0}
+        notes = "".join(f"\n{n}" for n in getattr(e, "__notes__", ()))
+        return {"type": type(e).__name__, "msg": str(e) + notes, "s": time.monotonic() - t0}
     return {"type": None, "msg": "", "s": time.monotonic() - t0}
 
 
@@ -215,3 +216,138 @@ def test_preflight_disabled_nccl_raises_on_every_rank():
         assert f["disabled"]["msg"].startswith(f"rank {r}:")
         assert "disabled" in f["disabled"]["msg"] and "ncclCommSuspend" in f["disabled"]["msg"]
     assert "preflight failed on rank 0" in out[1]["disabled"]["msg"]
+
+
+# ---- end to end: WeightSync + FSDPSource + the loopback backend + an HTTP receiver -----------
+
+FAIL_NAME = "model.layers.1.mlp.down_proj.weight"
+
+
+def _faulty_receiver(model):
+    """vLLM-like receiver whose loading raises mid-round (in its first update round only), as a
+    worker's ``load_weights`` would on a loader assertion or an OOM."""
+    from weightsync.plugins.loopback_receiver import LoopbackReceiver
+
+    class Faulty(LoopbackReceiver):
+        rounds = 0
+
+        def start_weight_update(self):
+            Faulty.rounds += 1
+            return super().start_weight_update()
+
+        def _load(self, entry, data):
+            if Faulty.rounds == 1 and entry[0] == FAIL_NAME:
+                raise RuntimeError(f"injected: load_weights failed on {entry[0]}")
+            return super()._load(entry, data)
+
+    return Faulty(model)
+
+
+def _full_checksums(model):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from weightsync.sources.integrity import checksum
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: checksum(v) for k, v in sd.items()}
+
+
+def world_e2e(rank, world_size, url, dead_url, ports):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from weightsync.plugins.driver import WeightSync
+    from weightsync.plugins.http import VLLMHTTPClient
+    from weightsync.plugins.loopback import LoopbackTrainerInitInfo
+    from weightsync.plugins.presets import build_model, load_config
+    from weightsync.sources import FSDPSource
+
+    model = build_model(load_config("tiny-qwen3"), seed=0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    before = _full_checksums(model)
+
+    def info(i, timeout_s=30.0):
+        return LoopbackTrainerInitInfo("127.0.0.1", ports[i], 2, rank=rank, timeout_s=timeout_s)
+
+    facts = {}
+    ws = WeightSync(FSDPSource(model), info(0), VLLMHTTPClient(url, timeout=20), timeout_s=TIMEOUT_S)
+    # 1. the receiver raises while loading one parameter, mid-round
+    facts["receiver_raises"] = _outcome(lambda: ws.sync(1))
+    facts["same_ws_next"] = _outcome(lambda: ws.sync(2))  # the same WeightSync recovers
+    # 2. the HTTP control plane is unreachable (nothing listens there)
+    dead = WeightSync(FSDPSource(model), info(1, 8.0), VLLMHTTPClient(dead_url, timeout=5), timeout_s=TIMEOUT_S)
+    facts["http_fails"] = _outcome(lambda: dead.sync(2))
+    # 3. a parameter name the receiver does not have (a mapping bug): the renamed source
+    renamed = _Renamed(FSDPSource(model), "model.norm.weight", "model.nrm.weight")
+    bad = WeightSync(renamed, info(2), VLLMHTTPClient(url, timeout=20), timeout_s=TIMEOUT_S)
+    facts["unmapped"] = _outcome(lambda: bad.sync(3))
+    facts["unmutated"] = _full_checksums(model) == before
+    # 4. a sync after all that works (a fresh WeightSync: the ones above re-initialized the
+    #    receiver's transport), and the receiver holds exactly the trainer's bytes
+    good = WeightSync(FSDPSource(model), info(3), VLLMHTTPClient(url, timeout=20), timeout_s=TIMEOUT_S)
+    facts["next"] = _outcome(lambda: good.sync(4))
+    facts["trainer"] = _full_checksums(model)
+    return facts
+
+
+class _Renamed(WeightSource):
+    def __init__(self, source, old, new):
+        self.source, self.old, self.new = source, old, new
+
+    @cached_property
+    def metadata(self):
+        return [
+            ParamMeta(self.new if m.name == self.old else m.name, m.dtype, m.shape, owners=m.owners,
+                      mesh_shape=m.mesh_shape, placements=m.placements)
+            for m in self.source.metadata
+        ]
+
+    def iter_full(self):
+        for n, t in self.source.iter_full():
+            yield (self.new if n == self.old else n), t
+
+
+def test_end_to_end_receiver_http_and_unmapped_failures_raise_on_every_rank_then_recover():
+    from weightsync.plugins.loopback_server import ReceiverClient, ReceiverServer
+    from weightsync.plugins.presets import build_model, load_config
+    from worlds import free_port
+
+    receiver = _faulty_receiver(build_model(load_config("tiny-qwen3"), seed=1))
+    server = ReceiverServer(receiver).start()
+    try:
+        out = run_world(
+            world_e2e, 2, timeout=240, url=server.url, dead_url=f"http://127.0.0.1:{free_port()}",
+            ports=[free_port() for _ in range(4)],
+        )
+        received = ReceiverClient(server.url).weight_checksums()
+    finally:
+        server.stop()
+    for r in (0, 1):
+        f = out[r]
+        for case in ("receiver_raises", "http_fails", "unmapped"):
+            assert f[case]["type"] is not None and f[case]["s"] < 30, (case, r, f[case])
+            assert f"rank {r}" in f[case]["msg"] or "rank(s)" in f[case]["msg"], (case, r, f[case])
+        assert "injected: load_weights failed" in f["receiver_raises"]["msg"], f["receiver_raises"]
+        assert FAIL_NAME in f["receiver_raises"]["msg"]
+        # named and bounded on every rank; the loopback engine currently reports its transport
+        # group timeout rather than the refused HTTP call itself (see the report), hence no URL check
+        assert "engine init" in f["http_fails"]["msg"] and f["http_fails"]["s"] < 20, f["http_fails"]
+        assert "model.nrm.weight" in f["unmapped"]["msg"], f["unmapped"]
+        assert f["unmutated"], r
+        assert f["next"]["type"] is None, f["next"]
+    # the receiver holds the trainer's bytes after the recovered sync (torch's full state dict is
+    # the oracle; tied lm_head is an alias on both sides)
+    trainer = out[0]["trainer"]
+    assert {k: v for k, v in received.items() if k in trainer} == {
+        k: v for k, v in trainer.items() if k in received
+    }
+    assert len(set(received) & set(trainer)) >= len(trainer) - 1
+    # Known gap (reported to the loopback owner): after the receiver raised mid-round, the SAME
+    # WeightSync's next sync times out in the loopback transport handshake (its sender<->receiver
+    # group is left misaligned); a fresh WeightSync works (asserted above).
+    same = [out[r]["same_ws_next"] for r in (0, 1)]
+    if any(x["type"] is not None for x in same):
+        pytest.xfail(f"same-WeightSync recovery after a mid-round receiver error: {same[0]['msg'][:200]}")
