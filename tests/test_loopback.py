@@ -118,9 +118,9 @@ def _sync_world(rank: int, world_size: int, url: str, ports: list[int]) -> dict:
         )
         for step in range(2):
             _train_step(model, optim, 10 * k + step)
-            engine.send_weights(weight_version=f"r{k}s{step}") if isinstance(
-                client, ReceiverClient
-            ) else engine.send_weights()
+            # vLLM's client is driven without a version (its finish then sends no body).
+            version = f"r{k}s{step}" if isinstance(client, ReceiverClient) else None
+            engine.send_weights(weight_version=version)
         full = _full_state(model)
         with torch.no_grad():
             model.eval()
@@ -156,7 +156,6 @@ def test_sync_end_to_end_both_clients():
     r0 = res[0]
     assert res[0]["registered"] and res[1]["registered"]
     expected_model = build_model(load_config(PRESET), seed=0)
-    names = list(expected_model.state_dict())
     for rnd in r0["rounds"]:
         # Logits of the receiver equal the FSDP trainer's, bit for bit (same dtype, same CPU kernels).
         assert rnd["logits_equal"], (rnd["kind"], rnd["logits_maxdiff"])
@@ -196,7 +195,6 @@ def test_sync_end_to_end_both_clients():
     assert finishes[4:] == [None, None]
     assert state["weight_version"] == "r1s1" and state["updates_finished"] == 6
     assert before_digests != r0["rounds"][0]["receiver_digests"]  # the receiver really changed
-    del names
 
 
 # --- world: bad input and corruption ----------------------------------------------------------
@@ -330,7 +328,7 @@ def test_bad_input_and_corruption_raise_on_every_rank():
     assert len(inits) == 5
     finishes = [b for b in by if b[0] == "/finish_weight_update"]
     assert finishes == [
-        ("/finish_weight_update", 500 if finishes[0][1] == 500 else 400, "bad2"),
+        ("/finish_weight_update", 400, "bad2"),  # MetadataMismatchError: missing names
         ("/finish_weight_update", 200, "unchecked"),
         ("/finish_weight_update", 200, "good"),
     ]
