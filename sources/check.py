@@ -1,17 +1,24 @@
-"""Checking a source's stream against its metadata, on every rank.
+"""Checking a source's stream against its metadata, on every rank, and agreeing across ranks.
 
 vLLM 0.33 checks iteration against ``metadata`` only on the NCCL sender (``_checked_iter``); the IPC
 engine and every non-sender rank check nothing, so a divergent rank either hangs in the next
-collective or ships garbage. Two guarantees live here:
+collective or ships garbage. The guarantees here:
 
 * ``check_stream``: each ``(name, tensor)`` a rank yields is exactly the next entry of
   ``owned_names(rank)`` -- same name, wire dtype, full shape, contiguous -- and the count matches.
   The error names the rank, the index, the declared and the actual parameter. It costs one
-  comparison per tensor and never synchronizes the device.
-* ``verify_metadata_agreement``: before the first collective of a pass, every rank compares a digest
-  of its metadata (names, dtypes, shapes, owners, mesh, placements) in one small gloo collective
-  bounded by a timeout; a mismatch raises on every rank with the first differing entry, a missing
+  comparison per tensor (about 1-3 us), never synchronizes the device, and holds no tensor longer
+  than its consumer does.
+* ``verify_metadata_agreement``: before the first collective, every rank compares a digest of its
+  metadata (names, dtypes, shapes, owners, mesh, placements) in one exchange on the default store,
+  bounded by ``timeout_s``; a mismatch raises on every rank with the first differing entry, a missing
   rank raises naming it, instead of a hang in the first gather.
+* ``CheckedSource`` / ``checked``: both of the above on every pass of any ``WeightSource``, plus an
+  end-of-pass exchange of tensor counts, so that no rank returns from a pass another rank failed; a
+  failure is posted on the pass's ``groups.Board`` and heard by peers at once (``PeerFailedError``).
+
+Exchanges run on the store rather than on a process group (``groups.Board.exchange``): a rank that
+gives up leaves nothing pending, so a failed pass never misaligns a group and the next pass works.
 """
 
 from __future__ import annotations
