@@ -72,6 +72,9 @@ class FSDPSource(WeightSource):
         include_buffers: also send persistent buffers (they are in the checkpoint).
         transforms: ``naming.TensorTransform`` hooks for tensors whose checkpoint form differs
             from their in-memory form (applied after the gather).
+        expert_layout: ``"per_expert"`` or ``"fused"``: export transformers-5 fused MoE experts
+            in that wire layout (adds ``experts.ExpertTransform.for_module``). None: no expert
+            transform, so fused experts raise ``UnmappedParameterError`` unless ``transforms`` has one.
         check: check each pass's stream against metadata on this rank.
         agree: verify on the first pass that every rank holds the same metadata.
         rank: this trainer rank (default: the default process group's rank).
@@ -86,6 +89,7 @@ class FSDPSource(WeightSource):
         group_bytes: int | None = None,
         include_buffers: bool = True,
         transforms: Sequence[TensorTransform] = (),
+        expert_layout: str | None = None,
         check: bool = True,
         agree: bool = True,
         rank: int | None = None,
@@ -108,6 +112,10 @@ class FSDPSource(WeightSource):
         self.group_bytes = group_bytes
         self.include_buffers = include_buffers
         self.transforms = tuple(transforms)
+        if expert_layout is not None:
+            from .experts import ExpertTransform
+
+            self.transforms += (ExpertTransform.for_module(module, expert_layout=expert_layout),)
         self.check = check
         self.agree = agree
         self._rank = rank
