@@ -44,7 +44,14 @@ from torch import nn
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from .check import DEFAULT_TIMEOUT_S, check_stream, local_shape, verify_metadata_agreement
-from .fsdp_gather import BatchedGather, ShardPiece, fallback_full, gather_device, local_of
+from .fsdp_gather import (
+    BatchedGather,
+    ShardPiece,
+    after_default_stream,
+    fallback_full,
+    gather_device,
+    local_of,
+)
 from .fsdp_plan import dtensor_layout, fsdp_units, is_dtensor, is_member, plan_steps
 from .logs import current_rank, get_logger
 from .naming import CheckpointEntry, TensorTransform, checkpoint_entries
@@ -238,6 +245,14 @@ class FSDPSource(WeightSource):
                 stats.hold(full.numel() * full.element_size())
                 yield from self._emit(i, full)
                 stats.hold(-full.numel() * full.element_size())
+            elif step.mesh.size(step.axis) == 1:
+                # A one-rank shard axis holds the whole tensor: nothing to gather. Cast/stage it
+                # (an alias when already in the wire dtype on the gather device, like a plain
+                # tensor), so a world-size-1 FSDP2 model costs what a plain module does.
+                after_default_stream(step.device)
+                for i in step.indices:
+                    local = local_of(tensors[i]).to(device=step.device, dtype=wds[i])
+                    yield from self._emit(i, local.contiguous())
             else:
                 mesh, axis = step.mesh, step.axis
                 pieces = [

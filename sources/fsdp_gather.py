@@ -43,6 +43,7 @@ __all__ = [
     "fallback_full",
     "batchable_axis",
     "local_of",
+    "after_default_stream",
 ]
 
 _ALIGN = 16
@@ -105,7 +106,7 @@ def _current_stream(device: torch.device):
     return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
 
-def _after_default_stream(device: torch.device) -> None:
+def after_default_stream(device: torch.device) -> None:
     if device.type == "cuda":
         _sync_from(torch.cuda.default_stream(device), device)
 
@@ -163,7 +164,7 @@ class BatchedGather:
 
     def __iter__(self) -> Iterator[tuple[object, torch.Tensor]]:
         n, block = self.n, self.block_bytes
-        _after_default_stream(self.device)
+        after_default_stream(self.device)
         send = torch.empty(block, dtype=torch.uint8, device=self.device)
         self.stats.hold(block)
         for p in self.pieces:
@@ -228,7 +229,7 @@ def fallback_full(dt, wire_dtype: torch.dtype, device: torch.device, stats: Pass
     """
     from torch.distributed.tensor import DTensor, Replicate
 
-    _after_default_stream(device)
+    after_default_stream(device)
     local = local_of(dt)
     staged = local.to(device=device, dtype=wire_dtype)
     src = DTensor.from_local(
