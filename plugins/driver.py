@@ -80,7 +80,6 @@ class _CommittingClient:
         self.client.init_weight_transfer_engine(init_info)
 
     def start_weight_update(self) -> None:
-        self.committed = None
         self.client.start_weight_update()
 
     def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
@@ -330,6 +329,7 @@ class WeightSync:
         t_send = time.perf_counter()
         try:
             self._commit_client.version = version
+            self._commit_client.committed = None
             assert self._engine is not None
             self._engine.send_weights()
             if self.is_sender and self._commit_client.committed != version:
