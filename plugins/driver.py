@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import time
 from collections.abc import Callable, Iterator
 from functools import cached_property
@@ -477,7 +478,7 @@ class WeightSync:
         self, step: int, version: str, send_s: float, pause_s: float, resume_s: float, total_s: float, cold: bool
     ) -> SyncReport:
         meta = self.source.metadata
-        wire = sum(m.dtype.itemsize * _numel(m.shape) for m in meta)
+        wire = sum(m.dtype.itemsize * math.prod(m.shape) for m in meta)
         stats = getattr(self.source, "last_pass", None)
         return SyncReport(
             step=step,
@@ -503,9 +504,3 @@ class WeightSync:
 def _multi_rank() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
