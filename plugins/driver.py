@@ -503,4 +503,3 @@ class WeightSync:
 
 def _multi_rank() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
