@@ -44,7 +44,6 @@ from .groups import (
     discard_groups,
     group_ranks,
     next_tag,
-    wait_bounded,
 )
 from .integrity import checksum_tensor, resolve_checksums
 from .logs import get_logger

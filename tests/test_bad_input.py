@@ -182,8 +182,6 @@ def test_stream_and_rank_divergence_raise_named_errors_on_every_rank():
 
 
 def world_preflight(rank, world_size):
-    import ctypes.util  # noqa: F401
-
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
