@@ -219,6 +219,8 @@ class LoopbackTrainerWeightTransferEngine(TrainerWeightTransferEngine[LoopbackTr
         self._group: Any = None
         self._sent_meta: list[ParamMeta] | None = None
         self._agreed = False
+        #: Where the last send stopped if it left a transport op unmatched (None: aligned).
+        self._midstream: str | None = None
 
     @classmethod
     def trainer_init(
@@ -328,13 +330,22 @@ class LoopbackTrainerWeightTransferEngine(TrainerWeightTransferEngine[LoopbackTr
         info = self.init_info
         if self._group is None:
             raise RuntimeError("loopback: trainer_init did not open the transport on the sender")
+        if self._midstream is not None:
+            raise WeightSyncError(
+                f"loopback: an earlier send_weights on this engine stopped mid-stream "
+                f"({self._midstream}), so its transport group is misaligned with the receiver; "
+                "build a new engine (trainer_init) to re-join"
+            )
         self.client.start_weight_update()
         rpc = _Rpc(self.client.update_weights, self._update_info(meta))
+        self._midstream = "in the update handshake"
         # Go/no-go: receivers contribute 1 if they reject the update info. Nothing is sent on "no".
         flag = torch.zeros(1, dtype=torch.int64)
         wait_work(self._group.allreduce([flag]), "update handshake", rank=0, abort=rpc.check)
         stats.collectives += 1
+        self._midstream = "before the first broadcast"
         if int(flag.item()) != 0:
+            self._midstream = None  # nothing else was issued: the group is aligned
             rpc.result(info.timeout_s)  # carries the receiver's reason
             raise WeightSyncError("loopback: a receiver rejected the update (no reason returned)")
 
@@ -357,13 +368,16 @@ class LoopbackTrainerWeightTransferEngine(TrainerWeightTransferEngine[LoopbackTr
                 pending.append(self._wire(name, data))
                 stats.yielded(data.numel())
             buf = pending[0] if len(pending) == 1 else torch.cat(pending)
+            self._midstream = f"in the broadcast carrying {name!r}"
             wait_work(self._group.broadcast(buf, 0), "broadcast", rank=0, abort=rpc.check)
             stats.collectives += 1
         for _ in it:  # trailing zero-byte parameters, and check_stream's end-of-stream check
             stats.yielded(0)
         if info.checksums:
+            self._midstream = "in the checksum broadcast"
             wait_work(self._group.broadcast(crcs, 0), "checksums", rank=0, abort=rpc.check)
             stats.collectives += 1
+        self._midstream = None  # every transport op matched: the next round starts aligned
         rpc.result(info.timeout_s)
         self.client.finish_weight_update(weight_version)
         self._sent_meta = meta

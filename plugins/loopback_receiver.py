@@ -14,7 +14,9 @@ Invariants:
   counts once) must have been received in this round, or finish raises listing what is missing and
   ``weight_version`` does not advance.
 * The receiver consumes exactly the byte stream the update info declares, through the same
-  ``plan_chunks`` as the sender, so it never leaves the sender blocked mid-stream.
+  ``plan_chunks`` as the sender -- even when loading a parameter fails (the error is raised after
+  the stream) -- so it never leaves the sender blocked mid-stream and the transport stays aligned
+  for the next round of the same engine.
 * With ``checksums`` on, ``weightsync.sources.integrity.checksum_tensor`` of every received
   parameter (its bytes as received, before loading) is compared with the sender's after the stream;
   a mismatch raises ``ChecksumMismatchError`` (an ``IntegrityError``) naming the parameter(s) and
@@ -253,6 +255,20 @@ class LoopbackReceiver:
             raise WeightSyncError(f"receiver {self.index}: another receiver rejected the update")
         sizes = [nbytes_of(d, s) for _, d, s in plan]
         crcs: list[int] = [0] * len(plan)
+        load_error: BaseException | None = None
+
+        def load(i: int, data: torch.Tensor) -> None:
+            # A failed load must not stop the stream: keep consuming exactly what the update info
+            # declares (discarding it), so the sender finishes and the transport stays aligned for
+            # the next round; the first error is raised once the stream is over.
+            nonlocal load_error
+            if load_error is not None:
+                return
+            try:
+                crcs[i] = self._load(plan[i], data)
+            except Exception as e:  # noqa: BLE001 - raised after the stream
+                load_error = e
+
         for chunk in plan_chunks(
             sizes, packed=self._init.packed, buffer_size=self._init.packed_buffer_size_bytes
         ):
@@ -260,15 +276,18 @@ class LoopbackReceiver:
             wait_work(self._group.broadcast(buf, 0), "broadcast", rank=self._group_rank)
             off = 0
             for i in chunk:
-                piece = buf[off : off + sizes[i]]
+                load(i, buf[off : off + sizes[i]])
                 off += sizes[i]
-                crcs[i] = self._load(plan[i], piece)
-        for i, (name, dtype, shape) in enumerate(plan):
+        for i in range(len(plan)):
             if sizes[i] == 0:
-                crcs[i] = self._load(plan[i], torch.empty(0, dtype=torch.uint8))
+                load(i, torch.empty(0, dtype=torch.uint8))
         if self._init.checksums:
             expected = torch.zeros(len(plan), dtype=torch.int64)
             wait_work(self._group.broadcast(expected, 0), "checksums", rank=self._group_rank)
+        if load_error is not None:
+            self._failed = f"loading failed: {load_error}"
+            raise load_error
+        if self._init.checksums:
             bad = [plan[i][0] for i in range(len(plan)) if int(expected[i]) != crcs[i]]
             if bad:
                 self._failed = f"checksum mismatch on {bad}"

@@ -335,3 +335,54 @@ def test_bad_input_and_corruption_raise_on_every_rank():
     assert state["weight_version"] == "good"
     assert bad_pause and "sideways" in bad_pause
     assert paused is True and resumed is False
+
+
+# --- world: the receiver fails while loading, mid-stream; the same engine recovers ---------------
+
+
+FAIL_NAME = "model.layers.0.mlp.up_proj.weight"
+
+
+def _recover_world(rank: int, world_size: int, url: str, port: int) -> dict:
+    from weightsync.plugins.loopback import LoopbackTrainerWeightTransferEngine as Engine
+
+    model = _fsdp_model(PRESET, world_size)
+    eng = _engine(Engine, rank, port, ReceiverClient(url), _source(model), packed=False)
+    facts = {"first": _catch(lambda: eng.send_weights(weight_version="v1"))}
+    facts["second"] = _catch(lambda: eng.send_weights(weight_version="v2"))  # same engine
+    facts["trainer"] = _full_state(model)
+    return facts
+
+
+def test_receiver_load_failure_mid_stream_then_same_engine_recovers():
+    from weightsync.plugins.loopback_receiver import LoopbackReceiver
+    from weightsync.plugins.loopback_server import ReceiverServer
+
+    class Faulty(LoopbackReceiver):
+        """Raises while loading one parameter in its first round, as a worker's loader might."""
+
+        rounds = 0
+
+        def start_weight_update(self):
+            Faulty.rounds += 1
+            super().start_weight_update()
+
+        def _load(self, entry, data):
+            if Faulty.rounds == 1 and entry[0] == FAIL_NAME:
+                raise RuntimeError(f"injected: cannot load {entry[0]}")
+            return super()._load(entry, data)
+
+    server = ReceiverServer(Faulty(_receiver_model())).start()
+    try:
+        res = run_world(_recover_world, 2, timeout=300, url=server.url, port=free_port())
+        client = ReceiverClient(server.url)
+        digests = client.weight_digests()
+        version = client.weight_version()
+    finally:
+        server.stop()
+    for rank in (0, 1):
+        assert res[rank]["first"] and f"injected: cannot load {FAIL_NAME}" in res[rank]["first"], res[rank]
+        assert res[rank]["second"] is None, res[rank]["second"]
+    assert version == "v2"
+    trainer = res[0]["trainer"]
+    assert digests == {k: v for k, v in trainer.items() if k in digests} and len(digests) == len(trainer) - 1
