@@ -112,6 +112,23 @@ def megatron_moe_suffixes(num_local_experts: int, fmt: str) -> list[str]:
     raise ValueError(f"unknown expert format {fmt!r}")
 
 
+def _expert_full(fc1: list[torch.Tensor], fc2: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Full ``(gate, up, down)`` of one expert from its ETP shards (``[gate_r; up_r]`` rows of fc1,
+    column block ``r`` of fc2; ``layout.py``'s GLU/row invariants), with at most one copy each:
+    with one shard, gate/up are contiguous row views and down is the shard itself (zero copy);
+    with several, one ``torch.cat`` of views per output (``layout.concat_shards`` would copy twice,
+    which is what the per-expert memory bound cannot afford)."""
+    if len(fc1) == 1:
+        gate, up = torch.chunk(fc1[0], 2, dim=0)
+        return gate, up, fc2[0].contiguous()
+    halves = [torch.chunk(p, 2, dim=0) for p in fc1]
+    return (
+        torch.cat([h[0] for h in halves], dim=0),
+        torch.cat([h[1] for h in halves], dim=0),
+        torch.cat(fc2, dim=1),
+    )
+
+
 # ---- who holds what -----------------------------------------------------------------------------
 
 
@@ -325,8 +342,7 @@ class MegatronMoEExporter:
                 for k, e in enumerate(batch):
                     n = 2 * self.etp
                     mine_p = ts[k * n : (k + 1) * n]
-                    (gate, up) = concat_shards("glu", mine_p[0::2])
-                    (down,) = concat_shards("row", mine_p[1::2])
+                    gate, up, down = _expert_full(mine_p[0::2], mine_p[1::2])
                     if buf is not None:
                         buf.put(e, gate, up, down)
                     else:
@@ -427,11 +443,11 @@ class MegatronMoEExporter:
         for w in works:
             w.wait()
         out = assemble(pieces, ts)
-        del ts
-        made = sum(t.nbytes for _, t in out)
+        storages = {x.untyped_storage().data_ptr() for x in ts if x is not None}
+        made = sum(t.nbytes for _, t in out if t.untyped_storage().data_ptr() not in storages)
         self.stats.hold(made)
         for name, t in out:
             self.stats.yielded(t.nbytes)
             yield name, t
-        del out
+        del out, ts
         self.stats.hold(-held - made)

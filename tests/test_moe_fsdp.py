@@ -48,8 +48,11 @@ def _world(rank, world_size, *, families):
             except UnmappedParameterError as e:
                 refused = str(e)
             for layout in ("per_expert", "fused"):
-                tr = ExpertTransform.for_module(model, expert_layout=layout)
-                src = FSDPSource(model, transforms=[tr])
+                if layout == "per_expert":  # the hook, explicitly
+                    src = FSDPSource(model, transforms=[ExpertTransform.for_module(model, expert_layout=layout)])
+                else:  # the constructor option
+                    src = FSDPSource(model, expert_layout=layout)
+                tr = src.transforms[-1]
                 meta = [m.name for m in src.metadata]
                 got = {n: t.detach().clone() for n, t in src.iter_full()}
                 fused_names = {
