@@ -29,17 +29,12 @@ import torch
 import torch.distributed as dist
 
 from weightsync.sources.check import DEFAULT_TIMEOUT_S, control_group
-from weightsync.sources.errors import SilentTransportError, WeightSyncError
+from weightsync.sources.errors import PreflightError, SilentTransportError, WeightSyncError  # noqa: F401
 from weightsync.sources.logs import get_logger
 
 __all__ = ["PreflightError", "PreflightReport", "check_engine", "check_weights_changed"]
 
 logger = get_logger(__name__)
-
-
-class PreflightError(WeightSyncError, ValueError):
-    """The engine cannot work as configured (no CUDA for IPC, a rank that does not own every
-    parameter, a world size that cannot match the inference side)."""
 
 
 @dataclass

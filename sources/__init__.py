@@ -18,7 +18,10 @@ from typing import Any
 from .check import CheckedSource, check_stream, checked, verify_metadata_agreement
 from .errors import (
     CrossRankMismatchError,
+    IntegrityError,
     MetadataMismatchError,
+    PeerFailedError,
+    PreflightError,
     SilentTransportError,
     SyncTimeoutError,
     UnmappedParameterError,
@@ -43,6 +46,9 @@ __all__ = [
     "SyncTimeoutError",
     "UnmappedParameterError",
     "SilentTransportError",
+    "PeerFailedError",
+    "IntegrityError",
+    "PreflightError",
 ]
 
 

@@ -14,6 +14,9 @@ __all__ = [
     "SyncTimeoutError",
     "UnmappedParameterError",
     "SilentTransportError",
+    "PeerFailedError",
+    "IntegrityError",
+    "PreflightError",
 ]
 
 
@@ -41,3 +44,16 @@ class UnmappedParameterError(WeightSyncError, ValueError):
 class SilentTransportError(WeightSyncError):
     """The transport would report success without moving bytes (e.g. vLLM's NCCL communicator
     disabled itself because the NCCL library is too old)."""
+
+
+class PeerFailedError(WeightSyncError):
+    """Another rank failed during this pass; the message quotes that rank's own error."""
+
+
+class IntegrityError(WeightSyncError):
+    """What a receiver holds differs from what the trainer sent (names the first parameter)."""
+
+
+class PreflightError(WeightSyncError, ValueError):
+    """The engine cannot work as configured (no CUDA for IPC, a rank that does not own every
+    parameter, a world size that cannot match the inference side)."""

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .errors import SyncTimeoutError, WeightSyncError
+from .errors import PeerFailedError, SyncTimeoutError, WeightSyncError  # noqa: F401 (re-export)
 from .logs import get_logger
 
 __all__ = [
@@ -61,10 +61,6 @@ _QUIET_S = 0.05
 #: The gloo group's own timeout is set this much above the weightsync bound, so that the bounded wait
 #: (which knows the parameter and the late ranks) always fires first.
 _GROUP_SLACK_S = 30.0
-
-
-class PeerFailedError(WeightSyncError):
-    """Another rank failed during this pass; the message quotes that rank's own error."""
 
 
 _GROUPS: dict[tuple, Any] = {}

@@ -33,7 +33,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .errors import WeightSyncError
+from .errors import IntegrityError, WeightSyncError  # noqa: F401 (re-export)
 
 __all__ = [
     "IntegrityError",
@@ -45,10 +45,6 @@ __all__ = [
 ]
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-class IntegrityError(WeightSyncError):
-    """What a receiver holds differs from what the trainer sent (names the first parameter)."""
 
 
 @runtime_checkable
