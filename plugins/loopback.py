@@ -28,7 +28,6 @@ trainer-side gathers line up. What it adds, and why:
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Self
 
