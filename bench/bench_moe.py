@@ -121,6 +121,9 @@ def main() -> None:
         runs += [("fsdp", fsdp_world, m) for m in ("stack", "per_expert", "fused")]
     if args.source in ("megatron", "both"):
         runs += [("megatron", megatron_world, m) for m in ("unbounded", "per_expert", "fused")]
+    # glibc would serve freed multi-MiB blocks from an untrimmed heap, making peak RSS track allocator
+    # history rather than live bytes: mmap every block >= 128 KiB in the (spawned) ranks.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
     results = {}
     for src, fn, mode in runs:
         res = run_world(fn, args.ranks, a=a, mode=mode, timeout=600)

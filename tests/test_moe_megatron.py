@@ -228,13 +228,16 @@ def test_te_grouped_names_map_to_the_same_pieces():
     assert names == set(megatron_moe_suffixes(2, "te_grouped"))
 
 
-def test_per_expert_never_materializes_a_layer():
+def test_per_expert_never_materializes_a_layer(monkeypatch):
     """Rank 0's peak RSS growth over a pass (the OS's number, not ours) stays far below one layer's
     experts with a 1-expert batch bound, and exceeds a third of a layer when the bound is lifted (so the
     test can fail)."""
     kw = dict(layers=1, experts=16, hidden=512, moe_ffn=1024, shared=None)
     per_expert = 3 * 512 * 1024 * 4  # 6 MiB of fp32 per expert
     layer_kib = 16 * per_expert // 1024  # 96 MiB
+    # glibc otherwise serves freed multi-MiB blocks from a heap it does not trim, so peak RSS would
+    # track allocator history instead of live bytes; mmap every block >= 128 KiB (children inherit).
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
     small = run_world(_world, 2, ckpt="", family="qwen3_moe", ep=2, layouts=("per_expert",),
                       batch_bytes=per_expert, measure_rss=True, timeout=400, **kw)[0]
     big = run_world(_world, 2, ckpt="", family="qwen3_moe", ep=2, layouts=("per_expert",),
