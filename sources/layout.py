@@ -104,6 +104,10 @@ def concat_shards(kind: str, shards: list[torch.Tensor], **geometry: int) -> tup
         if len(shards) != 1:
             raise ValueError(f"a replicated parameter takes one shard, got {len(shards)}")
         return (shards[0].contiguous(),)
+    if len(shards) == 1:
+        # tp=1: the local split is already the HF tensors (views where the layout allows, e.g.
+        # gate/up halves): a torch.cat of one tensor would copy every byte for nothing.
+        return tuple(local_split(kind, shards[0], **geometry))
     pieces = [local_split(kind, s, **geometry) for s in shards]
     return tuple(torch.cat([p[i] for p in pieces], dim=dim) for i in range(len(pieces[0])))
 

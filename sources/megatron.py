@@ -263,7 +263,8 @@ class MegatronSource(WeightSource):
         rows = self._piece_rows(unit, self._topo.tp_rank)
         if rows is not None:
             param = param[:rows]
-        piece = param.to(self.dtype).contiguous()
+        piece = param if param.dtype == self.dtype else param.to(self.dtype)
+        piece = piece.contiguous()
         if piece.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
             stats.hold(piece.numel() * piece.element_size())
         return piece
