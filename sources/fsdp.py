@@ -79,9 +79,14 @@ class FSDPSource(WeightSource):
         include_buffers: also send persistent buffers (they are in the checkpoint).
         transforms: ``naming.TensorTransform`` hooks for tensors whose checkpoint form differs
             from their in-memory form (applied after the gather).
-        expert_layout: ``"per_expert"`` or ``"fused"``: export transformers-5 fused MoE experts
-            in that wire layout (adds ``experts.ExpertTransform.for_module``). None: no expert
-            transform, so fused experts raise ``UnmappedParameterError`` unless ``transforms`` has one.
+        expert_layout: wire layout of transformers-5 fused MoE experts
+            (``experts.gate_up_proj`` / ``down_proj``): ``"per_expert"`` (what ``save_pretrained``
+            writes) or ``"fused"`` (vLLM 0.33's fused names). None: the target checkpoint's
+            layout (``experts.default_expert_layout()``, per-expert for every supported family),
+            applied only when the module has fused experts that ``transforms`` does not already
+            handle; models without experts are unaffected. Fused experts transformers cannot map
+            back to checkpoint names raise ``UnmappedParameterError`` (naming the parameter and
+            rank) at construction, on every rank, before any collective.
         check: check each pass's stream against metadata on this rank.
         agree: verify on the first pass that every rank holds the same metadata.
         rank: this trainer rank (default: the default process group's rank).
@@ -119,10 +124,9 @@ class FSDPSource(WeightSource):
         self.group_bytes = group_bytes
         self.include_buffers = include_buffers
         self.transforms = tuple(transforms)
-        if expert_layout is not None:
-            from .experts import ExpertTransform
-
-            self.transforms += (ExpertTransform.for_module(module, expert_layout=expert_layout),)
+        self.expert_transform = _expert_transform(module, expert_layout, self.transforms, rank)
+        if self.expert_transform is not None:
+            self.transforms += (self.expert_transform,)
         self.check = check
         self.agree = agree
         self._rank = rank
@@ -320,3 +324,52 @@ class FSDPSource(WeightSource):
             f"FSDPSource({type(self._module).__name__}, dtype={self.wire.dtype}, "
             f"group_bytes={self.group_bytes})"
         )
+
+
+def _expert_transform(
+    module: nn.Module,
+    expert_layout: str | None,
+    transforms: tuple[TensorTransform, ...],
+    rank: int | None,
+) -> TensorTransform | None:
+    """The ``ExpertTransform`` for ``module``'s fused experts, or None when there is nothing to do.
+
+    Invariant: an explicit ``expert_layout`` always builds one (its validation and errors are the
+    user's to see); the default (None) builds one only for fused expert parameters no
+    ``transforms`` entry handles, so a dense model or a caller's own hook is untouched. Built from
+    names and global shapes only (no collective), so every rank decides the same way -- and an
+    expert layout transformers cannot map raises here, on every rank, before bytes move.
+    """
+    from .errors import UnmappedParameterError
+    from .experts import (
+        ExpertTransform,
+        check_expert_layout,
+        default_expert_layout,
+        is_fused_expert_param,
+    )
+    from .naming import _wrapper_paths, checkpoint_name
+
+    check_expert_layout(expert_layout)
+    if expert_layout is None:
+        wrappers = _wrapper_paths(module)
+        fused = []
+        for path, p in module.named_parameters():
+            name = checkpoint_name(path, wrappers)
+            if is_fused_expert_param(name, p.shape) and not any(t.handles(name) for t in transforms):
+                fused.append(name)
+        if not fused:
+            return None
+        layout = default_expert_layout()
+        logger.info(
+            "%d fused expert parameter(s) (e.g. %s): exporting them %s, the target checkpoint's layout",
+            len(fused), fused[0], layout,
+        )
+    try:
+        return ExpertTransform.for_module(module, expert_layout=expert_layout)
+    except UnmappedParameterError as e:
+        r = current_rank() if rank is None else rank
+        raise UnmappedParameterError(
+            f"rank {r}: FSDPSource(expert_layout={expert_layout!r}): cannot map the fused expert "
+            f"parameters of {type(module).__name__} to checkpoint names: {e}"
+        ) from e
+

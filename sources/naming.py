@@ -22,6 +22,8 @@ Three things separate an in-memory name from a checkpoint name:
   ``up_proj``). Those need a ``TensorTransform`` (a hook applied after the gather); until one is
   registered for a name, ``UnmappedParameterError`` is raised rather than sending a name vLLM
   would misload. Which names need one is asked of transformers' own reverse conversion mapping.
+  Pure renamings in that mapping (Mixtral's in-memory ``mlp.`` is ``block_sparse_moe.`` in the
+  checkpoint) need no transform: the entry takes the name transformers writes.
 
 PEFT names (``base_model.model.``, ``.base_layer.``, ``lora_A/B``) are out of scope: a PEFT model
 would be reported as-is (its in-memory names), not merged.
@@ -182,8 +184,16 @@ def _state_tensors(module: nn.Module, include_buffers: bool) -> list[tuple[str, 
     return out
 
 
-def _conversion_check(root: nn.Module, names: list[str]):
-    """Names transformers would rename or convert when saving (needs a transform), else []."""
+def _conversion_check(root: nn.Module, names: list[str]) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """What transformers does to each name when saving: ``(renames, converted)``.
+
+    ``renames`` maps a name to the one ``save_pretrained`` writes when the reverse conversion only
+    *renames* it (a ``WeightRenaming``, e.g. Mixtral's in-memory ``mlp.`` back to
+    ``block_sparse_moe.``): same tensor, other name, no transform needed. ``converted`` lists
+    ``(name, checkpoint name)`` for names a ``WeightConverter`` changes (fused MoE experts): those
+    need a ``TensorTransform``. Both are derived from transformers' own reverse mapping, the one
+    ``revert_weight_conversion`` applies.
+    """
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -194,9 +204,9 @@ def _conversion_check(root: nn.Module, names: list[str]):
             rename_source_key,
         )
     except ImportError:  # pragma: no cover - transformers is a dependency
-        return []
+        return {}, []
     if not isinstance(root, PreTrainedModel):
-        return []
+        return {}, []
     conversions = getattr(root, "_weight_conversions", None)
     if conversions is None:
         # Same choice as transformers' revert_weight_conversion for a model not built by
@@ -204,16 +214,19 @@ def _conversion_check(root: nn.Module, names: list[str]):
         conversions = get_model_conversion_mapping(root, add_legacy=False)
         conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
     if not conversions:
-        return []
+        return {}, []
     reverse = [c.reverse_transform() for c in conversions[::-1]]
     renamings = [c for c in reverse if isinstance(c, WeightRenaming)]
     converters = [c for c in reverse if isinstance(c, WeightConverter)]
-    needs = []
+    renames: dict[str, str] = {}
+    converted: list[tuple[str, str]] = []
     for name in names:
         renamed, pattern = rename_source_key(name, renamings, converters, reverse=True)
-        if renamed != name or pattern is not None:
-            needs.append((name, renamed))
-    return needs
+        if pattern is not None:
+            converted.append((name, renamed))
+        elif renamed != name:
+            renames[name] = renamed
+    return renames, converted
 
 
 def checkpoint_entries(
@@ -272,10 +285,14 @@ def checkpoint_entries(
     for e in entries:
         t = next((t for t in transforms if t.handles(e.name)), None)
         out.append(e if t is None else CheckpointEntry(e.name, e.path, e.is_buffer, e.aliases, t))
-    unmapped = [
-        (n, r)
-        for n, r in _conversion_check(root, [e.name for e in out if e.transform is None])
-    ]
+    renames, unmapped = _conversion_check(root, [e.name for e in out if e.transform is None])
+    if renames:
+        out = [
+            CheckpointEntry(renames[e.name], e.path, e.is_buffer, e.aliases, e.transform)
+            if e.name in renames
+            else e
+            for e in out
+        ]
     if unmapped:
         shown = ", ".join(f"{n!r} (checkpoint writes it as {r!r})" for n, r in unmapped[:4])
         more = f" and {len(unmapped) - 4} more" if len(unmapped) > 4 else ""

@@ -1,6 +1,8 @@
-"""FSDP2 MoE export through ``FSDPSource(transforms=[ExpertTransform.for_module(model)])``, 2 gloo
+"""FSDP2 MoE export through ``FSDPSource(model)`` (default: the checkpoint's per-expert layout),
+``FSDPSource(transforms=[ExpertTransform.for_module(model)])`` and ``expert_layout="fused"``, 2 gloo
 ranks, against ``save_pretrained`` of the same weights (per_expert: names, shapes, bytes of every
-tensor, experts included) and transformers' in-memory fused tensors (fused).
+tensor, experts included -- Mixtral's ``block_sparse_moe`` renames too) and transformers' in-memory
+fused tensors (fused).
 
 Two shardings of the fused experts: FSDP2's default ``Shard(0)`` (each rank holds E/2 whole
 experts: the expert dimension sharded over the mesh, as expert-parallel meshes do) and
@@ -23,7 +25,6 @@ def _world(rank, world_size, *, families):
     from torch.distributed.tensor import Shard
 
     from weightsync.sources import FSDPSource
-    from weightsync.sources.errors import UnmappedParameterError
     from weightsync.sources.experts import ExpertTransform
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -41,14 +42,10 @@ def _world(rank, world_size, *, families):
             experts_placements = {
                 str(p.placements) for n, p in model.named_parameters() if n.endswith("gate_up_proj")
             }
-            # without the transform, FSDPSource refuses the fused names (before any collective)
-            try:
-                FSDPSource(model).metadata
-                refused = None
-            except UnmappedParameterError as e:
-                refused = str(e)
-            for layout in ("per_expert", "fused"):
-                if layout == "per_expert":  # the hook, explicitly
+            for layout in ("default", "per_expert", "fused"):
+                if layout == "default":  # no option: the checkpoint's own (per-expert) layout
+                    src = FSDPSource(model)
+                elif layout == "per_expert":  # the hook, explicitly
                     src = FSDPSource(model, transforms=[ExpertTransform.for_module(model, expert_layout=layout)])
                 else:  # the constructor option
                     src = FSDPSource(model, expert_layout=layout)
@@ -62,7 +59,7 @@ def _world(rank, world_size, *, families):
                 }
                 facts[(family, placement, layout)] = dict(
                     got=got, meta_order=meta == list(got), placements=experts_placements,
-                    refused=refused, tensors=src.last_pass.tensors, fused_names=fused_names,
+                    tensors=src.last_pass.tensors, fused_names=fused_names, layout=tr.layout,
                 )
     from fsdp_worlds import pack
 
@@ -72,7 +69,7 @@ def _world(rank, world_size, *, families):
 def test_fsdp2_moe_export_matches_save_pretrained():
     from moe_models import saved_state_dict, tiny_model
 
-    families = ("qwen3_moe", "deepseek_v3")
+    families = ("qwen3_moe", "deepseek_v3", "mixtral")
     from fsdp_worlds import unpack
 
     res = unpack(run_world(_world, 2, families=families, timeout=400))
@@ -83,11 +80,13 @@ def test_fsdp2_moe_export_matches_save_pretrained():
         assert fused_ref
         for rank, facts in res.items():
             for placement in ("shard0", "shard1"):
-                per = facts[(fam, placement, "per_expert")]
-                assert sorted(per["got"]) == sorted(saved), (rank, fam, placement)
-                for n, t in saved.items():
-                    assert per["got"][n].dtype == t.dtype and torch.equal(per["got"][n], t), (rank, n)
-                assert per["meta_order"] and per["refused"] and "gate_up_proj" in per["refused"]
+                for layout in ("default", "per_expert"):
+                    per = facts[(fam, placement, layout)]
+                    assert per["layout"] == "per_expert"
+                    assert sorted(per["got"]) == sorted(saved), (rank, fam, placement, layout)
+                    for n, t in saved.items():
+                        assert per["got"][n].dtype == t.dtype and torch.equal(per["got"][n], t), (rank, n)
+                    assert per["meta_order"]
                 fz = facts[(fam, placement, "fused")]
                 assert fz["meta_order"]
                 for n, t in fused_ref.items():
