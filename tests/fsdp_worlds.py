@@ -244,6 +244,17 @@ def count_pass(source, mode: str = "full") -> tuple[int, int, dict[str, torch.Te
     return len(spy.calls), len(spy.ops), out
 
 
+class FusedExperts(torch.nn.Module):
+    """Experts stored the transformers-5 way (3-D ``gate_up_proj`` / ``down_proj``, no ``.weight``)
+    in a module transformers knows no conversion for: nothing says which checkpoint names they
+    have, so a source must refuse them rather than guess."""
+
+    def __init__(self, experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * intermediate, hidden))
+        self.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, intermediate))
+
+
 def errors_of(fn, *a, **k) -> str | None:
     try:
         r = fn(*a, **k)
@@ -475,11 +486,27 @@ def world_wrappers(rank: int, world_size: int, *, oracle_dir: str) -> dict:
         facts["nccl_nonsender_tensors"] = src.last_pass.tensors
         facts["nccl_nonsender_collectives"] = src.last_pass.collectives
 
-    # 6) bad input: every rank raises a named error before any gather, none hangs.
+    # 6) MoE by default: transformers-5 fused experts go out per expert, as save_pretrained
+    #    writes them, with no option passed.
     moe = tiny_model("qwen3_moe", tied=False, seed=6)
+    if rank == 0:
+        save_oracle(moe, os.path.join(oracle_dir, "moe"))
     shard(moe, mesh)
-    facts["err_moe"] = errors_of(lambda: FSDPSource(moe).metadata)
-    facts["err_moe_iter"] = errors_of(lambda: FSDPSource(moe).iter_full())
+    src = FSDPSource(moe)
+    facts["moe_default_full"] = to_cpu(stream(src))
+    facts["moe_default_layout"] = getattr(src.expert_transform, "layout", None)
+    facts["dense_expert_transform"] = FSDPSource(model).expert_transform
+
+    #    bad input: every rank raises a named error before any gather, none hangs. Fused experts
+    #    in a model transformers has no conversion mapping for (llama + a custom experts module).
+    unmappable = tiny_model("llama", tied=False, seed=6)
+    cfg = unmappable.config
+    unmappable.model.layers[0].mlp.experts = FusedExperts(4, cfg.hidden_size, cfg.intermediate_size)
+    shard(unmappable, mesh)
+    facts["err_moe"] = errors_of(lambda: FSDPSource(unmappable).metadata)
+    facts["err_moe_iter"] = errors_of(lambda: FSDPSource(unmappable).iter_full())
+    facts["err_moe_fused"] = errors_of(FSDPSource, unmappable, expert_layout="fused")
+    facts["err_layout"] = errors_of(FSDPSource, moe, expert_layout="stacked")
     facts["err_dtype"] = errors_of(FSDPSource, model, dtype=torch.int8)
     facts["err_regex"] = errors_of(FSDPSource, model, keep_fp32=["("])
     facts["err_group"] = errors_of(FSDPSource, model, group_bytes=0)

@@ -198,12 +198,26 @@ def test_vllm_nccl_engine_non_sender_drives_source(wrappers):
     assert results[1]["nccl_nonsender_collectives"] > 0
 
 
+def test_moe_experts_default_to_the_checkpoint_layout(wrappers):
+    """No option: fused transformers-5 experts are sent per expert, names/bytes == save_pretrained;
+    a dense model gets no expert transform."""
+    results, d = wrappers
+    oracle = load_oracle(os.path.join(d, "moe"))
+    assert any(".experts.0.gate_proj.weight" in n for n in oracle)
+    for rank, f in results.items():
+        assert f["moe_default_layout"] == "per_expert"
+        assert_same_tensors(f["moe_default_full"], oracle, f"rank {rank} moe default")
+        assert f["dense_expert_transform"] is None
+
+
 def test_bad_input_raises_named_errors_on_every_rank(wrappers):
     results, _ = wrappers
     for rank, f in results.items():
-        assert f["err_moe"].startswith("UnmappedParameterError") and "gate_up_proj" in f["err_moe"]
-        assert f"rank {rank}" in f["err_moe"]
-        assert f["err_moe_iter"].startswith("UnmappedParameterError")
+        for key in ("err_moe", "err_moe_iter", "err_moe_fused"):
+            err = f[key]
+            assert err is not None and err.startswith("UnmappedParameterError"), (key, err)
+            assert f"rank {rank}" in err and "model.layers.0.mlp.experts.gate_up_proj" in err, err
+        assert f["err_layout"].startswith("ValueError") and "expert_layout='stacked'" in f["err_layout"]
         assert "dtype=" in f["err_dtype"] and "int8" in f["err_dtype"]
         assert "keep_fp32=" in f["err_regex"]
         assert "group_bytes=" in f["err_group"]
