@@ -90,6 +90,18 @@ _ALWAYS = lambda cfg: True  # noqa: E731
 _NEVER = lambda cfg: False  # noqa: E731
 
 
+def _mla(cfg: Any) -> str | None:
+    """DeepSeek multi-head latent attention has no counterpart in the dense attention table."""
+    set_ = {k: getattr(cfg, k, None) for k in ("q_lora_rank", "kv_lora_rank")}
+    set_ = {k: v for k, v in set_.items() if v}
+    if set_:
+        return (
+            f"multi-head latent attention ({', '.join(f'{k}={v}' for k, v in set_.items())}) is not "
+            "supported: only the dense q/k/v attention layout is (MLA export is out of scope)"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class Family:
     """Which optional tensors a family's checkpoint carries, as predicates of its ``hf_config``."""
@@ -100,6 +112,8 @@ class Family:
     o_bias: Callable[[Any], bool] = _NEVER
     qk_norm: Callable[[Any], bool] = _NEVER
     mlp_bias: Callable[[Any], bool] = _NEVER
+    #: ``hf_config -> reason`` when the family's attention is not the shared dense layout, else None.
+    unsupported: Callable[[Any], str | None] = lambda cfg: None
 
     def layer_keys(self, hf_config: Any) -> dict[str, Entry]:
         """Megatron layer-relative names (local spec) this checkpoint has, in HF order."""
@@ -132,19 +146,41 @@ FAMILIES: tuple[Family, ...] = (
         qk_norm=_ALWAYS,
     ),
     Family("mistral", ("MistralForCausalLM",)),
+    # MoE families: attention and norms share the dense layout above; the MoE MLP half is named by
+    # ``sources/moe_families.py`` (transformers' own reversal) through ``MegatronMoEExporter``.
+    Family(
+        "qwen3_moe",
+        ("Qwen3MoeForCausalLM",),
+        qkv_bias=_flag("attention_bias"),
+        o_bias=_flag("attention_bias"),
+        qk_norm=_ALWAYS,
+    ),
+    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), qkv_bias=_flag("qkv_bias", True)),
+    Family("mixtral", ("MixtralForCausalLM",)),
+    Family(
+        "deepseek_v3",
+        ("DeepseekV3ForCausalLM",),
+        qkv_bias=_flag("attention_bias"),
+        o_bias=_flag("attention_bias"),
+        unsupported=_mla,
+    ),
 )
 
 
 def family_for(hf_config: Any) -> Family:
-    """The family serving ``hf_config.architectures`` (or ``model_type``); raises if none does."""
+    """The family serving ``hf_config.architectures`` (or ``model_type``); raises if none does, or if
+    the family cannot export this config (``UnmappedParameterError`` naming the fields)."""
     archs = tuple(getattr(hf_config, "architectures", None) or ())
-    for fam in FAMILIES:
-        if any(a in fam.architectures for a in archs):
-            return fam
     model_type = getattr(hf_config, "model_type", None)
-    for fam in FAMILIES:
-        if model_type == fam.name:
-            return fam
+    found = next((f for f in FAMILIES if any(a in f.architectures for a in archs)), None)
+    found = found or next((f for f in FAMILIES if model_type == f.name), None)
+    if found is not None:
+        why = found.unsupported(hf_config)
+        if why:
+            raise UnmappedParameterError(
+                f"MegatronSource cannot export {found.name} (architectures={list(archs)}): {why}"
+            )
+        return found
     known = sorted(a for f in FAMILIES for a in f.architectures)
     raise UnmappedParameterError(
         f"MegatronSource has no name table for architectures={list(archs)} "

@@ -1,4 +1,4 @@
-"""``MegatronSource``: a megatron-core ``GPTModel`` (TP / PP / VPP, dense) as Hugging Face tensors.
+"""``MegatronSource``: a megatron-core ``GPTModel`` (TP / PP / VPP / EP, dense and MoE) as Hugging Face tensors.
 
 Invariants:
 
@@ -22,6 +22,15 @@ Invariants:
   verifies that all ranks hold the same metadata before any byte moves.
 * Tied embeddings export ``model.embed_tokens.weight`` only (from the first stage); the last
   stage's ``output_layer.weight`` copy under PP is never read.
+* MoE layers (``num_moe_experts``; dense and MoE layers may mix, e.g. first-k dense): the plan holds a
+  MoE layer's attention units and its pre-MLP norm; right after them, ``MegatronMoEExporter``
+  (``sources/megatron_experts.py``) streams the router, its expert bias, the routed experts
+  (``expert_layout``: ``"per_expert"`` as checkpoints hold them, or ``"fused"``) and the shared
+  experts, in that order, all owned by rank 0. Its metadata comes from configs (no collective).
+  Its export is collective over **every** rank -- including ranks outside the sender's dense
+  replica, because with expert parallelism they hold other experts -- so every rank walks the MoE
+  layers in the same order even when it has no dense unit to send. ``mode="local"`` does not
+  support MoE (raises ``NotImplementedError`` naming the MoE layers at construction).
 """
 
 from __future__ import annotations
@@ -39,9 +48,11 @@ from .errors import UnmappedParameterError
 from .families import family_for
 from .layout import KIND_DIM, concat_shards, local_split, vocab_is_chunked, vocab_rows
 from .logs import get_logger
-from .megatron_plan import Geometry, Unit, build_plan
+from .megatron_experts import MegatronMoEExporter, expert_format, megatron_moe_suffixes
+from .megatron_plan import Geometry, Unit, build_plan, mlp_kind
 from .megatron_topology import Topology, megatron_topology
 from .megatron_walk import Bound, model_chunks, walk_chunks
+from .experts import DEFAULT_EXPERT_BATCH_BYTES, ExpertLayout
 from .stats import PassStats
 
 __all__ = ["MegatronSource"]
@@ -51,8 +62,14 @@ logger = get_logger(__name__)
 Mode = Literal["full", "local"]
 
 
-def _hf_geometry(hf_config: Any, mcfg: Any, chunk: torch.nn.Module, tp: int, rank: int) -> Geometry:
-    """Read the shapes from ``hf_config``; raise naming every field Megatron disagrees with."""
+def _hf_geometry(
+    hf_config: Any, mcfg: Any, chunk: torch.nn.Module, tp: int, rank: int, has_dense: bool = True
+) -> Geometry:
+    """Read the shapes from ``hf_config``; raise naming every field Megatron disagrees with.
+
+    ``intermediate_size`` is compared only when some layer has a dense MLP: an all-MoE model never
+    builds ``ffn_hidden_size`` (Mixtral's ``intermediate_size`` is the expert size, which the MoE
+    exporter checks against ``moe_ffn_hidden_size``)."""
     heads = hf_config.num_attention_heads
     groups = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -73,7 +90,7 @@ def _hf_geometry(hf_config: Any, mcfg: Any, chunk: torch.nn.Module, tp: int, ran
         ("num_attention_heads", g.heads, "num_attention_heads", mcfg.num_attention_heads),
         ("num_key_value_heads", g.groups, "num_query_groups", mcfg.num_query_groups or mcfg.num_attention_heads),
         ("head_dim", g.head_dim, "kv_channels", mcfg.kv_channels),
-        ("intermediate_size", g.ffn, "ffn_hidden_size", mcfg.ffn_hidden_size),
+        *([("intermediate_size", g.ffn, "ffn_hidden_size", mcfg.ffn_hidden_size)] if has_dense else []),
         ("num_hidden_layers", g.layers, "num_layers", mcfg.num_layers),
         ("tie_word_embeddings", g.tied, "share_embeddings_and_output_weights",
          bool(getattr(chunk, "share_embeddings_and_output_weights", False))),
@@ -98,13 +115,18 @@ class MegatronSource(WeightSource):
         hf_config: the transformers config of the target checkpoint (decides names and shapes).
         dtype: wire dtype; default Megatron's ``params_dtype``. Shards are cast before they move.
         mode: ``"full"`` (``iter_full``, vLLM NCCL broadcast: owners ``(0,)``) or ``"local"``
-            (``iter_local``, vLLM ``nccl_m2n``: owners are each stage's TP ranks).
+            (``iter_local``, vLLM ``nccl_m2n``: owners are each stage's TP ranks; dense models only).
+        expert_layout: MoE routed experts on the wire: ``"per_expert"`` (default; what checkpoints
+            hold, ``...experts.{e}.gate_proj.weight``) or ``"fused"`` (``experts.gate_up_proj``
+            ``[E, 2I, H]`` / ``experts.down_proj`` ``[E, H, I]``, both accepted by vLLM 0.33).
+        expert_batch_bytes: bound on the expert bytes rank 0 receives at once (MoE only).
         check: check each pass's stream against ``metadata`` on this rank.
         timeout_s: bound on the first pass's cross-rank metadata agreement.
 
     Raises at construction (on every rank, before any byte moves): ``UnmappedParameterError`` for an
-    unknown architecture or a Megatron parameter the checkpoint has no name for (MoE layers today),
-    ``ValueError`` when the model and ``hf_config`` disagree on a shape.
+    unknown architecture (or DeepSeek MLA attention), a Megatron parameter the checkpoint has no name
+    for, or MoE settings ``hf_config`` disagrees with; ``ValueError`` when the model and
+    ``hf_config`` disagree on a shape; ``NotImplementedError`` for ``mode="local"`` with MoE layers.
     """
 
     def __init__(
@@ -116,6 +138,8 @@ class MegatronSource(WeightSource):
         mode: Mode = "full",
         check: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        expert_layout: ExpertLayout | None = None,
+        expert_batch_bytes: int = DEFAULT_EXPERT_BATCH_BYTES,
     ) -> None:
         if mode not in ("full", "local"):
             raise ValueError(f"MegatronSource mode must be 'full' or 'local', got {mode!r}")
@@ -133,10 +157,30 @@ class MegatronSource(WeightSource):
                 f"{self._topo.vpp}; pass every virtual-pipeline chunk of this rank, in order"
             )
         mcfg = chunks[0].config
-        self.family = family_for(hf_config)
-        self.geometry = _hf_geometry(hf_config, mcfg, chunks[0], self._topo.tp, rank)
+        try:
+            self.family = family_for(hf_config)
+        except UnmappedParameterError as e:
+            raise UnmappedParameterError(f"rank {rank}: {e}") from e
+        #: global layers (0-based) whose MLP is MoE, from Megatron's config.
+        self.moe_layers: list[int] = [i for i in range(mcfg.num_layers) if mlp_kind(mcfg, i) == "moe"]
+        if self.moe_layers and mode == "local":
+            raise NotImplementedError(
+                f"rank {rank}: MegatronSource(mode='local') does not support MoE layers "
+                f"{self.moe_layers} (num_moe_experts={mcfg.num_moe_experts}); use mode='full'"
+            )
+        has_dense = len(self.moe_layers) < mcfg.num_layers
+        self.geometry = _hf_geometry(hf_config, mcfg, chunks[0], self._topo.tp, rank, has_dense)
         self.dtype: torch.dtype = dtype or mcfg.params_dtype
         bound, unmapped, layer_names = walk_chunks(chunks)
+        self._moe: MegatronMoEExporter | None = None
+        if self.moe_layers:
+            try:
+                self._moe = MegatronMoEExporter(
+                    chunks, hf_config, mcfg, expert_layout=expert_layout, dtype=self.dtype,
+                    expert_batch_bytes=expert_batch_bytes, stats=self.last_pass,
+                )
+            except UnmappedParameterError as e:
+                raise self._moe_error(e, layer_names) from e
         try:
             self.plan: list[Unit] = build_plan(
                 family=self.family,
@@ -149,7 +193,15 @@ class MegatronSource(WeightSource):
             )
         except UnmappedParameterError as e:
             raise UnmappedParameterError(f"rank {rank}: {e}") from e
+        # plan index of each MoE layer's last unit -> that layer: its MoE tensors follow that unit.
+        last_unit = {u.key[1]: i for i, u in enumerate(self.plan) if u.key[0] == "layer"}
+        self._moe_after: dict[int, int] = {last_unit[L]: L for L in self.moe_layers}
         self._bound = self._bind(bound, unmapped)
+        if self._moe is not None:
+            try:
+                self.metadata  # noqa: B018  (validates hf_config's MoE layers on every rank, no collective)
+            except UnmappedParameterError as e:
+                raise self._moe_error(e, layer_names) from e
         self._device = next(iter(self._bound.values())).param.device if self._bound else torch.device("cpu")
         self._vocab_chunked = vocab_is_chunked(self.geometry.vocab, self.geometry.padded_vocab, self._topo.tp)
 
@@ -176,6 +228,7 @@ class MegatronSource(WeightSource):
             mine[unit.key] = b
         if self.geometry.tied:
             bound.pop(("lm_head",), None)  # the last stage's copy of the tied embedding
+        self._claim_moe(bound)
         for key, b in bound.items():
             where = "this pipeline stage" if key[0] != "layer" else f"layer {key[1]} (not placed on this stage)"
             unmapped.append(f"chunk{b.chunk}:{b.name} ({where})")
@@ -187,6 +240,34 @@ class MegatronSource(WeightSource):
         if problems:
             raise ValueError(f"rank {rank}: MegatronSource cannot export this model: " + "; ".join(problems))
         return mine
+
+    def _moe_error(self, e: Exception, layer_names: dict[int, list[str]]) -> UnmappedParameterError:
+        """``e`` from the MoE side, naming this rank, the MoE layers and their Megatron parameters."""
+        local = sorted(L for L in layer_names if L in self.moe_layers)
+        shown = [
+            f"decoder.layers.<{L}>.{n}" for L in local[:1] for n in layer_names[L] if n.startswith("mlp.")
+        ][:6] or ["mlp.router.weight", "mlp.experts.*"]
+        return UnmappedParameterError(
+            f"rank {self._topo.rank}: Megatron layers {self.moe_layers} are MoE but the {self.family.name} "
+            f"checkpoint for this hf_config has no tensors for them (e.g. {shown}): {e}"
+        )
+
+    def _claim_moe(self, bound: dict[tuple, Bound]) -> None:
+        """Remove from ``bound`` exactly the ``mlp.*`` parameters the MoE exporter reads on this rank
+        (router, this rank's routed experts in their storage format, shared experts and gate as the
+        config declares them); any other ``mlp.*`` parameter of a MoE layer stays and is unmapped."""
+        if self._moe is None:
+            return
+        c = self._moe.mcfg
+        for layer, mlp in self._moe.local.items():
+            want = {"mlp.router.weight"}
+            want |= set(megatron_moe_suffixes(self._moe.E_local, expert_format(mlp.experts)))
+            if getattr(c, "moe_shared_expert_intermediate_size", None):
+                want |= {"mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"}
+                if getattr(c, "moe_shared_expert_gate", False):
+                    want.add("mlp.shared_experts.gate_weight")
+            for suffix in want:
+                bound.pop(("layer", layer, suffix), None)
 
     # ---- metadata ---------------------------------------------------------------------------
 
@@ -205,7 +286,13 @@ class MegatronSource(WeightSource):
 
     @cached_property
     def metadata(self) -> list[ParamMeta]:
-        return [m for unit in self.plan for m in self._unit_metas(unit)]
+        out: list[ParamMeta] = []
+        for i, unit in enumerate(self.plan):
+            out += self._unit_metas(unit)
+            if i in self._moe_after:
+                assert self._moe is not None
+                out += [ParamMeta(n, d, s, owners=(0,)) for n, s, d in self._moe.entries(self._moe_after[i])]
+        return out
 
     def implements_iter_full(self) -> bool:
         return self.mode == "full"
@@ -318,13 +405,20 @@ class MegatronSource(WeightSource):
 
     def _full_pass(self) -> Iterator[tuple[str, torch.Tensor]]:
         stats = self.last_pass = PassStats().start()
+        if self._moe is not None:
+            self._moe.stats = stats
         try:
             self._start()
-            if not self._topo.in_sender_replica:
-                return  # other data-parallel replicas: nothing to do
-            for unit in self.plan:
-                pieces = self._gather_to(unit, 0, stats)
+            # Ranks of other data-parallel replicas have no dense unit to send, but with expert
+            # parallelism they hold other experts: they still walk every MoE layer's export.
+            dense = self._topo.in_sender_replica
+            if not dense and self._moe is None:
+                return
+            for i, unit in enumerate(self.plan):
+                pieces = self._gather_to(unit, 0, stats) if dense else None
                 if pieces is None:
+                    if i in self._moe_after:
+                        yield from self._moe.export(self._moe_after[i])  # type: ignore[union-attr]
                     continue
                 outs = concat_shards(unit.kind, pieces, **self._geometry_kw())
                 held = sum(o.numel() * o.element_size() for o in outs)
@@ -335,6 +429,8 @@ class MegatronSource(WeightSource):
                     yield name, out
                 del outs
                 stats.hold(-stats._extra)
+                if i in self._moe_after:
+                    yield from self._moe.export(self._moe_after[i])  # type: ignore[union-attr]
         finally:
             stats.stop()
 

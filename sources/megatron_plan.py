@@ -11,8 +11,8 @@ A plan is a list of ``Unit``: one Megatron parameter, exported as one or more HF
 k, v; GLU fc1 -> gate, up). Units come in HF order: embedding, layers 0..L-1, final norm, lm_head.
 
 The MLP half of each layer comes from a handler chosen by ``mlp_kind`` (``register_mlp_handler``),
-so MoE layers can be added without touching the rest; today a MoE layer raises
-``UnmappedParameterError`` listing the parameters nobody maps.
+so MoE layers can be added without touching the rest: a MoE layer's plan holds its attention units and
+its pre-MLP norm; the MoE MLP itself is streamed by ``MegatronMoEExporter`` after the layer's units.
 """
 
 from __future__ import annotations
@@ -116,20 +116,15 @@ def _dense_mlp(family: Family, hf_config: Any, mcfg: Any, layer: int, local: lis
     return {k: e for k, e in keys.items() if k in DENSE_MLP}
 
 
-def _moe_unmapped(family: Family, hf_config: Any, mcfg: Any, layer: int, local: list[str]) -> dict:
-    names = [n for n in local if n.startswith("mlp.")] or [
-        "mlp.router.weight",
-        "mlp.experts.*",
-    ]
-    raise UnmappedParameterError(
-        f"layer {layer} is a MoE layer (num_moe_experts={mcfg.num_moe_experts}); MegatronSource has "
-        f"no MoE handler registered, so these Megatron parameters are unmapped: "
-        f"{[f'decoder.layers.<{layer}>.{n}' for n in names]}"
-    )
+def _moe_norm(family: Family, hf_config: Any, mcfg: Any, layer: int, local: list[str]) -> dict:
+    """A MoE layer's plan units: only its pre-MLP norm. The router, routed and shared experts are
+    exported by ``MegatronMoEExporter`` (``sources/megatron_experts.py``), which ``MegatronSource``
+    runs right after this layer's units; ``_bind`` lets it claim the layer's ``mlp.*`` parameters."""
+    return {"pre_mlp_layernorm.weight": DENSE_MLP["pre_mlp_layernorm.weight"]}
 
 
 register_mlp_handler("dense", _dense_mlp)
-register_mlp_handler("moe", _moe_unmapped)
+register_mlp_handler("moe", _moe_norm)
 
 
 # ---- layer placement ----------------------------------------------------------------------------

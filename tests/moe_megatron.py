@@ -65,6 +65,8 @@ def moe_config(
     pp: int = 1,
     ep: int = 1,
     etp: int | None = None,
+    qk_norm: bool = False,
+    qkv_bias: bool = False,
 ):
     from megatron.core.transformer import TransformerConfig
 
@@ -78,6 +80,8 @@ def moe_config(
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         normalization="RMSNorm",
+        qk_layernorm=qk_norm,
+        add_qkv_bias=qkv_bias,
         num_moe_experts=experts,
         moe_ffn_hidden_size=moe_ffn,
         moe_router_topk=2,
@@ -169,3 +173,16 @@ def load_full_checkpoint(directory: str) -> dict[str, torch.Tensor]:
     out = os.path.join(directory, "full.pt")
     dcp_to_torch_save(directory, out)
     return torch.load(out, weights_only=False)
+
+
+def megatron_load(model, directory: str) -> None:
+    """Load a ``megatron_checkpoint`` saved at any TP/PP/EP into ``model`` (this rank's layout) with
+    megatron's own ``dist_checkpointing`` resharding; raises if any parameter was left out."""
+    from megatron.core import dist_checkpointing
+
+    with cpu_cuda_shim():
+        loaded = dist_checkpointing.load(model.sharded_state_dict(), directory)
+    missing, unexpected = model.load_state_dict(loaded, strict=False)
+    bad = [k for k in missing + unexpected if not k.endswith("_extra_state")]
+    if bad:
+        raise AssertionError(f"dist_checkpointing load left {bad}")

@@ -246,3 +246,163 @@ def test_per_expert_never_materializes_a_layer(monkeypatch):
     assert small["per_expert_rss_growth_kib"] < layer_kib // 4, small["per_expert_rss_growth_kib"]
     assert big["per_expert_rss_growth_kib"] > layer_kib // 3, big["per_expert_rss_growth_kib"]
     assert small["per_expert_stats"]["peak_extra_bytes"] <= 2 * per_expert
+
+
+# ---- MegatronSource on MoE models (the exporter wired in): one world per scenario ------------------
+
+
+def _catch(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _source_world(rank, world_size, *, ckpt, family, tp=1, pp=1, ep=1, etp=None, layers=2, experts=4,
+                  hidden=16, moe_ffn=12, shared=None, shared_gate=False, dense_first=0):
+    """Sharded MegatronSource (per_expert and fused) + its errors, then the same weights resharded to
+    TP1/PP1/EP1 by megatron's dist_checkpointing and exported again, in one world."""
+    import torch.distributed as dist
+    from moe_megatron import build_gpt, init_parallel, megatron_checkpoint, megatron_load, moe_config
+
+    from weightsync.sources import MegatronSource
+
+    freq = [0] * dense_first + [1] * (layers - dense_first)
+    hf = _hf_config(family, layers=layers, experts=experts, hidden=hidden, moe_ffn=moe_ffn, shared=shared,
+                    dense_first=dense_first)
+    if family == "qwen2_moe":
+        hf.mlp_only_layers = list(range(dense_first))
+        hf.shared_expert_intermediate_size = shared
+
+    def mcfg_at(tp, pp, ep, etp):
+        return moe_config(layers=layers, hidden=hidden, experts=experts, moe_ffn=moe_ffn, shared_ffn=shared,
+                          shared_gate=shared_gate, moe_layer_freq=freq, tp=tp, pp=pp, ep=ep, etp=etp,
+                          qk_norm=family == "qwen3_moe", qkv_bias=family == "qwen2_moe")
+
+    init_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
+    mcfg = mcfg_at(tp, pp, ep, etp)
+    model = build_gpt(mcfg)
+    megatron_checkpoint(model, ckpt)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    facts: dict = {}
+    src = MegatronSource(model, hf_config=hf)
+    facts["moe_layers"] = src.moe_layers
+    facts["meta"] = [(m.name, tuple(m.shape), str(m.dtype), m.owners) for m in src.metadata]
+    got = {n: t.clone() for n, t in src.iter_full()}
+    facts["stats"] = src.last_pass.as_dict()
+    facts["second_pass_same"] = all(torch.equal(got[n], t) for n, t in src.iter_full())  # fresh pass per call
+    fused_src = MegatronSource(model, hf_config=hf, expert_layout="fused", expert_batch_bytes=1)
+    fused = {n: t.clone() for n, t in fused_src.iter_full()}
+    facts["fused_meta"] = [(m.name, tuple(m.shape)) for m in fused_src.metadata]
+    facts["local"] = _catch(lambda: MegatronSource(model, hf_config=hf, mode="local"))
+    mla = _hf_config("deepseek_v3", layers=layers, experts=experts, hidden=hidden, moe_ffn=moe_ffn,
+                     shared=moe_ffn, dense_first=dense_first)
+    facts["mla"] = _catch(lambda: MegatronSource(model, hf_config=mla))
+    facts["unchanged"] = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    dist.barrier()
+    # Megatron's own resharding: the same checkpoint loaded at TP1/PP1/EP1 on every rank.
+    init_parallel()
+    flat = build_gpt(mcfg_at(1, 1, 1, None), seed=77)
+    megatron_load(flat, ckpt)
+    ref = {n: t.clone() for n, t in MegatronSource(flat, hf_config=hf).iter_full()}
+    if rank == 0:
+        facts["got"], facts["fused"], facts["ref"] = got, fused, ref
+    else:
+        facts["yielded"] = len(got) + len(fused) + len(ref)
+    dist.barrier()
+    from fsdp_worlds import pack
+
+    return pack(facts)
+
+
+def _saved_pretrained(hf, tmp) -> dict[str, tuple[int, ...]]:
+    """Names and shapes that transformers' ``save_pretrained`` writes for a tiny model of ``hf``."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(hf).save_pretrained(tmp)
+    out = {}
+    import glob
+
+    for f in glob.glob(f"{tmp}/*.safetensors"):
+        with safe_open(f, "pt") as fh:
+            out.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})
+    return out
+
+
+def _check_source(res, ckpt, tmp, family, moe_layers, **kw):
+    from weightsync.sources.moe_families import HFMoENames
+
+    r0 = res[0]
+    assert r0["moe_layers"] == moe_layers
+    hf = _hf_config(family, **kw)
+    if family == "qwen2_moe":
+        hf.mlp_only_layers = list(range(kw.get("dense_first", 0)))
+    # metadata: identical on every rank, every tensor owned by rank 0 == save_pretrained names/shapes
+    assert all(res[r]["meta"] == r0["meta"] for r in res)
+    assert all(o == (0,) for *_, o in r0["meta"])
+    meta = {n: s for n, s, _, _ in r0["meta"]}
+    assert len(meta) == len(r0["meta"])
+    assert meta == _saved_pretrained(hf, tmp)
+    # rank 0's stream: metadata order, names, shapes
+    got, fused, ref = r0["got"], r0["fused"], r0["ref"]
+    assert list(got) == [n for n, *_ in r0["meta"]]
+    assert list(fused) == [n for n, _ in r0["fused_meta"]]
+    # MoE tensors == megatron's dist_checkpointing full tensors cut under HF names (no MegatronSource)
+    ck = _oracle(ckpt)
+    names = HFMoENames(hf)
+    want = {}
+    for lay in moe_layers:
+        L = names.layer(lay)
+        spec = dict(router=L.router[0], bias=L.router_bias and L.router_bias[0], expert=L.experts.expert_name,
+                    shared=L.shared and [n for n, _ in L.shared], sgate=L.shared_gate and L.shared_gate[0])
+        want.update(_expect(ck, None, lay, spec, shared=L.shared is not None, gate=L.shared_gate is not None,
+                            bias=L.router_bias is not None))
+    assert len(want) > 0 and all(n in got for n in want)
+    for n, t in want.items():
+        assert got[n].dtype == t.dtype and torch.equal(got[n], t), n
+    # every tensor (attention, norms, dense MLPs, embeddings too) == the export of the same weights
+    # resharded by megatron to TP1/PP1/EP1; and the load really changed the freshly built model
+    assert sorted(got) == sorted(ref)
+    bad = [n for n in got if not torch.equal(got[n], ref[n])]
+    assert bad == []
+    # fused layout: same non-expert tensors, experts stacked gate-first
+    for lay in moe_layers:
+        spec = names.layer(lay).experts
+        for e in range(spec.num_experts):
+            gu = fused[spec.fused_gate_up][e]
+            assert torch.equal(gu, torch.cat([got[spec.expert_name(e, "gate")], got[spec.expert_name(e, "up")]]))
+            assert torch.equal(fused[spec.fused_down][e], got[spec.expert_name(e, "down")])
+    assert all(torch.equal(fused[n], got[n]) for n in fused if n in got)
+    for r, f in res.items():
+        assert f["unchanged"], f"rank {r} mutated its model"
+        assert f["second_pass_same"]
+        assert f["local"].startswith("NotImplementedError") and f"rank {r}" in f["local"]
+        assert str(moe_layers) in f["local"]
+        assert f["mla"].startswith("UnmappedParameterError") and "q_lora_rank" in f["mla"] and f"rank {r}" in f["mla"]
+        if r:
+            assert f["yielded"] == 0, f"rank {r} yielded tensors"
+            assert f["stats"]["tensors"] == 0 and f["stats"]["bytes_received"] == 0
+    return r0
+
+
+def test_source_ep2_qwen3_moe_sequential(tmp_path):
+    ckpt = tempfile.mkdtemp()
+    kw = dict(layers=2, experts=4, hidden=16, moe_ffn=12, shared=None)
+    res = run_world(_source_world, 2, ckpt=ckpt, family="qwen3_moe", ep=2, timeout=300, **kw)
+    r0 = _check_source(res, ckpt, str(tmp_path), "qwen3_moe", [0, 1], **kw)
+    assert "model.layers.1.self_attn.q_norm.weight" in r0["got"]
+    # EP2 at TP1: rank 1 is outside rank 0's dense replica but sends its experts (2 per layer x 2 layers)
+    assert res[1]["stats"]["collectives"] > 0
+
+
+def test_source_tp2_ep2_qwen2_moe_shared_first_dense(tmp_path):
+    ckpt = tempfile.mkdtemp()
+    kw = dict(layers=3, experts=4, hidden=16, moe_ffn=12, shared=20, dense_first=1)
+    res = run_world(_source_world, 4, ckpt=ckpt, family="qwen2_moe", tp=2, ep=2, etp=1, shared_gate=True,
+                    timeout=400, **kw)
+    r0 = _check_source(res, ckpt, str(tmp_path), "qwen2_moe", [1, 2], **kw)
+    assert "model.layers.0.mlp.gate_proj.weight" in r0["got"]  # the dense first layer
+    assert "model.layers.1.mlp.shared_expert_gate.weight" in r0["got"]
+    assert "model.layers.0.self_attn.q_proj.bias" in r0["got"]
