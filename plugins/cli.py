@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from typing import Any, Sequence
 
 __all__ = ["main"]
@@ -29,6 +30,9 @@ __all__ = ["main"]
 # on them, so the CLI (only) hides those three loggers' warnings.
 for _noisy in ("torch._opaque_base", "torch._library.opaque_object", "torch.utils.cpp_extension"):
     logging.getLogger(_noisy).setLevel(logging.ERROR)
+# megatron-core warns at import that Apex / Transformer Engine are missing (it falls back to torch):
+# true of every CPU dry run and nothing a CLI user can act on.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 _RESULT_ENV = "WEIGHTSYNC_RESULT_FILE"
@@ -76,11 +80,19 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--model", default=None, help=f"preset: {presets} (default tiny-qwen3)")
     c.add_argument("--config", help="a transformers config.json (file or directory) instead of --model")
     c.add_argument("--layout", choices=("fsdp", "megatron"), default="fsdp")
-    c.add_argument("--nproc", type=int, default=1, help="FSDP ranks (default 1)")
+    c.add_argument(
+        "--nproc", type=int, default=None,
+        help="ranks (default: 1 for fsdp; tp*pp*ep for megatron, which needs a multiple of it)",
+    )
     c.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
     c.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
     c.add_argument("--vpp", type=int, default=None, help="Megatron virtual pipeline size")
     c.add_argument("--ep", type=int, default=1, help="Megatron expert parallel size")
+    c.add_argument(
+        "--expert-layout", choices=("per_expert", "fused"), default=None,
+        help="MoE routed experts on the wire: per_expert (what save_pretrained writes; the default) "
+        "or fused (vLLM 0.33's experts.gate_up_proj / down_proj)",
+    )
     c.add_argument("--dtype", default=None, help="wire dtype, e.g. bfloat16 (default: the model's)")
     c.add_argument("--hidden", type=int, help="override hidden size")
     c.add_argument("--layers", type=int, help="override number of layers")
@@ -140,6 +152,8 @@ def _validate(args: argparse.Namespace) -> Any:
 
     if args.config and args.model:
         raise UserError("pass --model or --config, not both")
+    if args.command == "check" and args.nproc is None:
+        args.nproc = args.tp * args.pp * args.ep if args.layout == "megatron" else 1
     nproc = getattr(args, "nproc", 1)
     if nproc < 1 or nproc > 64:
         raise UserError(f"--nproc must be between 1 and 64, got {nproc}")
@@ -175,10 +189,21 @@ def _validate_megatron(args: argparse.Namespace, config: Any) -> None:
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     if args.ep > 1 and (not experts or experts % args.ep):
         raise UserError(f"--ep {args.ep} must divide the number of experts ({experts or 'none: dense model'})")
-    raise UserError(
-        "--layout megatron is not available from the CLI yet: this build of weightsync has no "
-        "CPU Megatron dry run wired into `weightsync check` (use --layout fsdp)"
-    )
+    if args.vpp is not None and (args.vpp < 1 or args.pp < 2):
+        raise UserError(f"--vpp {args.vpp} needs --pp >= 2 and --vpp >= 1 (megatron's interleaved schedule)")
+    unit = args.tp * args.pp * args.ep
+    if args.nproc % unit:
+        raise UserError(
+            f"--nproc {args.nproc} must be a multiple of --tp x --pp x --ep = {unit} "
+            "(megatron splits the ranks into data-parallel replicas of that size)"
+        )
+    from .megatron_build import SUPPORTED_MODEL_TYPES
+
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise UserError(
+            f"--layout megatron: no CPU Megatron builder for model_type {config.model_type!r} "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -196,9 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _validate(args)
         except UserError as e:
             return _usage(str(e))
-        nproc = args.nproc if args.command == "demo" or args.layout == "fsdp" else 1
-        if nproc > 1:
-            return _launch(nproc, argv)
+        if args.nproc > 1:
+            return _launch(args.nproc, argv)
     try:
         code = _run(args)
     except UserError as e:

@@ -61,21 +61,48 @@ def _owners(m: Any, world: int) -> str:
     return ",".join(str(r) for r in m.owners)
 
 
+def _fsdp_source(args: argparse.Namespace, config: Any, dtype: torch.dtype | None, rank: int):
+    """The model sharded with FSDP2 over every rank and its ``FSDPSource``; the oracle on rank 0."""
+    from weightsync.sources import FSDPSource
+
+    model = build_model(config, seed=0)
+    oracle = checkpoint_index(model) if rank == 0 else None
+    model = _shard(model)
+    return (lambda: FSDPSource(model, dtype=dtype, expert_layout=args.expert_layout)), oracle
+
+
+def _megatron_source(args: argparse.Namespace, config: Any, dtype: torch.dtype | None, rank: int):
+    """This rank's megatron-core ``GPTModel`` chunk(s) for the config and their ``MegatronSource``
+    (``mode="full"``: rank 0 sends); the oracle (``save_pretrained`` of the HF model) on rank 0."""
+    from weightsync.sources import MegatronSource
+
+    from .megatron_build import MegatronParallel, build_megatron_gpt
+
+    oracle = checkpoint_index(build_model(config, seed=0)) if rank == 0 else None
+    par = MegatronParallel(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
+    chunks = build_megatron_gpt(config, par, seed=0)
+    model = chunks if args.vpp else chunks[0]
+    return (
+        lambda: MegatronSource(
+            model, hf_config=config, dtype=dtype, mode="full", expert_layout=args.expert_layout
+        )
+    ), oracle
+
+
 def run_check(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from weightsync.sources import FSDPSource
     from weightsync.sources.check import check_stream
 
     rank, world = dist.get_rank(), dist.get_world_size()
     config = load_config(args.model, args.config, hidden=args.hidden, layers=args.layers)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    model = build_model(config, seed=0)
-    oracle = checkpoint_index(model) if rank == 0 else None
-    model = _shard(model)
+    build = _megatron_source if args.layout == "megatron" else _fsdp_source
     problems: list[str] = []
+    meta, source, oracle = [], None, None
     try:
-        source = FSDPSource(model, dtype=dtype)
+        make, oracle = build(args, config, dtype, rank)
+        source = make()
         meta = source.metadata
     except Exception as e:  # noqa: BLE001 - reported as the verdict
         meta, source = [], None
@@ -118,7 +145,7 @@ def _report(
     what = args.config or (args.model or "tiny-qwen3")
     print(
         f"weightsync check: {what} ({config.model_type}, {config.num_hidden_layers} layers), "
-        f"layout fsdp x{world}, source {type(source).__name__ if source else '-'}, "
+        f"layout {_layout(args, world)}, source {type(source).__name__ if source else '-'}, "
         f"wire dtype {str(dtype).removeprefix('torch.') if dtype else 'as trained'}"
     )
     groups: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
@@ -173,6 +200,12 @@ def _report(
     ok = not (failures or not_sent or not_in_ckpt or shape_diff or dtype_diff) and bool(meta)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
+
+
+def _layout(args: argparse.Namespace, world: int) -> str:
+    if getattr(args, "layout", "fsdp") != "megatron":
+        return f"fsdp x{world}"
+    return f"megatron tp{args.tp} pp{args.pp} vpp{args.vpp or 1} ep{args.ep} x{world}"
 
 
 def _some(names: list[str], n: int = 12) -> str:
