@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import sys
 import tempfile
 from collections import Counter, defaultdict
@@ -52,6 +53,36 @@ def checkpoint_index(model: torch.nn.Module) -> dict[str, tuple[torch.dtype, tup
                 for k in f.keys():
                     s = f.get_slice(k)
                     out[k] = (_ST_DTYPES.get(s.get_dtype(), torch.uint8), tuple(s.get_shape()))
+    return out
+
+
+#: vLLM 0.33's fused routed-expert names per checkpoint leaf (``RoutedExperts.make_expert_params_mapping``):
+#: gate + up rows are stacked into one ``[E, 2I, H]`` tensor (gate first), down into ``[E, H, I]``.
+_VLLM_FUSED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "w1": ("w13", 0),
+               "w3": ("w13", 1), "down_proj": ("down_proj", None), "w2": ("w2", None)}
+_PER_EXPERT = re.compile(r"(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<leaf>\w+)\.weight")
+
+
+def fold_experts(
+    index: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The checkpoint index as vLLM's fused expert names would hold it (``--expert-layout fused``):
+    each layer's per-expert ``gate``/``up`` ``[I, H]`` become one ``[E, 2I, H]``, ``down`` ``[H, I]``
+    one ``[E, H, I]``; every other entry is kept. Same bytes, fewer tensors."""
+    out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    experts: dict[str, tuple[torch.dtype, tuple[int, ...], set[int]]] = {}
+    for name, (dt, shape) in index.items():
+        m = _PER_EXPERT.fullmatch(name)
+        if m is None or m["leaf"] not in _VLLM_FUSED:
+            out[name] = (dt, shape)
+            continue
+        fused, half = _VLLM_FUSED[m["leaf"]]
+        key = f"{m['prefix']}.{fused}"
+        rows = shape[0] * (2 if half is not None else 1)
+        _, _, seen = experts.setdefault(key, (dt, (rows, *shape[1:]), set()))
+        seen.add(int(m["e"]))
+    for key, (dt, shape, seen) in experts.items():
+        out[key] = (dt, (len(seen), *shape))
     return out
 
 
@@ -126,7 +157,10 @@ def run_check(args: argparse.Namespace) -> int:
     dist.all_gather_object(verdicts, (rank, seen, len(mine), problems))
     code = None
     if rank == 0:
-        code = _report(args, config, dtype, meta, oracle or {}, verdicts, world, source)
+        oracle = oracle or {}
+        if getattr(args, "expert_layout", None) == "fused":
+            oracle = fold_experts(oracle)
+        code = _report(args, config, dtype, meta, oracle, verdicts, world, source)
     box = [code]
     dist.broadcast_object_list(box, src=0)
     return int(box[0])
@@ -183,7 +217,7 @@ def _report(
         ]
     ckpt_bytes = sum(d.itemsize * _numel(s) for d, s in oracle.values())
     print(
-        f"  checkpoint (save_pretrained of the same config): {len(oracle)} tensors, "
+        f"  checkpoint (save_pretrained of the same config{_fused_note(args)}): {len(oracle)} tensors, "
         f"{_fmt_bytes(ckpt_bytes)}"
     )
     print(f"  unmapped: checkpoint tensors not sent: {_some(not_sent)}")
@@ -200,6 +234,10 @@ def _report(
     ok = not (failures or not_sent or not_in_ckpt or shape_diff or dtype_diff) and bool(meta)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
+
+
+def _fused_note(args: argparse.Namespace) -> str:
+    return ", experts folded to vLLM's fused names" if getattr(args, "expert_layout", None) == "fused" else ""
 
 
 def _layout(args: argparse.Namespace, world: int) -> str:

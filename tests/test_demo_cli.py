@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -67,12 +68,116 @@ def test_check_fsdp_two_ranks_matches_save_pretrained():
     assert re.search(rf"^\s+{n}\s+.*float32\s+0,1$", out, re.M), out  # every tensor owned by both
 
 
+def _saved(model) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """transformers' own save_pretrained, read back: {name: (dtype, shape)}."""
+    import tempfile
+
+    from safetensors import safe_open
+
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        for f in sorted(os.listdir(d)):
+            if f.endswith(".safetensors"):
+                with safe_open(os.path.join(d, f), "pt") as h:
+                    for k in h.keys():
+                        out[k] = (h.get_slice(k).get_dtype(), tuple(h.get_slice(k).get_shape()))
+    return out
+
+
+def _listed(out: str) -> dict[str, tuple[int, ...]]:
+    """``--show`` lines: {name: shape}."""
+    rows = re.findall(r"^    (\S+)  \S+  \(([\d, ]*)\)  owners", out, re.M)
+    return {n: tuple(int(x) for x in shape.split(",") if x.strip()) for n, shape in rows}
+
+
+def test_check_fsdp_moe_preset_sends_experts_as_the_checkpoint_does():
+    """No option: transformers-5 fused experts go out per expert, every name and shape as
+    save_pretrained writes them (and not the in-memory fused names)."""
+    from weightsync.plugins.presets import build_model, load_config
+
+    config = load_config("tiny-qwen3-moe")
+    model = build_model(config)
+    saved = _saved(model)
+    fused_in_memory = [n for n, p in model.named_parameters() if p.dim() == 3]
+    assert fused_in_memory and not any(n in saved for n in fused_in_memory)
+    r = _run("check", "--model", "tiny-qwen3-moe", "--nproc", "2", "--show", "1000")
+    out = r.stdout
+    assert r.returncode == 0, (out, r.stderr[-3000:])
+    assert out.strip().endswith("PASS")
+    assert _listed(out) == {n: s for n, (_, s) in saved.items()}
+    experts = config.num_experts * config.num_hidden_layers
+    assert sum(".experts." in n for n in _listed(out)) == 3 * experts
+    assert "layout fsdp x2" in out and "Traceback" not in r.stderr
+
+
+def test_check_megatron_tp2_matches_save_pretrained():
+    """``--layout megatron --tp 2``: a megatron-core GPTModel split over 2 CPU ranks, exported by
+    MegatronSource (rank 0 sends everything), names and shapes == save_pretrained (tied qwen3: no
+    lm_head; vocabulary padding trimmed)."""
+    from weightsync.plugins.presets import build_model, load_config
+
+    saved = _saved(build_model(load_config("tiny-qwen3")))
+    assert "lm_head.weight" not in saved
+    r = _run("check", "--model", "tiny-qwen3", "--layout", "megatron", "--tp", "2", "--nproc", "2",
+             "--show", "1000")
+    out = r.stdout
+    assert r.returncode == 0, (out, r.stderr[-3000:])
+    assert out.strip().endswith("PASS")
+    assert "layout megatron tp2 pp1 vpp1 ep1 x2, source MegatronSource" in out
+    assert _listed(out) == {n: s for n, (_, s) in saved.items()}
+    assert re.search(rf"^\s+{len(saved)}\s+\S+ KB\s+float32\s+0$", out, re.M), out  # rank 0 sends
+    assert "tensors checked on 2 rank(s)" in out and "Traceback" not in r.stderr
+
+
+def test_check_megatron_moe_expert_parallel():
+    """MoE under Megatron, experts split over 2 expert-parallel ranks: per-expert names and shapes
+    == save_pretrained."""
+    from weightsync.plugins.presets import build_model, load_config
+
+    saved = _saved(build_model(load_config("tiny-mixtral")))
+    r = _run("check", "--model", "tiny-mixtral", "--layout", "megatron", "--ep", "2", "--show", "1000")
+    out = r.stdout
+    assert r.returncode == 0, (out, r.stderr[-3000:])
+    assert "ep2 x2" in out and out.strip().endswith("PASS")
+    assert _listed(out) == {n: s for n, (_, s) in saved.items()}
+    assert any(".block_sparse_moe.experts.3.w2.weight" in n for n in saved)
+
+
+def test_fused_expert_oracle_matches_transformers_in_memory_tensors():
+    """``--expert-layout fused`` is judged against save_pretrained folded to vLLM's fused names;
+    those shapes must be transformers' own in-memory fused ``[E, 2I, H]`` / ``[E, H, I]``."""
+    from weightsync.plugins.cli_check import checkpoint_index, fold_experts
+    from weightsync.plugins.presets import build_model, load_config
+
+    model = build_model(load_config("tiny-mixtral"))
+    index = checkpoint_index(model)
+    folded = fold_experts(index)
+    in_memory = {n: tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 3}
+    want = {}
+    for n, shape in in_memory.items():
+        layer = n.split(".")[2]
+        leaf = {"gate_up_proj": "w13", "down_proj": "w2"}[n.rsplit(".", 1)[1]]
+        want[f"model.layers.{layer}.block_sparse_moe.experts.{leaf}"] = shape
+    got = {n: s for n, (_, s) in folded.items() if ".experts." in n}
+    assert got == want
+    bytes_of = lambda ix: sum(d.itemsize * math.prod(s) for d, s in ix.values())  # noqa: E731
+    assert bytes_of(folded) == bytes_of(index)
+    assert {n: v for n, v in folded.items() if ".experts." not in n} == {
+        n: v for n, v in index.items() if ".experts." not in n
+    }
+
+
 @pytest.mark.parametrize(
     "args, words",
     [
         (["check", "--model", "gpt-17"], "unknown model preset 'gpt-17'"),
         (["check", "--config", "/no/such/config.json"], "no such file: /no/such/config.json"),
         (["check", "--layout", "megatron", "--tp", "3"], "--tp 3 must divide the attention heads (4)"),
+        (["check", "--layout", "megatron", "--tp", "2", "--nproc", "3"], "--nproc 3 must be a multiple of"),
+        (["check", "--layout", "megatron", "--vpp", "2"], "--vpp 2 needs --pp >= 2"),
+        (["check", "--model", "tiny-llama", "--layout", "megatron", "--ep", "2"], "--ep 2 must divide"),
+        (["check", "--expert-layout", "stacked"], "invalid choice: 'stacked'"),
         (["demo", "--steps", "0"], "--steps must be >= 1"),
         (["check", "--tp"], "expected one argument"),
     ],
