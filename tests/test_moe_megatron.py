@@ -304,12 +304,14 @@ def _source_world(rank, world_size, *, ckpt, family, tp=1, pp=1, ep=1, etp=None,
     # Megatron's own resharding: the same checkpoint loaded at TP1/PP1/EP1 on every rank.
     init_parallel()
     flat = build_gpt(mcfg_at(1, 1, 1, None), seed=77)
+    fresh = {n: t.clone() for n, t in MegatronSource(flat, hf_config=hf).iter_full()}
     megatron_load(flat, ckpt)
     ref = {n: t.clone() for n, t in MegatronSource(flat, hf_config=hf).iter_full()}
     if rank == 0:
         facts["got"], facts["fused"], facts["ref"] = got, fused, ref
+        facts["load_changed"] = sum(not torch.equal(fresh[n], ref[n]) for n in ref)
     else:
-        facts["yielded"] = len(got) + len(fused) + len(ref)
+        facts["yielded"] = len(got) + len(fused) + len(ref) + len(fresh)
     dist.barrier()
     from fsdp_worlds import pack
 
@@ -367,6 +369,7 @@ def _check_source(res, ckpt, tmp, family, moe_layers, **kw):
     assert sorted(got) == sorted(ref)
     bad = [n for n in got if not torch.equal(got[n], ref[n])]
     assert bad == []
+    assert r0["load_changed"] == len(ref)  # the comparison is not vacuous
     # fused layout: same non-expert tensors, experts stacked gate-first
     for lay in moe_layers:
         spec = names.layer(lay).experts
@@ -406,3 +409,15 @@ def test_source_tp2_ep2_qwen2_moe_shared_first_dense(tmp_path):
     assert "model.layers.0.mlp.gate_proj.weight" in r0["got"]  # the dense first layer
     assert "model.layers.1.mlp.shared_expert_gate.weight" in r0["got"]
     assert "model.layers.0.self_attn.q_proj.bias" in r0["got"]
+
+
+def test_source_pp2_ep2_mixtral_all_moe(tmp_path):
+    """PP2 x EP2: rank 0's stage sends nothing of stage 1, whose experts live on ranks 2 and 3;
+    an all-MoE model never builds a dense MLP, so Mixtral's intermediate_size (the expert size) is
+    not compared with ffn_hidden_size."""
+    ckpt = tempfile.mkdtemp()
+    kw = dict(layers=4, experts=4, hidden=16, moe_ffn=12, shared=None)
+    res = run_world(_source_world, 4, ckpt=ckpt, family="mixtral", pp=2, ep=2, timeout=400, **kw)
+    r0 = _check_source(res, ckpt, str(tmp_path), "mixtral", [0, 1, 2, 3], **kw)
+    assert "model.layers.3.block_sparse_moe.experts.3.w2.weight" in r0["got"]
+    assert all(res[r]["stats"]["collectives"] > 0 for r in (1, 2, 3))
