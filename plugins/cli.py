@@ -2,8 +2,9 @@
 
 * ``weightsync demo``  -- the README's main job (see ``weightsync.plugins.demo``).
 * ``weightsync check`` -- dry-run one pass of a source on CPU for a transformers config and a
-  layout, verify metadata vs stream vs the checkpoint ``save_pretrained`` writes, print what would
-  be sent.
+  layout (``--layout fsdp``: FSDP2 over ``--nproc`` ranks, ``FSDPSource``; ``--layout megatron``:
+  a megatron-core ``GPTModel`` at ``--tp/--pp/--vpp/--ep``, ``MegatronSource``), verify metadata vs
+  stream vs the checkpoint ``save_pretrained`` writes, print what would be sent.
 
 Asked for N > 1 ranks and not already under ``torchrun``, a command re-runs itself under
 ``python -m torch.distributed.run --standalone --nproc-per-node N``. The ranks report their

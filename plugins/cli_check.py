@@ -5,8 +5,14 @@ Three things must agree for a pass to be PASS:
 1. the source's ``metadata`` and its stream, on every rank (``check_stream``: names, order, dtypes,
    shapes, contiguity, count);
 2. the metadata and the checkpoint transformers' ``save_pretrained`` writes for the same config
-   (the oracle: names, shapes, and -- when no wire ``--dtype`` is asked for -- dtypes and bytes);
+   (the oracle: names, shapes, and -- when no wire ``--dtype`` is asked for -- dtypes and bytes;
+   with ``--expert-layout fused`` its per-expert tensors are folded into vLLM 0.33's fused names,
+   ``fold_experts``);
 3. every rank's verdict (gathered, so a failure on any rank fails the check everywhere).
+
+Layouts: ``fsdp`` (the HF model, FSDP2 over every rank, ``FSDPSource``) and ``megatron`` (a
+megatron-core ``GPTModel`` built on CPU from the same config by ``megatron_build``, ``MegatronSource``
+in ``mode="full"``: rank 0 is the only owner).
 
 Rank 0 prints a table of what would be sent (tensors, bytes, dtypes, owners) and every unmapped
 name: checkpoint tensors the source does not send and sent names the checkpoint does not have.
@@ -29,7 +35,7 @@ import torch.distributed as dist
 from .demo import _fmt_bytes, _shard
 from .presets import build_model, load_config
 
-__all__ = ["run_check", "checkpoint_index"]
+__all__ = ["run_check", "checkpoint_index", "fold_experts"]
 
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
