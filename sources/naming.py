@@ -300,7 +300,7 @@ def checkpoint_entries(
             f"rank {current_rank()}: {len(unmapped)} parameter(s) of {type(root).__name__} are stored "
             f"in a fused in-memory layout that save_pretrained converts: {shown}{more}. Sending them "
             "under their in-memory names would not load in vLLM; pass a TensorTransform for them "
-            "(transforms=...) -- per-expert MoE conversion is not implemented yet."
+            "(transforms=...; FSDPSource does so itself for transformers-5 fused MoE experts)."
         )
     return out
 
