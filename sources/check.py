@@ -46,6 +46,7 @@ from .groups import (
     next_tag,
 )
 from .integrity import checksum_tensor, resolve_checksums
+from .layout import chunk_rows
 from .logs import get_logger
 
 __all__ = [
@@ -405,11 +406,7 @@ def local_shape(m: ParamMeta, rank: int) -> tuple[int, ...]:
         dim = getattr(p, "dim", None)
         if dim is None:
             continue
-        n = m.mesh_shape[axis]
-        size = shape[dim]
-        chunk = -(-size // n)
-        start = min(coords[axis] * chunk, size)
-        shape[dim] = max(0, min(chunk, size - start))
+        shape[dim] = chunk_rows(shape[dim], m.mesh_shape[axis], coords[axis])[1]
     return tuple(shape)
 
 

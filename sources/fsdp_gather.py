@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .layout import chunk_rows
 from .stats import PassStats
 
 __all__ = [
@@ -47,13 +48,6 @@ __all__ = [
 ]
 
 _ALIGN = 16
-
-
-def chunk_rows(size: int, n: int, index: int) -> tuple[int, int]:
-    """``(start, length)`` of piece ``index`` of ``size`` split ``n`` ways like ``torch.chunk``."""
-    c = -(-size // n) if n else 0
-    start = min(index * c, size)
-    return start, max(0, min(c, size - start))
 
 
 def local_of(dt) -> torch.Tensor:

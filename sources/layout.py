@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "chunk_rows",
     "split_qkv",
     "split_glu",
     "local_split",
@@ -45,6 +46,18 @@ KIND_DIM: dict[str, int | None] = {
     "glu": 0,
     "vocab": 0,
 }
+
+
+def chunk_rows(size: int, n: int, index: int) -> tuple[int, int]:
+    """``(start, length)`` of piece ``index`` of ``size`` split ``n`` ways like ``torch.chunk``.
+
+    The one place the ``torch.chunk`` rule lives: ``ceil(size / n)`` per piece, trailing pieces
+    shorter or empty. FSDP2 shards dim 0 this way, vLLM's ``Shard`` placement means this, and the
+    vocabulary rule (``vocab_is_chunked``) compares Megatron's padding against it.
+    """
+    c = -(-size // n) if n else 0
+    start = min(index * c, size)
+    return start, max(0, min(c, size - start))
 
 
 def split_qkv(
