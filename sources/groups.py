@@ -46,6 +46,7 @@ __all__ = [
     "group_ranks",
     "next_tag",
     "wait_bounded",
+    "wait_p2p",
     "active_board",
 ]
 
@@ -301,3 +302,27 @@ def _finish(work: Any, board: Board, ranks: Sequence[int], what: str, step: int)
                 f"rank {board.rank}: rank {failure[0]} failed during {what}: {failure[1]}"
             ) from e
         raise SyncTimeoutError(f"rank {board.rank}: {what} failed: {e}") from e
+
+
+def wait_p2p(work: Any, *, peer: int, what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Wait for one point-to-point ``work`` (``isend``/``irecv``), bounded on gloo.
+
+    gloo's send/recv work completes only inside ``wait`` (``is_completed`` does not advance it), so
+    ``wait_bounded``'s polling cannot serve here; ``wait(timeout)`` is gloo's own bounded wait. The
+    error names this rank, the peer and ``what`` (the parameter). After it the pair's state is
+    undefined: rebuild the process group. Device backends use a plain ``wait()`` (their watchdog
+    bounds it; a host-side timeout would synchronize every transfer).
+    """
+    if dist.get_backend() != "gloo":
+        work.wait()
+        return
+    import datetime
+
+    try:
+        work.wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise SyncTimeoutError(
+            f"rank {dist.get_rank()}: {what} did not complete within {timeout_s:g}s: rank {peer} "
+            f"never took its side of the transfer ({e}). A late rank is usually still in a previous "
+            "step, stopped iterating early, or is not calling the sync at all."
+        ) from e

@@ -46,6 +46,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, Replicate, Shard, W
 from .check import DEFAULT_TIMEOUT_S, check_stream, local_shape, verify_metadata_agreement
 from .errors import UnmappedParameterError
 from .families import family_for
+from .groups import wait_p2p
 from .layout import KIND_DIM, concat_shards, local_split, vocab_is_chunked, vocab_rows
 from .logs import get_logger
 from .megatron_experts import MegatronMoEExporter, expert_format, megatron_moe_suffixes
@@ -391,12 +392,18 @@ class MegatronSource(WeightSource):
                 stats.collectives += 1
                 stats.bytes_received += buf.numel() * buf.element_size()
                 pieces.append(buf)
-            for w in works:
-                w.wait()
+            what = f"receive of {unit.names[0]!r} on rank {rank}"
+            for src, w in zip([s for s in senders if s != rank], works):
+                wait_p2p(w, peer=src, what=f"{what} from rank {src}", timeout_s=self.timeout_s)
             return pieces
         if rank in senders:
             piece = self._piece(unit, stats)
-            dist.isend(piece, dst=dst).wait()
+            wait_p2p(
+                dist.isend(piece, dst=dst),
+                peer=dst,
+                what=f"send of {unit.names[0]!r} from rank {rank} to rank {dst}",
+                timeout_s=self.timeout_s,
+            )
             stats.collectives += 1
             stats.hold(-stats._extra)
         return None

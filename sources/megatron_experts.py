@@ -46,6 +46,7 @@ from .experts import (
     default_expert_layout,
     expert_batches,
 )
+from .groups import wait_p2p
 from .layout import concat_shards
 from .logs import get_logger
 from .moe_families import HFMoELayer, HFMoENames
@@ -424,7 +425,7 @@ class MegatronMoEExporter:
                     works.append(dist.isend(t, dst=0))
                     self.stats.collectives += 1
             for w in works:
-                w.wait()
+                wait_p2p(w, peer=0, what=f"send of expert pieces from rank {me} to rank 0")
             return
         device = self._device(mlp)
         ts: list[torch.Tensor | None] = [None] * len(pieces)
@@ -440,8 +441,9 @@ class MegatronMoEExporter:
                 self.stats.bytes_received += ts[i].nbytes
             held += ts[i].nbytes
         self.stats.hold(held)
-        for w in works:
-            w.wait()
+        srcs = [p.src for p in pieces if p.src != 0]
+        for src, w in zip(srcs, works):
+            wait_p2p(w, peer=src, what=f"receive of expert pieces on rank 0 from rank {src}")
         out = assemble(pieces, ts)
         storages = {x.untyped_storage().data_ptr() for x in ts if x is not None}
         made = sum(t.nbytes for _, t in out if t.untyped_storage().data_ptr() not in storages)

@@ -1,0 +1,43 @@
+"""MegatronSource's point-to-point transfers are bounded on gloo: a TP peer that stops taking part
+in a pass (here: it never starts its second pass) makes rank 0 raise ``SyncTimeoutError`` naming
+that rank and the parameter it was receiving, within ``timeout_s`` -- not a hang until the process
+group's own timeout (the world below is created with 120 s)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import megatron_worlds as mw
+from worlds import run_world
+
+pytestmark = pytest.mark.slow
+
+
+def _rank_peer_stops(rank, world_size):
+    from weightsync.sources import MegatronSource, SyncTimeoutError
+
+    cfg = mw.hf_config("qwen3", layers=2)
+    mw.init_parallel(2, 1)
+    src = MegatronSource(mw.megatron_model(cfg), hf_config=cfg, timeout_s=3.0)
+    first = sum(1 for _ in src.iter_full())  # a whole pass on both ranks: agreement done
+    if rank == 1:
+        time.sleep(8.0)  # never joins the second pass (outlives rank 0's bound, then leaves)
+        return {"first": first}
+    t0 = time.monotonic()
+    try:
+        sum(1 for _ in src.iter_full())
+    except SyncTimeoutError as e:
+        return {"first": first, "error": str(e), "seconds": time.monotonic() - t0}
+    return {"first": first, "error": None}
+
+
+def test_tp_peer_that_stops_is_named_within_the_bound():
+    res = run_world(_rank_peer_stops, 2, timeout=240)
+    assert res[0]["first"] > 0 and res[1]["first"] == 0  # full mode: only rank 0 yields
+    err = res[0]["error"]
+    assert err is not None, "rank 0 completed a pass its TP peer never joined"
+    # The second pass's first transfer is the TP-sharded embedding, which rank 1 never sends.
+    assert "rank 1" in err and "'model.embed_tokens.weight'" in err and "within 3s" in err, err
+    assert 2.5 <= res[0]["seconds"] < 20, res[0]["seconds"]
