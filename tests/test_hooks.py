@@ -1,10 +1,12 @@
 """Training-loop hooks, each in a real loop on CPU: HF ``Trainer`` (2 ranks, accelerate FSDP2),
 Lightning, and a Megatron-core training loop.
 
-Receiver and oracle: weights arrive at the recording dev-route server in the parent (``test_json``
-engine); the parent loads each committed version into a fresh transformers model built from the
-same config (``load_state_dict(strict=True)``: names and shapes must be the checkpoint's) and its
-logits must equal the logits the trainer's own (sharded) model produced right after that sync.
+HF Trainer: weights go through weightsync's ``loopback`` backend (vLLM's trainer factory, the
+4-phase protocol over gloo) into a ``LoopbackReceiver`` process; after each sync the receiver's
+logits on a probe batch must equal, bit for bit, the logits of the trainer's own FSDP2 model.
+
+Lightning and Megatron: weights arrive at the recording dev-route server in the parent (``test_json``
+engine) and each committed version is compared with what the trainer held at that step.
 """
 
 from __future__ import annotations
@@ -31,14 +33,6 @@ def _llama(seed: int = 0):
     return LlamaForCausalLM(LlamaConfig(**_CFG))
 
 
-def _receiver_logits(weights: dict) -> torch.Tensor:
-    model = _llama(seed=123)  # different init: every value must come from the sync
-    model.load_state_dict(weights, strict=True)
-    model.eval()
-    with torch.no_grad():
-        return model(input_ids=torch.tensor(_PROBE)).logits
-
-
 # ---- HF Trainer + accelerate FSDP2 -----------------------------------------------------------------
 
 
@@ -62,16 +56,19 @@ def _accelerate_fsdp_on_cpu() -> None:
 
 
 
-def _hf_trainer_world(rank: int, world_size: int, url: str, out_dir: str) -> dict:
+def _hf_trainer_world(rank: int, world_size: int, url: str, port: int, out_dir: str) -> dict:
+    """A real ``Trainer.train()`` (accelerate FSDP2, 2 CPU ranks) whose ``WeightSyncCallback`` syncs
+    through weightsync's ``loopback`` backend into the receiver process at ``url``. After each sync
+    every rank runs the trainer's own (sharded) forward on the probe batch and rank 0 asks the
+    receiver for its forward on the same batch; both come back for the parent to compare."""
     from torch.utils.data import Dataset
     from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    import json_engine  # noqa: F401
-    from json_engine import JSONTrainerInitInfo
 
     from weightsync.plugins.accelerate import source_from_accelerator
     from weightsync.plugins.driver import WeightSync
     from weightsync.plugins.http import VLLMHTTPClient
+    from weightsync.plugins.loopback import LoopbackTrainerInitInfo
+    from weightsync.plugins.loopback_server import ReceiverClient
     from weightsync.plugins.transformers import WeightSyncCallback
 
     class Tokens(Dataset):
@@ -91,31 +88,39 @@ def _hf_trainer_world(rank: int, world_size: int, url: str, out_dir: str) -> dic
     )
     _accelerate_fsdp_on_cpu()
     trainer = Trainer(model=_llama(), args=args, train_dataset=Tokens())
-    seen: dict = {"logits": {}, "sharded": None, "dtype": None}
+    seen: dict = {"trainer": {}, "receiver": {}, "receiver_version": {}, "sharded": None, "engine": None}
+    receiver = ReceiverClient(url) if rank == 0 else None
 
     def build(model):
         source = source_from_accelerator(trainer.accelerator, model)
         seen["sharded"] = type(model).__name__.startswith("FSDP") and all(
             type(p).__name__ == "DTensor" for p in model.parameters()
         )
-        seen["dtype"] = str(source.wire.dtype) if hasattr(source, "wire") else None
-        return WeightSync(source, JSONTrainerInitInfo(rank=rank, chunk=8), VLLMHTTPClient(url), every=2)
+        # 1 sender (trainer rank 0) + 1 receiver process in the loopback transport group.
+        info = LoopbackTrainerInitInfo("127.0.0.1", port, 2, rank=rank, timeout_s=120)
+        return WeightSync(source, info, VLLMHTTPClient(url), every=2)
 
     sync_cb = WeightSyncCallback(build, trainer=trainer)
 
     class Probe(TrainerCallback):
-        """After each sync: the trainer's own logits on the probe batch (an FSDP2 forward)."""
+        """After each sync: the trainer's own logits on the probe batch (an FSDP2 forward, on every
+        rank: it all-gathers) and, on rank 0, the receiver's logits on the same batch."""
 
         def _probe(self, state, model):
             report = sync_cb.sync.last_report
-            if report is None or report.step != state.global_step or report.weight_version in seen["logits"]:
+            if report is None or report.step != state.global_step or report.weight_version in seen["trainer"]:
                 return
+            seen["engine"] = type(sync_cb.sync.engine).__name__
             was = model.training
             model.eval()
             with torch.no_grad():
                 logits = model(input_ids=torch.tensor(_PROBE)).logits
             model.train(was)
-            seen["logits"][report.weight_version] = logits.tolist()
+            seen["trainer"][report.weight_version] = logits.tolist()
+            if receiver is not None:
+                got, _ = receiver.logits(_PROBE)
+                seen["receiver"][report.weight_version] = got.tolist()
+                seen["receiver_version"][report.weight_version] = receiver.weight_version()
 
         def on_train_begin(self, args, state, control, model=None, **kw):
             self._probe(state, model)
@@ -132,34 +137,58 @@ def _hf_trainer_world(rank: int, world_size: int, url: str, out_dir: str) -> dic
         if "weightsync/bytes" in e
     ]
     return {
-        "logits": seen["logits"] if rank == 0 else None,
+        "trainer_logits": seen["trainer"],
+        "receiver_logits": seen["receiver"] if rank == 0 else None,
+        "receiver_version": seen["receiver_version"] if rank == 0 else None,
         "sharded": seen["sharded"],
+        "engine": seen["engine"],
         "logged": logged,
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
     }
 
 
 def test_hf_trainer_fsdp2_callback(tmp_path):
-    with DevServer() as server:
-        out = run_world(_hf_trainer_world, 2, timeout=400, url=server.url, out_dir=str(tmp_path))
-        snapshots = dict(server.snapshots)
-        routes = server.routes()
+    """Issue: a real ``transformers.Trainer`` run, 2 ranks on CPU, accelerate FSDP2, callback syncing
+    to loopback; the receiver's logits equal the trainer's after each sync."""
+    import functools
+
+    from worlds import free_port
+
+    from weightsync.plugins.loopback_server import start_receiver_process
+
+    # The receiver starts from another init (seed 123): every value it ends with came over the wire.
+    client, handle = start_receiver_process(functools.partial(_llama, 123))
+    with handle:
+        before, _ = client.logits(_PROBE)
+        out = run_world(
+            _hf_trainer_world, 2, timeout=400, url=handle.url, port=free_port(), out_dir=str(tmp_path)
+        )
+        calls = [c["path"] for c in client.calls()]
+        state = client.state()
     r0, r1 = out[0], out[1]
     assert r0["sharded"] and r1["sharded"]  # accelerate's FSDP2: every parameter a DTensor shard
-    # cold sync at step 0, then every 2 optimizer steps (gradient accumulation 2: 10 micro-batches)
-    assert sorted(snapshots, key=int) == ["0", "2", "4"]
-    assert routes.count("pause") == routes.count("resume") == 3
+    assert r0["engine"] == r1["engine"] == "LoopbackTrainerWeightTransferEngine"
+    # cold sync at step 0, then every 2 optimizer steps (gradient accumulation 2: 10 micro-batches);
+    # no sync at the final step 5 (not a multiple of 2, and its report would be logged here).
     assert [e["step"] for e in r0["logged"]] == [e["step"] for e in r1["logged"]] == [0, 2, 4]
     n_params = sum(p.numel() for p in _llama().parameters())
-    assert all(e["weightsync/bytes"] == 4 * n_params for e in r0["logged"])
-    assert len(set(map(tuple, [r0["losses"]]))) == 1 and r0["losses"][0] != r0["losses"][-1]  # it trained
-    previous = None
+    assert all(e["weightsync/bytes"] == 4 * n_params for e in r0["logged"])  # fp32 on the wire
+    assert sorted(r0["trainer_logits"], key=int) == sorted(r1["trainer_logits"], key=int) == ["0", "2", "4"]
+    assert r0["losses"][0] != r0["losses"][-1]  # it trained
+    # What the receiver saw, in order: the engine's init (built at the first sync), then per sync
+    # pause / the 4-phase update / resume. (/weight_info: the probe's own version reads, dropped.)
+    one = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
+    assert [c for c in calls if c != "/weight_info"] == ["/init_weight_transfer_engine"] + one * 3, calls
+    assert state["weight_version"] == "4" and state["updates_finished"] == 3
+    previous = before
     for version in ("0", "2", "4"):
-        want = torch.tensor(r0["logits"][version])
-        got = _receiver_logits(snapshots[version])
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"logits after sync {version}")
-        if previous is not None:
-            assert not torch.allclose(got, previous)  # the weights did change between syncs
+        # Each sync committed its step as the weight version before the probe ran.
+        assert r0["receiver_version"][version] == version
+        want = torch.tensor(r0["trainer_logits"][version])
+        got = torch.tensor(r0["receiver_logits"][version])
+        # Same fp32 bytes, same CPU kernels, one thread on both sides: bit-for-bit equal.
+        assert torch.equal(got, want), (version, float((got - want).abs().max()))
+        assert not torch.allclose(got, previous)  # the receiver's weights did change at this sync
         previous = got
 
 
