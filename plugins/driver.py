@@ -61,7 +61,7 @@ from weightsync.sources.logs import get_logger
 
 from .report import SyncReport
 
-__all__ = ["WeightSync", "PAUSE_MODES"]
+__all__ = ["WeightSync", "PAUSE_MODES", "LateSync"]
 
 logger = get_logger(__name__)
 
@@ -503,3 +503,31 @@ class WeightSync:
 
 def _multi_rank() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class LateSync:
+    """A ``WeightSync`` given now, or built later by ``factory(model)`` once the framework has
+    prepared (sharded) the model -- how every training-loop hook takes its ``sync=`` argument.
+
+    Validates at construction (a hook's ``__init__``) so a wrong argument fails before training
+    starts, and again on what the factory returns."""
+
+    def __init__(self, sync: WeightSync | Callable[[Any], WeightSync], *, owner: str, model_arg: str) -> None:
+        if not isinstance(sync, WeightSync) and not callable(sync):
+            raise TypeError(
+                f"{owner}: sync must be a WeightSync or a callable {model_arg} -> WeightSync, "
+                f"got {type(sync).__name__}"
+            )
+        self._owner = owner
+        self._factory = None if isinstance(sync, WeightSync) else sync
+        #: the ``WeightSync``: the one given, or the factory's once ``build`` ran; else None.
+        self.sync: WeightSync | None = sync if isinstance(sync, WeightSync) else None
+
+    def build(self, model: Any) -> WeightSync:
+        """The ``WeightSync``, calling the factory with ``model`` the first time."""
+        if self.sync is None:
+            built = self._factory(model)  # type: ignore[misc]
+            if not isinstance(built, WeightSync):
+                raise TypeError(f"{self._owner}: the sync factory returned {type(built).__name__}, not a WeightSync")
+            self.sync = built
+        return self.sync

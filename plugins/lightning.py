@@ -22,7 +22,7 @@ try:
 except ImportError:  # pragma: no cover - the classic package name
     from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
 
-from .driver import WeightSync
+from .driver import LateSync, WeightSync
 from .report import SyncReport
 
 __all__ = ["WeightSyncCallback"]
@@ -44,17 +44,16 @@ class WeightSyncCallback(Callback):
         cold_sync: bool = True,
         log: bool = True,
     ) -> None:
-        if not isinstance(sync, WeightSync) and not callable(sync):
-            raise TypeError(
-                f"WeightSyncCallback: sync must be a WeightSync or a callable pl_module -> WeightSync, "
-                f"got {type(sync).__name__}"
-            )
-        self._factory = sync
-        self.sync: WeightSync | None = sync if isinstance(sync, WeightSync) else None
+        self._late = LateSync(sync, owner="WeightSyncCallback", model_arg="pl_module")
         self.cold_sync = cold_sync
         self.log = log
         self.reports: list[SyncReport] = []
         self._start_step: int | None = None
+
+    @property
+    def sync(self) -> WeightSync | None:
+        """The ``WeightSync`` (None until ``on_train_start`` when a factory was given)."""
+        return self._late.sync
 
     def _run(self, trainer: Any, step: int) -> None:
         assert self.sync is not None
@@ -65,13 +64,7 @@ class WeightSyncCallback(Callback):
                 lg.log_metrics(report.metrics(), step=step)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.sync is None:
-            built = self._factory(pl_module)  # type: ignore[operator]
-            if not isinstance(built, WeightSync):
-                raise TypeError(
-                    f"WeightSyncCallback: the sync factory returned {type(built).__name__}, not a WeightSync"
-                )
-            self.sync = built
+        self._late.build(pl_module)
         self._start_step = trainer.global_step
         if self.cold_sync:
             self._run(trainer, trainer.global_step)

@@ -24,7 +24,7 @@ from transformers import TrainerCallback
 
 from weightsync.sources.logs import get_logger
 
-from .driver import WeightSync
+from .driver import LateSync, WeightSync
 
 __all__ = ["WeightSyncCallback"]
 
@@ -51,29 +51,21 @@ class WeightSyncCallback(TrainerCallback):
         cold_sync: bool = True,
         sync_on_train_end: bool = False,
     ) -> None:
-        if not isinstance(sync, WeightSync) and not callable(sync):
-            raise TypeError(
-                f"WeightSyncCallback: sync must be a WeightSync or a callable model -> WeightSync, "
-                f"got {type(sync).__name__}"
-            )
-        self._sync_or_factory = sync
-        self.sync: WeightSync | None = sync if isinstance(sync, WeightSync) else None
+        self._late = LateSync(sync, owner="WeightSyncCallback", model_arg="model")
         self.trainer = trainer
         self.cold_sync = cold_sync
         self.sync_on_train_end = sync_on_train_end
         self._pending: dict[str, float] = {}
 
+    @property
+    def sync(self) -> WeightSync | None:
+        """The ``WeightSync`` (None until ``on_train_begin`` when a factory was given)."""
+        return self._late.sync
+
     def _ensure(self, model: Any) -> WeightSync:
-        if self.sync is None:
-            if model is None:
-                raise ValueError("WeightSyncCallback: the Trainer passed no model to on_train_begin")
-            built = self._sync_or_factory(model)  # type: ignore[operator]
-            if not isinstance(built, WeightSync):
-                raise TypeError(
-                    f"WeightSyncCallback: the sync factory returned {type(built).__name__}, not a WeightSync"
-                )
-            self.sync = built
-        return self.sync
+        if self.sync is None and model is None:
+            raise ValueError("WeightSyncCallback: the Trainer passed no model to on_train_begin")
+        return self._late.build(model)
 
     def _run(self, state: Any, step: int) -> None:
         assert self.sync is not None

@@ -318,3 +318,31 @@ def test_megatron_hook_pp_vpp():
         assert set(got) == set(want), set(got) ^ set(want)
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=f"{version}/{k}")
+
+
+def test_hook_sync_argument_is_validated_before_training_and_after_the_factory():
+    """Both callbacks take a ``WeightSync`` or a factory; anything else fails at construction, and a
+    factory that returns something else fails when it is called, naming the hook and the type."""
+    from types import SimpleNamespace
+
+    from weightsync.plugins.lightning import WeightSyncCallback as LightningCallback
+    from weightsync.plugins.transformers import WeightSyncCallback as HFCallback
+
+    for cls, arg in ((HFCallback, "model"), (LightningCallback, "pl_module")):
+        with pytest.raises(TypeError, match=rf"WeightSyncCallback: sync must be a WeightSync or a callable {arg} -> WeightSync, got int"):
+            cls(42)
+    seen: list = []
+
+    def factory(model):
+        seen.append(model)
+        return "not a sync"
+
+    model = torch.nn.Linear(2, 2)
+    state = SimpleNamespace(global_step=0, log_history=[])
+    with pytest.raises(TypeError, match="the sync factory returned str, not a WeightSync"):
+        HFCallback(factory).on_train_begin(None, state, None, model=model)
+    with pytest.raises(ValueError, match="passed no model"):
+        HFCallback(factory).on_train_begin(None, state, None, model=None)
+    with pytest.raises(TypeError, match="the sync factory returned str, not a WeightSync"):
+        LightningCallback(factory).on_train_start(SimpleNamespace(global_step=0), model)
+    assert seen == [model, model]  # called with the prepared model, once per hook; never with None
