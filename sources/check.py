@@ -236,7 +236,9 @@ class CheckedSource(WeightSource):
 
     1. (first pass, ``agree=True``) verifies every rank holds the same metadata before the wrapped
        source runs any collective (``verify_metadata_agreement``);
-    2. checks each yielded pair against this rank's share of metadata (``check_stream``);
+    2. checks each yielded pair against this rank's share of metadata (``check_stream``), unless the
+       wrapped source says it does that itself (a true ``checks_stream`` attribute: weightsync's own
+       sources with ``check=True``) -- the same check twice would only cost host time per tensor;
     3. (``end_check=True``) ends with one bounded 8-byte all-gather of every rank's tensor count, so a
        rank whose source runs no collective still learns that another rank failed, and the pass
        returns on no rank unless it completed on all.
@@ -315,7 +317,9 @@ class CheckedSource(WeightSource):
                 self._agreed = True
             expected = self._expected()
             shapes = [local_shape(m, self.rank) for m in expected] if local else None
-            stream = check_stream(make_iter(), expected, rank=self.rank, what=what, local_shapes=shapes)
+            stream = make_iter()
+            if not getattr(self.source, "checks_stream", False):
+                stream = check_stream(stream, expected, rank=self.rank, what=what, local_shapes=shapes)
             for name, tensor in stream:
                 if self.checksums:
                     sums.append((name, checksum_tensor(tensor)))

@@ -223,3 +223,31 @@ def test_check_weights_changed_against_vllm_digest_format():
         model.weight.add_(1)
     assert check_weights_changed(before, compute_tensor_digests(model)) == ["weight"]
     assert before["bias"] == hashlib.sha256(model.bias.detach().numpy().tobytes()).hexdigest()
+
+
+class _Listed(WeightSource):
+    """Yields a fixed list of pairs against ``_metas()``; ``checks_stream`` as given."""
+
+    def __init__(self, pairs, checks_stream: bool) -> None:
+        self._pairs, self.checks_stream, self.passes = pairs, checks_stream, 0
+
+    @cached_property
+    def metadata(self):
+        return _metas()
+
+    def iter_full(self):
+        self.passes += 1
+        yield from self._pairs
+
+
+def test_checked_trusts_only_a_source_that_checks_its_own_stream():
+    bad = [_pairs()[1], _pairs()[0], _pairs()[2]]  # out of order
+    # a plain source's bad stream is caught by the wrapper, naming the index and both names
+    with pytest.raises(MetadataMismatchError, match=r"index 0 .*name/order"):
+        list(checked(_Listed(bad, checks_stream=False)).iter_full())
+    # a source that declares it checks its stream itself is not checked twice (it would raise itself;
+    # here it lies, which is how the skip is observable), and its good stream passes unchanged
+    assert [n for n, _ in checked(_Listed(bad, checks_stream=True)).iter_full()] == ["b.weight", "a.weight", "c.weight"]
+    good = _pairs()
+    out = list(checked(_Listed(good, checks_stream=True)).iter_full())
+    assert [(n, t.data_ptr()) for n, t in out] == [(n, t.data_ptr()) for n, t in good]
