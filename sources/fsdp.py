@@ -32,6 +32,13 @@ Invariants (each is tested multi-rank in ``tests/test_fsdp.py``):
   ``full_tensor()`` fallback and device backends rely on the process group's own timeout.
 * **Checks**: each pass checks its stream against ``metadata`` on every rank (``check=True``), and
   the first pass verifies cross-rank metadata agreement before any gather (``agree=True``).
+* **PEFT LoRA** (``lora.LoraPlan``): a PEFT model exports its base checkpoint, merged. The tensors
+  gathered are *items*: every checkpoint entry, each LoRA-merged base weight followed by its
+  adapters' ``lora_A``/``lora_B`` (same FSDP unit, hence the same batched gather, in the usual
+  layout; a separate one otherwise). A merged base and its A/B travel in their own dtype, are merged
+  on every rank that holds them in full (``lora.merge_lora``: fp32 or wider) and only then cast to the
+  wire dtype; metadata lists base names and shapes only. Without PEFT, items are the entries and
+  the pass runs exactly the code it always ran.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from .fsdp_gather import (
 )
 from .fsdp_plan import dtensor_layout, fsdp_units, is_dtensor, is_member, plan_steps
 from .logs import current_rank, get_logger
+from .lora import LoraMerge, LoraPlan, merge_lora
 from .naming import CheckpointEntry, TensorTransform, checkpoint_entries
 from .stats import PassStats
 from .wire import WirePolicy
@@ -90,6 +98,11 @@ class FSDPSource(WeightSource):
         check: check each pass's stream against metadata on this rank.
         agree: verify on the first pass that every rank holds the same metadata.
         rank: this trainer rank (default: the default process group's rank).
+
+    A PEFT LoRA model (``get_peft_model(...)``, wrapped and sharded like any model) exports the
+    merged base checkpoint -- what ``merge_and_unload().save_pretrained()`` writes -- without
+    modifying the model; unsupported adapters (DoRA, LoRA on embeddings, other tuners, ...) raise
+    ``lora.UnsupportedAdapterError`` here, on every rank. See ``sources/lora.py``.
     """
 
     def __init__(
@@ -120,11 +133,13 @@ class FSDPSource(WeightSource):
                     f"(handles/entries/apply), got {type(t).__name__}"
                 )
         self._module = module
+        self.lora = LoraPlan.for_module(module, rank=rank)  # unsupported adapters raise here
         self.wire = WirePolicy.build(dtype, keep_fp32)
         self.group_bytes = group_bytes
         self.include_buffers = include_buffers
         self.transforms = tuple(transforms)
-        self.expert_transform = _expert_transform(module, expert_layout, self.transforms, rank)
+        hf = module if self.lora is None else self.lora.hf_model
+        self.expert_transform = _expert_transform(hf, expert_layout, self.transforms, rank)
         if self.expert_transform is not None:
             self.transforms += (self.expert_transform,)
         self.check = check
@@ -143,22 +158,91 @@ class FSDPSource(WeightSource):
     @cached_property
     def entries(self) -> list[CheckpointEntry]:
         """Checkpoint entries (one per in-memory tensor sent), in checkpoint order."""
+        if self.lora is None:
+            return checkpoint_entries(
+                self._module, include_buffers=self.include_buffers, transforms=self.transforms
+            )
         return checkpoint_entries(
-            self._module, include_buffers=self.include_buffers, transforms=self.transforms
+            self._module,
+            include_buffers=self.include_buffers,
+            transforms=self.transforms,
+            rename=self.lora.rename,
+            root=self.lora.hf_model,
         )
 
     @cached_property
+    def _items(self) -> list[tuple[str, bool]]:
+        """``(in-memory path, is_buffer)`` of every tensor a pass gathers, in stream order: the
+        entries, each LoRA-merged base weight followed by its A, B per adapter (``_lora_items``)."""
+        if self.lora is None:
+            return [(e.path, e.is_buffer) for e in self.entries]
+        items: list[tuple[str, bool]] = []
+        entry_item: list[int] = []
+        merges: dict[int, tuple[int, LoraMerge, list[tuple[int, int]]]] = {}
+        aux_of: dict[int, int] = {}
+        for k, e in enumerate(self.entries):
+            j = len(items)
+            entry_item.append(j)
+            items.append((e.path, e.is_buffer))
+            m = None if e.is_buffer else self.lora.merges.get(e.path)
+            if m is None:
+                continue
+            if e.transform is not None:
+                from .lora import UnsupportedAdapterError
+
+                raise UnsupportedAdapterError(
+                    f"rank {self.rank}: PEFT module {m.module!r}: LoRA on a tensor that also needs a "
+                    f"transform ({e.name}) is not supported"
+                )
+            pairs = []
+            for term in m.terms:
+                pairs.append((len(items), len(items) + 1))
+                items += [(term.a_path, False), (term.b_path, False)]
+                aux_of[len(items) - 2] = aux_of[len(items) - 1] = j
+            merges[j] = (k, m, pairs)
+        self.__dict__["_entry_item"] = entry_item
+        self.__dict__["_lora_items"] = (merges, aux_of)
+        return items
+
+    @cached_property
+    def _entry_item(self) -> list[int]:
+        """Item index of each entry (PEFT only; set by ``_items``)."""
+        self._items  # noqa: B018
+        return self.__dict__["_entry_item"]
+
+    @cached_property
+    def _lora_items(self) -> tuple[dict, dict]:
+        """``(base item -> (entry, LoraMerge, [(A item, B item)]), A/B item -> base item)``."""
+        self._items  # noqa: B018
+        return self.__dict__["_lora_items"]
+
+    @cached_property
+    def _item_keys(self) -> list[str]:
+        """Each item's name in gather messages: its checkpoint name (an A/B: its in-memory path)."""
+        if self.lora is None:
+            return [e.name for e in self.entries]
+        keys = [path for path, _ in self._items]
+        for k, j in enumerate(self._entry_item):
+            keys[j] = self.entries[k].name
+        return keys
+
+    def _entry_tensors(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.lora is None:
+            return tensors
+        return [tensors[j] for j in self._entry_item]
+
+    @cached_property
     def _slots(self) -> list[tuple[dict, str]]:
-        """Where each entry's tensor is registered: ``(module._parameters or _buffers, attr)``.
+        """Where each item's tensor is registered: ``(module._parameters or _buffers, attr)``.
 
         Read afresh every pass (FSDP2 re-registers parameters when it unshards / reshards), at the
         cost of one dict lookup per tensor instead of a walk of the module tree.
         """
         slots = []
-        for e in self.entries:
-            owner_path, _, attr = e.path.rpartition(".")
+        for path, is_buffer in self._items:
+            owner_path, _, attr = path.rpartition(".")
             owner = self._module.get_submodule(owner_path) if owner_path else self._module
-            slots.append((owner._buffers if e.is_buffer else owner._parameters, attr))
+            slots.append((owner._buffers if is_buffer else owner._parameters, attr))
         return slots
 
     def _resolve(self) -> list[torch.Tensor]:
@@ -181,16 +265,39 @@ class FSDPSource(WeightSource):
         return steps
 
     @cached_property
-    def _wire_dtypes(self) -> list[torch.dtype]:
+    def _out_dtypes(self) -> list[torch.dtype]:
+        """Wire dtype of each entry (what metadata declares)."""
         return [
-            self.wire.dtype_for(e.name, t.dtype) for e, t in zip(self.entries, self._resolve())
+            self.wire.dtype_for(e.name, t.dtype)
+            for e, t in zip(self.entries, self._entry_tensors(self._resolve()))
         ]
+
+    @cached_property
+    def _wire_dtypes(self) -> list[torch.dtype]:
+        """Dtype each item is gathered in: its wire dtype (cast before the gather), except a
+        LoRA-merged base weight and its A/B, which travel in their own dtype (merged, then cast)."""
+        if self.lora is None:
+            return self._out_dtypes
+        tensors = self._resolve()
+        out = [t.dtype for t in tensors]
+        merges, _ = self._lora_items
+        for k, j in enumerate(self._entry_item):
+            if j not in merges:
+                out[j] = self._out_dtypes[k]
+        return out
 
     @cached_property
     def metadata(self) -> list[ParamMeta]:
         metas: list[ParamMeta] = []
-        for e, t, wd in zip(self.entries, self._resolve(), self._wire_dtypes):
+        merged = set()
+        if self.lora is not None:
+            merged = {k for k, _, _ in self._lora_items[0].values()}
+        tensors = self._entry_tensors(self._resolve())
+        for k, (e, t, wd) in enumerate(zip(self.entries, tensors, self._out_dtypes)):
             layout = dtensor_layout(t)
+            if layout is not None and k in merged:
+                # The merged tensor exists in full only: iter_local gathers it (placements None).
+                layout = (layout[0], layout[1], None)
             shape = tuple(t.shape)  # a DTensor's global shape: no communication
             if e.transform is not None:
                 for name, oshape in e.transform.entries(e.name):
@@ -217,6 +324,8 @@ class FSDPSource(WeightSource):
 
     def _start_pass(self) -> PassStats:
         stats = self.last_pass.start()
+        if self.lora is not None:
+            self.lora.check_state()  # before any collective
         meta = self.metadata  # raises UnmappedParameterError etc. before any collective
         if self.agree and not self._agreed:
             verify_metadata_agreement(meta, timeout_s=self.timeout_s, what="FSDPSource metadata")
@@ -235,19 +344,49 @@ class FSDPSource(WeightSource):
     def _plain(self, t: torch.Tensor, wd: torch.dtype) -> torch.Tensor:
         return t.detach().to(dtype=wd).contiguous()
 
+    def _merger(self, stats: PassStats):
+        """``emit(item, full)`` for a PEFT pass: entries pass through; a merged base weight waits for
+        its A/B (the items right after it) and goes out merged, in its entry's place."""
+        merges, aux_of = self._lora_items
+        entry_of = {j: k for k, j in enumerate(self._entry_item)}
+        held: dict[int, torch.Tensor] = {}
+
+        def emit(i: int, full: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+            base = aux_of.get(i, i)
+            if base not in merges:
+                yield from self._emit(entry_of[i], full)
+                return
+            held[i] = full
+            stats.hold(full.numel() * full.element_size())
+            k, m, pairs = merges[base]
+            if base not in held or any(a not in held or b not in held for a, b in pairs):
+                return
+            scalings = m.scalings()
+            parts = [held.pop(base)] + [held.pop(x) for pair in pairs for x in pair]
+            terms = [(parts[1 + 2 * n], parts[2 + 2 * n], s) for n, s in enumerate(scalings)]
+            merged = merge_lora(
+                parts[0], terms, fan_in_fan_out=bool(m.layer.fan_in_fan_out), out_dtype=self._out_dtypes[k]
+            )
+            stats.hold(-sum(p.numel() * p.element_size() for p in parts))
+            del parts, terms
+            yield from self._emit(k, merged)
+
+        return emit
+
     def _raw_full(self, stats: PassStats) -> Iterator[tuple[str, torch.Tensor]]:
         tensors = self._resolve()
         wds = self._wire_dtypes
         steps = self._plan(tensors)
+        emit = self._emit if self.lora is None else self._merger(stats)
         for step in steps:
             if step.kind == "plain":
                 i = step.indices[0]
-                yield from self._emit(i, self._plain(tensors[i], wds[i]))
+                yield from emit(i, self._plain(tensors[i], wds[i]))
             elif step.kind == "full":
                 i = step.indices[0]
                 full = fallback_full(tensors[i], wds[i], step.device, stats)
                 stats.hold(full.numel() * full.element_size())
-                yield from self._emit(i, full)
+                yield from emit(i, full)
                 stats.hold(-full.numel() * full.element_size())
             elif step.mesh.size(step.axis) == 1:
                 # A one-rank shard axis holds the whole tensor: nothing to gather. Cast/stage it
@@ -256,14 +395,15 @@ class FSDPSource(WeightSource):
                 after_default_stream(step.device)
                 for i in step.indices:
                     local = local_of(tensors[i]).to(device=step.device, dtype=wds[i])
-                    yield from self._emit(i, local.contiguous())
+                    yield from emit(i, local.contiguous())
             else:
                 mesh, axis = step.mesh, step.axis
+                keys = self._item_keys
                 pieces = [
-                    ShardPiece(self.entries[i].name, local_of(tensors[i]), tuple(tensors[i].shape), wds[i])
+                    ShardPiece(keys[i], local_of(tensors[i]), tuple(tensors[i].shape), wds[i])
                     for i in step.indices
                 ]
-                index_of = {self.entries[i].name: i for i in step.indices}
+                index_of = {keys[i]: i for i in step.indices}
                 gather = BatchedGather(
                     pieces,
                     group=mesh.get_group(axis),
@@ -274,7 +414,7 @@ class FSDPSource(WeightSource):
                     timeout_s=self.timeout_s,
                 )
                 for name, full in gather:
-                    yield from self._emit(index_of[name], full)
+                    yield from emit(index_of[name], full)
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors of every owned name, in metadata order (collective over each mesh)."""
@@ -289,10 +429,15 @@ class FSDPSource(WeightSource):
         logger.debug("iter_full pass: %s", stats.as_dict())
 
     def _raw_local(self, stats: PassStats) -> Iterator[tuple[str, torch.Tensor]]:
-        tensors = self._resolve()
-        wds = self._wire_dtypes
+        all_tensors = self._resolve()
+        tensors = self._entry_tensors(all_tensors)
+        wds = self._out_dtypes
+        merges = {} if self.lora is None else self._lora_items[0]
         for i, (e, t, wd) in enumerate(zip(self.entries, tensors, wds)):
             if not is_member(t):
+                continue
+            if merges and self._entry_item[i] in merges:
+                yield from self._emit(i, self._merged_full(self._entry_item[i], all_tensors, stats))
                 continue
             if not is_dtensor(t):
                 yield from self._emit(i, self._plain(t, wd))
@@ -304,6 +449,20 @@ class FSDPSource(WeightSource):
             else:
                 local = local_of(t)
                 yield e.name, local.to(device=device, dtype=wd).contiguous()
+
+    def _merged_full(self, j: int, tensors: list[torch.Tensor], stats: PassStats) -> torch.Tensor:
+        """One LoRA-merged tensor for ``iter_local``: base and A/B gathered one by one (own dtype)."""
+        k, m, pairs = self._lora_items[0][j]
+
+        def full(x: int) -> torch.Tensor:
+            t = tensors[x]
+            if not is_dtensor(t):
+                return t.detach()
+            return fallback_full(t, t.dtype, gather_device(t.device_mesh), stats)
+
+        base = full(j)
+        terms = [(full(a), full(b), s) for (a, b), s in zip(pairs, m.scalings())]
+        return merge_lora(base, terms, fan_in_fan_out=bool(m.layer.fan_in_fan_out), out_dtype=self._out_dtypes[k])
 
     def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's piece of every owned name per ``placements`` (cast, staged to the mesh's

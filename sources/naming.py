@@ -25,14 +25,16 @@ Three things separate an in-memory name from a checkpoint name:
   Pure renamings in that mapping (Mixtral's in-memory ``mlp.`` is ``block_sparse_moe.`` in the
   checkpoint) need no transform: the entry takes the name transformers writes.
 
-PEFT names (``base_model.model.``, ``.base_layer.``, ``lora_A/B``) are out of scope: a PEFT model
-would be reported as-is (its in-memory names), not merged.
+PEFT names (``base_model.model.``, ``.base_layer.``, ``lora_A/B``, ``modules_to_save``) are mapped
+by the caller: ``rename`` (``lora.LoraPlan.rename``) turns a de-wrapped path into the base
+checkpoint's name or drops it, and ``root`` (the transformers model inside the tuner) is where tied
+weights, conversions and ``_keys_to_ignore_on_save`` are read.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -234,27 +236,42 @@ def checkpoint_entries(
     *,
     include_buffers: bool = True,
     transforms: Sequence[TensorTransform] = (),
+    rename: Callable[[str], str | None] | None = None,
+    root: nn.Module | None = None,
 ) -> list[CheckpointEntry]:
     """Every tensor ``save_pretrained`` would write for ``module``, in checkpoint order.
+
+    ``rename`` maps a de-wrapped in-memory path to its checkpoint name (None: not a checkpoint
+    tensor); ``root`` overrides the model whose tied-weight keys and conversions apply (both for
+    PEFT models, whose checkpoint is the base model's).
 
     Raises ``UnmappedParameterError`` naming each tensor whose checkpoint form transformers derives
     by a weight conversion (fused MoE experts...) unless a ``transforms`` entry matches it.
     """
-    root = hf_root(module)
     wrappers = _wrapper_paths(module)
     tensors = _state_tensors(module, include_buffers)
+    if root is None:
+        root = hf_root(module)
+        tied_source, tied_wrappers = module, wrappers
+    else:
+        tied_source, tied_wrappers = root, _wrapper_paths(root)
 
     # Group aliases by tensor identity; first appearance fixes the position.
     by_id: dict[int, list[tuple[str, str, bool]]] = {}
     order: list[int] = []
     for path, t, is_buf in tensors:
         key = id(t)
+        name = checkpoint_name(path, wrappers)
+        if rename is not None:
+            name = rename(name)
+            if name is None:
+                continue
         if key not in by_id:
             by_id[key] = []
             order.append(key)
-        by_id[key].append((checkpoint_name(path, wrappers), path, is_buf))
+        by_id[key].append((name, path, is_buf))
 
-    tied = [re.compile(p) for p in tied_weight_patterns(module, wrappers)]
+    tied = [re.compile(p) for p in tied_weight_patterns(tied_source, tied_wrappers)]
     ignore_on_save = set(getattr(root, "_keys_to_ignore_on_save", None) or ())
 
     entries: list[CheckpointEntry] = []
