@@ -32,7 +32,8 @@ collective, so every rank decides the same):
   (build a new source after ``set_adapter``). ``scaling`` and ``merged_adapters`` are values, read
   afresh at every pass.
 * **Unsupported -> error at construction, never wrong weights**: DoRA (``use_dora``) and every other
-  LoRA variant, ``lora_bias=True``, LoRA on embeddings / convolutions / quantized or custom layers,
+  LoRA variant, ``lora_bias=True``, LoRA on embeddings / convolutions / quantized or custom layers
+  (only ``nn.Linear`` and transformers' GPT-2 ``Conv1D`` bases merge),
   any non-LoRA tuner (IA3, LoKr, ...) or auxiliary wrapper other than ``modules_to_save``
   (``trainable_token_indices``), LoRA or ``modules_to_save`` on a tied weight, and shapes that do not
   compose raise ``UnsupportedAdapterError`` naming the module, the reason and the rank.
@@ -125,6 +126,18 @@ def merge_lora(
             delta = delta.T
         w += delta * scaling
     return w.to(out_dtype).contiguous()
+
+
+def _is_linear(base: nn.Module) -> bool:
+    """nn.Linear (weight [out, in]) or transformers' GPT-2-style Conv1D (weight [in, out], which peft
+    merges with ``fan_in_fan_out=True``); the shape check in ``LoraPlan`` ties layout to the flag."""
+    if type(base) is nn.Linear:
+        return True
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return type(base) is Conv1D
 
 
 def _peft_in(module: nn.Module) -> bool:
@@ -246,8 +259,9 @@ class LoraPlan:
             braw, brel = f"{braw}.base_layer", f"{brel}.base_layer"
             self._transparent.add(brel)
         self._transparent.discard(brel)  # the innermost base layer itself is a real module
-        if type(base) is not nn.Linear:
-            raise self._err(dpath, f"LoRA over {type(base).__name__} is not supported (only nn.Linear)")
+        if not _is_linear(base):
+            raise self._err(dpath, f"LoRA over {type(base).__name__} is not supported (only nn.Linear and "
+                            "transformers' Conv1D)")
         self._state.append((dpath, m, self._state_of(m)))
         if m.disable_adapters:
             return
