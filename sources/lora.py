@@ -42,8 +42,11 @@ Precision: the merge runs in ``promote(W, A, B, float32)`` -- fp32 for fp32/bf16
 and rounds once, to the wire dtype, afterwards. For fp32 parameters this is peft's own op order
 (``W += transpose(B @ A) * scaling`` in fp32), so the result equals ``merge_and_unload()`` bit for bit,
 and with a bf16 wire it equals ``merge_and_unload()`` followed by ``.to(bfloat16)``. For bf16
-parameters peft rounds the delta to bf16 and rounds again when adding it in bf16; merging in fp32
-rounds once, so we differ from peft's bf16 merge by at most one bf16 ulp, on the accurate side.
+parameters peft's own merge rounds the delta to bf16 and rounds again when adding it in bf16; we
+return peft's merge of the fp32 upcast rounded once, which is elementwise never farther from the
+exact merge than peft's bf16 result (where W and the delta nearly cancel, peft's double rounding
+can be off by many ulps of the result). The cost: a merged weight and its A/B are gathered in
+their own dtype, not pre-cast to the wire dtype (twice the bytes for fp32 bases on a bf16 wire).
 """
 
 from __future__ import annotations

@@ -217,6 +217,26 @@ def world_merge(rank: int, world_size: int, *, oracle_dir: str) -> bytes:
         facts[scenario] = f
         dist.barrier()
 
+    # bf16 parameters (a bf16-loaded base and bf16 adapters): the merge runs in fp32 and rounds once.
+    # Oracles: peft's merge of an fp32 upcast (upcasting is exact and the op order is peft's: ours
+    # must be that, rounded once) and peft's merge in bf16 itself, which rounds the delta to bf16
+    # and then the sum: elementwise never closer to the fp32 merge than ours.
+    model, _ = lora_model("qwen3-tied-rslora", seed=2)
+    model.to(torch.bfloat16)
+    fp32_merge = copy.deepcopy(model).float().merge_and_unload().state_dict()
+    native = copy.deepcopy(model).merge_and_unload().state_dict()
+    shard(model, mesh, layers=peft_layers(model))
+    got = to_cpu(stream(FSDPSource(model)))
+    ours_err = {n: (t.float() - fp32_merge[n]).abs() for n, t in got.items()}
+    peft_err = {n: (native[n].float() - fp32_merge[n]).abs() for n in got}
+    facts["bf16_params"] = {
+        "dtypes": sorted({str(t.dtype) for t in got.values()}),
+        "not_fp32_merge_rounded": [n for n, t in got.items() if not torch.equal(t, fp32_merge[n].to(torch.bfloat16))],
+        "farther_than_peft_bf16": [n for n in got if not bool((ours_err[n] <= peft_err[n]).all())],
+        "ours_total_err": float(sum(e.sum() for e in ours_err.values())),
+        "peft_bf16_total_err": float(sum(e.sum() for e in peft_err.values())),
+    }
+
     # vLLM's NCCL trainer engine: rank 1 is a non-sender and drains iter_full() itself; rank 0
     # runs the sender's own metadata check (_checked_iter) over the same source.
     model, _ = lora_model("qwen3-tied-rslora")
@@ -384,6 +404,17 @@ def test_disabled_adapters_export_base_weights(merged, scenario):
         assert_same_tensors(f["disabled"], base, f"rank {rank} {scenario} disabled")
         assert "AdapterStateError" in f["err_state"] and "adapter state changed" in f["err_state"], f["err_state"]
         assert f"rank {rank}" in f["err_state"]
+
+
+def test_bf16_parameters_merge_in_fp32_and_round_once(merged):
+    results, _ = merged
+    for rank, facts in results.items():
+        f = facts["bf16_params"]
+        assert f["dtypes"] == ["torch.bfloat16"]
+        assert f["not_fp32_merge_rounded"] == []  # == peft's fp32 merge, rounded to bf16 once
+        # peft's own bf16 merge rounds twice: ours is never farther from the fp32 merge, and closer overall
+        assert f["farther_than_peft_bf16"] == []
+        assert f["ours_total_err"] < f["peft_bf16_total_err"], f
 
 
 def test_vllm_nccl_engine_non_sender(merged):
