@@ -148,6 +148,7 @@ class _Untouchable:
 
 def world_merge(rank: int, world_size: int, *, oracle_dir: str) -> bytes:
     _quiet()
+    from peft import LoraConfig, get_peft_model
     from torch.distributed.device_mesh import init_device_mesh
     from vllm.distributed.weight_transfer.nccl_engine import (
         NCCLTrainerInitInfo,
@@ -216,6 +217,31 @@ def world_merge(rank: int, world_size: int, *, oracle_dir: str) -> bytes:
         f["err_state"] = errors_of(off.iter_full)
         facts[scenario] = f
         dist.barrier()
+
+    # LoRA A/B in FSDP units of their own (not their base weight's): gathered separately, merged
+    # all the same. Same seed as the first scenario, so its oracle applies.
+    model, _ = lora_model("qwen3-tied-rslora")
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in peft_layers(model):
+        fully_shard(layer.self_attn.q_proj.lora_A["default"], mesh=mesh)
+        fully_shard(layer.mlp.down_proj.lora_B["default"], mesh=mesh)
+    shard(model, mesh, layers=peft_layers(model))
+    split = FSDPSource(model)
+    facts["split_units"] = {"full": to_cpu(stream(split)), "collectives": split.last_pass.collectives,
+                            "units": fsdp_unit_count(model)}
+
+    # A MoE model (transformers-5 fused experts, exported per expert) with LoRA on attention.
+    moe = get_peft_model(tiny_model("qwen3_moe", tied=False, seed=6), LoraConfig(r=4, target_modules=["q_proj", "o_proj"]))
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    if rank == 0:
+        save_merged(moe, os.path.join(oracle_dir, "moe"))
+    shard(moe, mesh, layers=peft_layers(moe))
+    facts["moe"] = to_cpu(stream(FSDPSource(moe)))
+    dist.barrier()
 
     # bf16 parameters (a bf16-loaded base and bf16 adapters): the merge runs in fp32 and rounds once.
     # Oracles: peft's merge of an fp32 upcast (upcasting is exact and the op order is peft's: ours
@@ -404,6 +430,19 @@ def test_disabled_adapters_export_base_weights(merged, scenario):
         assert_same_tensors(f["disabled"], base, f"rank {rank} {scenario} disabled")
         assert "AdapterStateError" in f["err_state"] and "adapter state changed" in f["err_state"], f["err_state"]
         assert f"rank {rank}" in f["err_state"]
+
+
+def test_lora_in_other_units_and_moe(merged):
+    results, d = merged
+    oracle = load_oracle(os.path.join(d, "qwen3-tied-rslora"))
+    moe = load_oracle(os.path.join(d, "moe"))
+    assert any(".mlp.experts.0.gate_proj.weight" in n for n in moe)  # per expert, as saved
+    for rank, facts in results.items():
+        f = facts["split_units"]
+        assert_same_tensors(f["full"], oracle, f"rank {rank} A/B in other units")
+        assert f["units"] == results[rank]["qwen3-tied-rslora"]["units"] + 4
+        assert f["collectives"] > results[rank]["qwen3-tied-rslora"]["stats"]["collectives"]
+        assert_same_tensors(facts["moe"], moe, f"rank {rank} MoE + LoRA")
 
 
 def test_bf16_parameters_merge_in_fp32_and_round_once(merged):
