@@ -6,7 +6,8 @@ Model: a megatron-core ``GPTModel`` with Qwen3-1.7B's shapes (hidden 2048, 28 la
 one GPU. A pass is ``for name, t in source.iter_full()`` to exhaustion (each tensor dropped after it
 is yielded, as a consumer that copies it away would) between two ``torch.cuda.synchronize()``.
 The baseline copies a flat buffer of exactly the bytes the pass yielded. Best and median of
-``--reps`` after ``--warmup``. Goal: export <= 2x the copy.
+``--reps`` after ``--warmup``. Goal: export <= 2x the copy. For reference it also times vLLM's
+``ModuleSource`` walking the same ``GPTModel`` (Megatron names and fused tensors, no layout work).
 
     python bench/bench_gpu_megatron.py [--reps 7] [--warmup 2] [--dry-run] [--json out.json]
 """
@@ -86,6 +87,23 @@ def main(argv: list[str] | None = None) -> int:
         stats = getattr(src, "last_pass", None)
         if stats is not None:
             facts.number("last_pass", stats.as_dict() if hasattr(stats, "as_dict") else str(stats))
+        # Reference: vLLM's ModuleSource over the same GPTModel -- a bare named_parameters() walk
+        # (Megatron names, fused tensors, no HF layout), the per-tensor floor of any source.
+        from vllm.distributed.weight_transfer.base import ModuleSource
+
+        plain = ModuleSource(model)
+        mt: list[float] = []
+        for rep in range(warmup + reps):
+            _sync(device)
+            t0 = time.perf_counter()
+            for _name, t in plain.iter_full():
+                del t
+            _sync(device)
+            if rep >= warmup:
+                mt.append(time.perf_counter() - t0)
+        facts.number("ModuleSource(GPTModel) tensors", len(plain.metadata))
+        facts.number("ModuleSource(GPTModel) best_ms", round(min(mt) * 1e3, 3))
+        facts.number("ratio export/ModuleSource(GPTModel) best", round(min(times) / min(mt), 3))
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         dst = torch.empty_like(buf)
         ct: list[float] = []

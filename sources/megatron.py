@@ -49,6 +49,7 @@ from .families import family_for
 from .groups import wait_p2p
 from .layout import KIND_DIM, concat_shards, local_split, vocab_is_chunked, vocab_rows
 from .logs import get_logger
+from .megatron_local import LocalStep, local_step, mark_precast, nbytes, precast
 from .megatron_experts import MegatronMoEExporter, expert_format, megatron_moe_suffixes
 from .megatron_plan import Geometry, Unit, build_plan, mlp_kind
 from .megatron_topology import Topology, megatron_topology
@@ -205,6 +206,12 @@ class MegatronSource(WeightSource):
                 raise self._moe_error(e, layer_names) from e
         self._device = next(iter(self._bound.values())).param.device if self._bound else torch.device("cpu")
         self._vocab_chunked = vocab_is_chunked(self.geometry.vocab, self.geometry.padded_vocab, self._topo.tp)
+        #: per plan unit: (unit, its local export on this rank or None, MoE layer that follows or None).
+        local = mark_precast([self._local_step(u) for u in self.plan], self.dtype)
+        self._steps: list[tuple[Unit, LocalStep | None, int | None]] = [
+            (u, s, self._moe_after.get(i)) for i, (u, s) in enumerate(zip(self.plan, local))
+        ]
+        self._precast: list[LocalStep] = [s for s in local if s is not None and s.precast]
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -295,6 +302,11 @@ class MegatronSource(WeightSource):
                 out += [ParamMeta(n, d, s, owners=(0,)) for n, s, d in self._moe.entries(self._moe_after[i])]
         return out
 
+    @property
+    def checks_stream(self) -> bool:
+        """Every pass checks its own stream against ``metadata`` (``CheckedSource`` relies on it)."""
+        return self.check
+
     def implements_iter_full(self) -> bool:
         return self.mode == "full"
 
@@ -304,6 +316,10 @@ class MegatronSource(WeightSource):
     # ---- passes -----------------------------------------------------------------------------
 
     def _expected(self) -> list[ParamMeta]:
+        return self._expected_metas
+
+    @cached_property
+    def _expected_metas(self) -> list[ParamMeta]:
         r = self._topo.rank
         return [m for m in self.metadata if m.owners is None or r in m.owners]
 
@@ -369,6 +385,23 @@ class MegatronSource(WeightSource):
             return tuple(r for t, r in enumerate(ranks) if self._piece_rows(unit, t) > 0)
         return ranks
 
+    def _local_step(self, unit: Unit) -> LocalStep | None:
+        """How rank 0 exports ``unit`` when it alone holds all of it, or None (``megatron_local``).
+
+        That is every unit of rank 0's stage at tp=1, and replicated ones (norms) at any tp."""
+        topo = self._topo
+        if topo.rank != 0 or unit.stage != topo.pp_rank or self._senders(unit) != (0,) or unit.key not in self._bound:
+            return None
+        return local_step(
+            self._bound[unit.key].param,
+            kind=unit.kind,
+            rows=self._piece_rows(unit, 0),
+            piece_shape=self._piece_shape(unit, 0),
+            out_shapes=unit.shapes,
+            dtype=self.dtype,
+            **self._geometry_kw(),
+        )
+
     def _gather_to(self, unit: Unit, dst: int, stats: PassStats) -> list[torch.Tensor] | None:
         """Point-to-point gather of ``unit``'s pieces to global rank ``dst``.
 
@@ -414,6 +447,7 @@ class MegatronSource(WeightSource):
         stats = self.last_pass = PassStats().start()
         if self._moe is not None:
             self._moe.stats = stats
+        tensors = sent = peak = held = 0
         try:
             self._start()
             # Ranks of other data-parallel replicas have no dense unit to send, but with expert
@@ -421,24 +455,45 @@ class MegatronSource(WeightSource):
             dense = self._topo.in_sender_replica
             if not dense and self._moe is None:
                 return
-            for i, unit in enumerate(self.plan):
-                pieces = self._gather_to(unit, 0, stats) if dense else None
-                if pieces is None:
-                    if i in self._moe_after:
-                        yield from self._moe.export(self._moe_after[i])  # type: ignore[union-attr]
-                    continue
-                outs = concat_shards(unit.kind, pieces, **self._geometry_kw())
-                held = sum(o.numel() * o.element_size() for o in outs)
-                stats.hold(held)
-                del pieces
-                for name, out in zip(unit.names, outs):
-                    stats.yielded(out.numel() * out.element_size())
-                    yield name, out
-                del outs
-                stats.hold(-stats._extra)
-                if i in self._moe_after:
-                    yield from self._moe.export(self._moe_after[i])  # type: ignore[union-attr]
+            dtype = self.dtype
+            casts, peak = precast(self._precast, dtype) if self._precast else (iter(()), 0)
+            for unit, local, moe_layer in self._steps:
+                if local is not None:
+                    if local.precast:
+                        t = next(casts)
+                    else:
+                        t = local.param.detach()
+                        if local.rows is not None:
+                            t = t[: local.rows]
+                        if t.dtype != dtype:
+                            t = t.to(dtype)
+                    outs = local.split(t)
+                    del t
+                    held = max(held, local.extra)
+                    for name, out, size in zip(unit.names, outs, local.sizes):
+                        tensors += 1
+                        sent += size
+                        yield name, out
+                    del outs
+                elif dense:
+                    pieces = self._gather_to(unit, 0, stats)
+                    if pieces is not None:
+                        outs = concat_shards(unit.kind, pieces, **self._geometry_kw())
+                        # Outputs that are views of a received piece are already held; count the copies.
+                        have = {p.untyped_storage().data_ptr() for p in pieces}
+                        stats.hold(sum(nbytes(o.shape, o.dtype) for o in outs if o.untyped_storage().data_ptr() not in have))
+                        del pieces
+                        for name, out in zip(unit.names, outs):
+                            stats.yielded(nbytes(out.shape, out.dtype))
+                            yield name, out
+                        del outs
+                    stats.hold(-stats._extra)
+                if moe_layer is not None:
+                    yield from self._moe.export(moe_layer)  # type: ignore[union-attr]
         finally:
+            stats.tensors += tensors
+            stats.bytes += sent
+            stats.peak_extra_bytes = max(stats.peak_extra_bytes, peak + held)
             stats.stop()
 
     # ---- local mode ---------------------------------------------------------------------------
