@@ -131,16 +131,34 @@ def merge_lora(
     return w.to(out_dtype).contiguous()
 
 
+#: Why a LoRA layer class other than ``lora.Linear`` cannot be merged, by class name.
+_LAYER_KINDS = {
+    "Embedding": "LoRA on an embedding",
+    "Conv1d": "LoRA on a convolution",
+    "Conv2d": "LoRA on a convolution",
+    "Conv3d": "LoRA on a convolution",
+}
+
+
+def own_type(m: nn.Module) -> type:
+    """``type(m)``, looking through the class ``fully_shard`` swaps in (``FSDP<cls>(FSDPModule, cls)``)."""
+    cls = type(m)
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and cls.__name__ == f"FSDP{bases[1].__name__}":
+        return bases[1]
+    return cls
+
+
 def _is_linear(base: nn.Module) -> bool:
     """nn.Linear (weight [out, in]) or transformers' GPT-2-style Conv1D (weight [in, out], which peft
     merges with ``fan_in_fan_out=True``); the shape check in ``LoraPlan`` ties layout to the flag."""
-    if type(base) is nn.Linear:
+    if own_type(base) is nn.Linear:
         return True
     try:
         from transformers.pytorch_utils import Conv1D
     except ImportError:  # pragma: no cover - transformers is a dependency
         return False
-    return type(base) is Conv1D
+    return own_type(base) is Conv1D
 
 
 def _peft_in(module: nn.Module) -> bool:
@@ -172,12 +190,14 @@ class LoraPlan:
 
         tuners = [(d, m) for _, d, m in mods if isinstance(m, BaseTuner)]
         if not tuners:
-            raise self._err("<root>", "a PEFT model without a tuner model (prompt learning?); only LoRA merges are exported")
+            raise self._err("<root>", "a PEFT model without a tuner model (prompt learning?); "
+                            "only LoRA merges are exported")
         if len({id(m) for _, m in tuners}) > 1:
             raise self._err(tuners[1][0] or "<root>", "more than one PEFT tuner model in one module")
         tpath, tuner = tuners[0]
         if not isinstance(tuner, LoraModel):
-            raise self._err(tpath or "<root>", f"PEFT tuner {type(tuner).__name__} is not LoRA; only LoRA merges are exported")
+            raise self._err(tpath or "<root>", f"PEFT tuner {type(tuner).__name__} is not LoRA; "
+                            "only LoRA merges are exported")
         self.hf_model: nn.Module = tuner.model
         self._hf_prefix = f"{tpath}.model" if tpath else "model"
 
@@ -218,11 +238,11 @@ class LoraPlan:
             seen.add(id(m))
             if not isinstance(m, LoraLayer):
                 raise self._err(dpath, f"PEFT layer {type(m).__name__} is not a LoRA layer")
-            if type(m) is not LoraLinear:
-                kind = type(m).__name__
-                why = {"Embedding": "LoRA on an embedding", "Conv1d": "LoRA on a convolution",
-                       "Conv2d": "LoRA on a convolution", "Conv3d": "LoRA on a convolution"}.get(kind, f"LoRA layer type {type(m).__module__}.{kind}")
-                raise self._err(dpath, f"{why} is not supported (only peft.tuners.lora.Linear over nn.Linear merges exactly)")
+            if own_type(m) is not LoraLinear:
+                kind = own_type(m).__name__
+                why = _LAYER_KINDS.get(kind, f"LoRA layer type {own_type(m).__module__}.{kind}")
+                raise self._err(dpath, f"{why} is not supported (only peft.tuners.lora.Linear over a "
+                                "linear layer merges exactly)")
             if not inside:
                 raise self._err(dpath, "LoRA layer outside the tuner's model")
             self._add_linear(raw, dpath, m, owner_paths)
@@ -263,7 +283,7 @@ class LoraPlan:
             self._transparent.add(brel)
         self._transparent.discard(brel)  # the innermost base layer itself is a real module
         if not _is_linear(base):
-            raise self._err(dpath, f"LoRA over {type(base).__name__} is not supported (only nn.Linear and "
+            raise self._err(dpath, f"LoRA over {own_type(base).__name__} is not supported (only nn.Linear and "
                             "transformers' Conv1D)")
         self._state.append((dpath, m, self._state_of(m)))
         if m.disable_adapters:
@@ -275,7 +295,10 @@ class LoraPlan:
             if a not in m.lora_A:
                 continue  # adapter does not target this layer: merge_and_unload skips it too
             if a in getattr(m, "lora_variant", {}) or m.use_dora.get(a, False):
-                what = "DoRA (use_dora=True)" if m.use_dora.get(a, False) else f"LoRA variant {type(m.lora_variant[a]).__name__}"
+                if m.use_dora.get(a, False):
+                    what = "DoRA (use_dora=True)"
+                else:
+                    what = f"LoRA variant {type(m.lora_variant[a]).__name__}"
                 raise self._err(dpath, f"adapter {a!r} uses {what}, whose merge is not W + scaling * B @ A")
             if m.lora_bias.get(a, False):
                 raise self._err(dpath, f"adapter {a!r} has lora_bias=True (a trained bias delta) -- not supported")

@@ -226,13 +226,28 @@ def world_merge(rank: int, world_size: int, *, oracle_dir: str) -> bytes:
     for layer in peft_layers(model):
         fully_shard(layer.self_attn.q_proj.lora_A["default"], mesh=mesh)
         fully_shard(layer.mlp.down_proj.lora_B["default"], mesh=mesh)
+        fully_shard(layer.self_attn.k_proj, mesh=mesh)  # the LoRA layer itself: class FSDPLinear
     shard(model, mesh, layers=peft_layers(model))
     split = FSDPSource(model)
     facts["split_units"] = {"full": to_cpu(stream(split)), "collectives": split.last_pass.collectives,
                             "units": fsdp_unit_count(model)}
 
+    # Wrappers around and inside the PEFT model: activation checkpointing per decoder layer,
+    # FSDP2, then torch.compile of the whole PeftModel.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model, _ = lora_model("qwen2-untied-mts")
+    layers = peft_layers(model)
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer)
+    shard(model, mesh, layers=layers)
+    compiled = torch.compile(model)
+    facts["wrapped_inmemory"] = [n for n, _ in compiled.named_parameters()][1]
+    facts["wrapped"] = to_cpu(stream(FSDPSource(compiled)))
+
     # A MoE model (transformers-5 fused experts, exported per expert) with LoRA on attention.
-    moe = get_peft_model(tiny_model("qwen3_moe", tied=False, seed=6), LoraConfig(r=4, target_modules=["q_proj", "o_proj"]))
+    moe_cfg = LoraConfig(r=4, target_modules=["q_proj", "o_proj"])
+    moe = get_peft_model(tiny_model("qwen3_moe", tied=False, seed=6), moe_cfg)
     with torch.no_grad():
         for name, p in moe.named_parameters():
             if "lora_B" in name:
@@ -347,8 +362,11 @@ def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     )
     for n, w in want.items():
         g = got[n]
-        assert g.dtype == w.dtype and g.shape == w.shape, f"{what}: {n} {g.dtype}{tuple(g.shape)} != {w.dtype}{tuple(w.shape)}"
-        assert torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)), f"{what}: {n} bytes differ"
+        assert g.dtype == w.dtype and g.shape == w.shape, (
+            f"{what}: {n} {g.dtype}{tuple(g.shape)} != {w.dtype}{tuple(w.shape)}"
+        )
+        same = torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8))
+        assert same, f"{what}: {n} bytes differ"
 
 
 @pytest.fixture(scope="module")
@@ -432,7 +450,7 @@ def test_disabled_adapters_export_base_weights(merged, scenario):
         assert f"rank {rank}" in f["err_state"]
 
 
-def test_lora_in_other_units_and_moe(merged):
+def test_lora_in_other_units_wrappers_and_moe(merged):
     results, d = merged
     oracle = load_oracle(os.path.join(d, "qwen3-tied-rslora"))
     moe = load_oracle(os.path.join(d, "moe"))
@@ -440,9 +458,12 @@ def test_lora_in_other_units_and_moe(merged):
     for rank, facts in results.items():
         f = facts["split_units"]
         assert_same_tensors(f["full"], oracle, f"rank {rank} A/B in other units")
-        assert f["units"] == results[rank]["qwen3-tied-rslora"]["units"] + 4
+        assert f["units"] == results[rank]["qwen3-tied-rslora"]["units"] + 6
         assert f["collectives"] > results[rank]["qwen3-tied-rslora"]["stats"]["collectives"]
         assert_same_tensors(facts["moe"], moe, f"rank {rank} MoE + LoRA")
+        wrapped = load_oracle(os.path.join(d, "qwen2-untied-mts"))
+        assert "_orig_mod." in facts["wrapped_inmemory"] and "_checkpoint_wrapped_module" in facts["wrapped_inmemory"]
+        assert_same_tensors(facts["wrapped"], wrapped, f"rank {rank} AC + FSDP2 + torch.compile")
 
 
 def test_bf16_parameters_merge_in_fp32_and_round_once(merged):
