@@ -37,8 +37,9 @@ Invariants (each is tested multi-rank in ``tests/test_fsdp.py``):
   adapters' ``lora_A``/``lora_B`` (same FSDP unit, hence the same batched gather, in the usual
   layout; a separate one otherwise). A merged base and its A/B travel in their own dtype, are merged
   on every rank that holds them in full (``lora.merge_lora``: fp32 or wider) and only then cast to the
-  wire dtype; metadata lists base names and shapes only. Without PEFT, items are the entries and
-  the pass runs exactly the code it always ran.
+  wire dtype; metadata lists base names and shapes only, so the first pass's cross-rank agreement
+  also covers every gathered item (ranks with other adapters raise instead of posting mismatched
+  gathers). Without PEFT, items are the entries and the pass runs exactly the code it always ran.
 """
 
 from __future__ import annotations
@@ -328,9 +329,25 @@ class FSDPSource(WeightSource):
             self.lora.check_state()  # before any collective
         meta = self.metadata  # raises UnmappedParameterError etc. before any collective
         if self.agree and not self._agreed:
-            verify_metadata_agreement(meta, timeout_s=self.timeout_s, what="FSDPSource metadata")
+            verify_metadata_agreement(
+                self._agreement_metas(meta), timeout_s=self.timeout_s, what="FSDPSource metadata"
+            )
             self._agreed = True
         return stats
+
+    def _agreement_metas(self, meta: list[ParamMeta]) -> list[ParamMeta]:
+        """What ranks must agree on before the first gather: the metadata, and for a PEFT model
+        every gathered item as it travels (LoRA A/B, merged bases in their own dtype) -- ranks
+        with other adapters (rank, targets, active/disabled state) would otherwise post gathers of
+        different sizes under identical metadata."""
+        if self.lora is None:
+            return meta
+        tensors = self._resolve()
+        items = [
+            ParamMeta(f"[gathered] {key}", wd, tuple(t.shape))
+            for key, t, wd in zip(self._item_keys, tensors, self._wire_dtypes)
+        ]
+        return meta + items
 
     # ---- passes -------------------------------------------------------------------------------
 

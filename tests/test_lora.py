@@ -317,6 +317,16 @@ def world_bad(rank: int, world_size: int) -> bytes:
         with no_collectives():  # raised before any collective: nothing to hang on
             out[key] = errors_of(FSDPSource, model)
     dist.barrier()
+    # Ranks whose adapters differ (rank 4 here, 8 there) hold identical metadata (base names and
+    # shapes); the first pass must still refuse before any gather, on both ranks, naming a LoRA input.
+    cfg = LoraConfig(r=4 if rank == 0 else 8, target_modules=["q_proj"])
+    model = get_peft_model(tiny_model("qwen2", tied=False, seed=7), cfg)
+    shard(model, mesh, layers=peft_layers(model))
+    src = FSDPSource(model)
+    out["diverging_meta_equal_local"] = [m.name for m in src.metadata]
+    out["diverging"] = errors_of(src.iter_full)
+    out["diverging_collectives"] = src.last_pass.collectives
+    dist.barrier()
     return pack(out)
 
 
@@ -495,6 +505,11 @@ def test_unsupported_adapters_raise_on_every_rank():
         "tied_lm_head": ("lm_head", "tied weight"),
     }
     for rank, errs in out.items():
+        # different adapters per rank: identical metadata, but the first pass raises on both ranks
+        assert errs["diverging_meta_equal_local"] == out[0]["diverging_meta_equal_local"]
+        assert errs["diverging"].startswith("CrossRankMismatchError"), errs["diverging"]
+        assert "lora_A" in errs["diverging"], errs["diverging"]
+        assert errs["diverging_collectives"] == 0
         for key, words in want.items():
             msg = errs[key]
             assert msg is not None and msg.startswith("UnsupportedAdapterError"), (rank, key, msg)
