@@ -30,33 +30,10 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
 
+from _timing import copy_floor, sync  # noqa: E402
 from facts import Facts, log  # noqa: E402
 
 GOAL_VS_MODULE = 1.10
-
-
-def _sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _copy_baseline(nbytes: int, device: str, reps: int) -> list[float]:
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(reps + 2):
-        _sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    del src, dst
-    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,10 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             for rep in range(warmup + reps):
                 order = names[rep % len(names):] + names[: rep % len(names)]
                 for name in order:
-                    _sync(device)
+                    sync(device)
                     t0 = time.perf_counter()
                     engines[name].send_weights()
-                    _sync(device)
+                    sync(device)
                     if rep >= warmup:
                         times[name].append(time.perf_counter() - t0)
             for name, eng in engines.items():
@@ -157,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         stats = getattr(sources["FSDPSource(fsdp2)"], "last_pass", None)
         if stats is not None and hasattr(stats, "as_dict"):
             facts.number("FSDPSource last_pass", stats.as_dict())
-        ct = _copy_baseline(nbytes, device, reps)
+        ct = copy_floor(nbytes, device=device, reps=reps)
         facts.number("d2d copy of the same bytes best_ms", round(min(ct) * 1e3, 3))
         facts.number("d2d copy of the same bytes median_ms", round(statistics.median(ct) * 1e3, 3))
         for key, r in results.items():

@@ -22,16 +22,10 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
 
+from _timing import copy_floor, timed  # noqa: E402
 from facts import Facts, log  # noqa: E402
 
 GOAL_VS_COPY = 2.0
-
-
-def _sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,19 +60,18 @@ def main(argv: list[str] | None = None) -> int:
         log(f"[bench_megatron] built in {time.perf_counter() - t0:.1f}s: {describe(model)}")
         src = MegatronSource(model, hf_config=cfg)
         declared = sum(m.dtype.itemsize * _numel(m.shape) for m in src.metadata)
-        times: list[float] = []
-        nbytes = ntensors = 0
-        for rep in range(warmup + reps):
-            nbytes = ntensors = 0
-            _sync(device)
-            t0 = time.perf_counter()
+        counted = {"tensors": 0, "bytes": 0}
+
+        def export() -> None:
+            n = b = 0
             for _name, t in src.iter_full():
-                nbytes += t.numel() * t.element_size()
-                ntensors += 1
+                b += t.numel() * t.element_size()
+                n += 1
                 del t
-            _sync(device)
-            if rep >= warmup:
-                times.append(time.perf_counter() - t0)
+            counted.update(tensors=n, bytes=b)
+
+        times = timed(export, device=device, reps=reps, warmup=warmup)
+        ntensors, nbytes = counted["tensors"], counted["bytes"]
         facts.check("export yields every declared parameter and byte",
                     ntensors == len(src.metadata) and nbytes == declared,
                     f"{ntensors}/{len(src.metadata)} tensors, {nbytes}/{declared} bytes")
@@ -92,28 +85,16 @@ def main(argv: list[str] | None = None) -> int:
         from vllm.distributed.weight_transfer.base import ModuleSource
 
         plain = ModuleSource(model)
-        mt: list[float] = []
-        for rep in range(warmup + reps):
-            _sync(device)
-            t0 = time.perf_counter()
+
+        def walk() -> None:
             for _name, t in plain.iter_full():
                 del t
-            _sync(device)
-            if rep >= warmup:
-                mt.append(time.perf_counter() - t0)
+
+        mt = timed(walk, device=device, reps=reps, warmup=warmup)
         facts.number("ModuleSource(GPTModel) tensors", len(plain.metadata))
         facts.number("ModuleSource(GPTModel) best_ms", round(min(mt) * 1e3, 3))
         facts.number("ratio export/ModuleSource(GPTModel) best", round(min(times) / min(mt), 3))
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(buf)
-        ct: list[float] = []
-        for rep in range(warmup + reps):
-            _sync(device)
-            t0 = time.perf_counter()
-            dst.copy_(buf)
-            _sync(device)
-            if rep >= warmup:
-                ct.append(time.perf_counter() - t0)
+        ct = copy_floor(nbytes, device=device, reps=reps, warmup=warmup)
         best, med = min(times), statistics.median(times)
         cbest, cmed = min(ct), statistics.median(ct)
         facts.number("export best_ms", round(best * 1e3, 3))
