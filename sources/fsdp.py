@@ -62,7 +62,7 @@ from .fsdp_gather import (
 )
 from .fsdp_plan import dtensor_layout, fsdp_units, is_dtensor, is_member, plan_steps
 from .logs import current_rank, get_logger
-from .lora import LoraMerge, LoraPlan, merge_lora
+from .lora import LoraMerge, LoraPlan, UnsupportedAdapterError, merge_lora
 from .naming import CheckpointEntry, TensorTransform, checkpoint_entries
 from .stats import PassStats
 from .wire import WirePolicy
@@ -189,8 +189,6 @@ class FSDPSource(WeightSource):
             if m is None:
                 continue
             if e.transform is not None:
-                from .lora import UnsupportedAdapterError
-
                 raise UnsupportedAdapterError(
                     f"rank {self.rank}: PEFT module {m.module!r}: LoRA on a tensor that also needs a "
                     f"transform ({e.name}) is not supported"

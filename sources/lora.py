@@ -25,7 +25,8 @@ collective, so every rank decides the same):
   ``disable_adapter_layers()``) export what the model then computes: the base weights and the
   original ``modules_to_save`` modules. (``merge_and_unload()`` merges even when adapters are
   disabled; we follow the forward pass instead, since vLLM must serve what the trainer computes.)
-  **No active adapter** on a layer exports its base weight.
+  **No active adapter** on a layer exports its base weight. An adapter already merged
+  (``merge_adapter()``) is in the stored base weight and goes out as such, disabled or not.
 * **Adapter state is fixed per source**: which tensors are gathered depends on it, and every rank
   must gather the same ones. The active adapters and the disabled flags seen at construction are
   re-checked at the start of every pass; a change raises ``AdapterStateError`` before any collective
