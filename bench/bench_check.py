@@ -20,16 +20,16 @@ fraction of the baseline pass ("computed"), next to the measured ratio.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from worlds import run_world  # noqa: E402
 
 
 def _model(args):
@@ -48,13 +48,7 @@ def _model(args):
     return AutoModelForCausalLM.from_config(cfg)
 
 
-def _worker(rank, world, port, args, queue):
-    os.environ.update(OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=600),
-    )
+def _worker(rank, world, args):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -105,9 +99,8 @@ def _worker(rank, world, port, args, queue):
         Board(next_tag("bench")).exchange("1", ranks=range(world), what="bench", timeout_s=60)
     per_exchange = (time.perf_counter() - t0) / reps
     dist.barrier()
-    queue.put((rank, {k: (statistics.median(v), min(v)) for k, v in times.items()}, len(pairs),
-               sum(t.numel() * t.element_size() for _, t in pairs), per_pass_stream, per_exchange))
-    dist.destroy_process_group()
+    return ({k: (statistics.median(v), min(v)) for k, v in times.items()}, len(pairs),
+            sum(t.numel() * t.element_size() for _, t in pairs), per_pass_stream, per_exchange)
 
 
 def main() -> None:
@@ -118,17 +111,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--world", type=int, default=2)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, queue)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    results = dict((r, rest) for r, *rest in (queue.get(timeout=1800) for _ in procs))
-    for p in procs:
-        p.join(timeout=60)
+    results = run_world(_worker, args.world, timeout=1800, pg_timeout_s=600, args=args)
     medians, n_tensors, nbytes, stream_s, exchange_s = results[0]
     base, base_min = medians["unchecked"]
     print(f"model: llama hidden={args.hidden} layers={args.layers} vocab={args.vocab}; "

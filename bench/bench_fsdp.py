@@ -20,17 +20,17 @@ Models:
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from worlds import run_world  # noqa: E402
 
 
 class _CountCollectives(TorchDispatchMode):
@@ -90,13 +90,7 @@ def _counted_pass(source) -> int:
     return counter.n
 
 
-def _worker(rank, world, port, args, queue):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=600),
-    )
+def _worker(rank, world, args):
     from torch.distributed.device_mesh import init_device_mesh
     from vllm.distributed.weight_transfer import ModuleSource
 
@@ -128,9 +122,8 @@ def _worker(rank, world, port, args, queue):
             "collectives": colls,
         }
     if rank == 0:
-        queue.put(results)
-    dist.barrier()
-    dist.destroy_process_group()
+        return results
+    return None
 
 
 def main() -> None:
@@ -141,21 +134,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--world", type=int, default=2)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, queue)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    try:
-        results = queue.get(timeout=1800)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    results = run_world(_worker, args.world, timeout=1800, pg_timeout_s=600, args=args)[0]
     print(f"iter_full pass, {args.world} ranks gloo (CPU), median of {args.reps} (rank 0)")
     print(f"{'model':<12} {'params':>6} {'units':>5} | {'source':<12} {'s/pass':>8} {'ms/param':>8} {'colls':>6}")
     for label, r in results.items():
