@@ -17,9 +17,7 @@ cast after the merge -- the exactness price (see ``sources/lora.py``); plus the 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
 import sys
 import time
@@ -27,7 +25,9 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from worlds import run_world  # noqa: E402
 
 
 def _base(args) -> torch.nn.Module:
@@ -69,14 +69,8 @@ def _timed_pass(source) -> float:
     return time.perf_counter() - t0
 
 
-def _worker(rank, world, port, args, queue):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+def _worker(rank, world, args):
     warnings.filterwarnings("ignore")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=600),
-    )
     from torch.distributed.device_mesh import init_device_mesh
 
     from weightsync.sources import FSDPSource
@@ -102,10 +96,7 @@ def _worker(rank, world, port, args, queue):
         "names_equal": [m.name for m in sources["base"].metadata] == [m.name for m in sources["lora"].metadata],
         "lora_params": sum(p.numel() for n, p in lora.named_parameters() if "lora_" in n),
     }
-    if rank == 0:
-        queue.put(out)
-    dist.barrier()
-    dist.destroy_process_group()
+    return out
 
 
 def main() -> None:
@@ -117,21 +108,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--world", type=int, default=2)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, queue)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    try:
-        r = queue.get(timeout=1800)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    r = run_world(_worker, args.world, timeout=1800, pg_timeout_s=600, args=args)[0]
     print(
         f"FSDPSource iter_full, bf16 wire, {args.world} ranks gloo (CPU), median of {args.reps} (rank 0); "
         f"Qwen3 hidden {args.hidden} x {args.layers} layers, LoRA r={args.rank} on 7 projections "

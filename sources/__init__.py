@@ -25,6 +25,8 @@ from .errors import (
     SilentTransportError,
     SyncTimeoutError,
     UnmappedParameterError,
+    UnsupportedAdapterError,
+    AdapterStateError,
     WeightSyncError,
 )
 
@@ -49,6 +51,8 @@ __all__ = [
     "PeerFailedError",
     "IntegrityError",
     "PreflightError",
+    "UnsupportedAdapterError",
+    "AdapterStateError",
 ]
 
 

@@ -17,6 +17,8 @@ __all__ = [
     "PeerFailedError",
     "IntegrityError",
     "PreflightError",
+    "UnsupportedAdapterError",
+    "AdapterStateError",
 ]
 
 
@@ -57,3 +59,12 @@ class IntegrityError(WeightSyncError):
 class PreflightError(WeightSyncError, ValueError):
     """The engine cannot work as configured (no CUDA for IPC, a rank that does not own every
     parameter, a world size that cannot match the inference side)."""
+
+
+class UnsupportedAdapterError(WeightSyncError, ValueError):
+    """A PEFT model holds an adapter whose merged weights weightsync cannot compute exactly (DoRA,
+    LoRA on embeddings, other tuners...): raised at construction, naming the module."""
+
+
+class AdapterStateError(WeightSyncError, ValueError):
+    """The adapter state (active adapters, disabled flags) changed after the source was built."""

@@ -153,6 +153,11 @@ class FSDPSource(WeightSource):
     # ---- metadata (no collective) -------------------------------------------------------------
 
     @property
+    def checks_stream(self) -> bool:
+        """Every pass checks its own stream against ``metadata`` (``CheckedSource`` relies on it)."""
+        return self.check
+
+    @property
     def rank(self) -> int:
         return current_rank() if self._rank is None else self._rank
 

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .errors import WeightSyncError
+from .errors import AdapterStateError, UnsupportedAdapterError
 from .logs import current_rank, get_logger
 
 __all__ = [
@@ -71,14 +71,6 @@ __all__ = [
 ]
 
 logger = get_logger(__name__)
-
-
-class UnsupportedAdapterError(WeightSyncError, ValueError):
-    """A PEFT model holds an adapter whose merged weights this exporter cannot compute exactly."""
-
-
-class AdapterStateError(WeightSyncError, ValueError):
-    """The adapter state (active adapters, disabled flags) changed after the source was built."""
 
 
 @dataclass(frozen=True)
