@@ -37,7 +37,4 @@ def copy_floor(nbytes: int, *, device: str, reps: int, warmup: int = 2) -> list[
 
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    try:
-        return timed(lambda: dst.copy_(src), device=device, reps=reps, warmup=warmup)
-    finally:
-        del src, dst
+    return timed(lambda: dst.copy_(src), device=device, reps=reps, warmup=warmup)

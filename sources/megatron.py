@@ -500,7 +500,6 @@ class MegatronSource(WeightSource):
 
     def _local_pass(self) -> Iterator[tuple[str, torch.Tensor]]:
         stats = self.last_pass = PassStats().start()
-        rank = self._topo.rank
         try:
             self._start()
             if not self._topo.in_sender_replica:

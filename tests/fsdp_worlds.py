@@ -390,11 +390,32 @@ def world_hsdp(rank: int, world_size: int, *, oracle_dir: str) -> dict:
     return pack(facts)
 
 
-class _Untouchable:
+class Untouchable:
     """A client whose every method fails: a non-sender engine must never call it."""
 
     def __getattr__(self, name):
         raise AssertionError(f"non-sender rank called client.{name}")
+
+
+
+def drive_vllm_nccl(src: Any, rank: int, facts: dict) -> None:
+    """2 ranks through vLLM's NCCL trainer engine: rank 0 runs the sender's own metadata check
+    (``_checked_iter``) over ``src`` into ``facts["nccl_sender"]``; rank 1 is a real non-sender
+    engine that drains ``iter_full()`` itself (its tensors and collectives into ``facts``)."""
+    from vllm.distributed.weight_transfer.nccl_engine import (
+        NCCLTrainerInitInfo,
+        NCCLTrainerWeightTransferEngine,
+    )
+
+    if rank == 0:
+        facts["nccl_sender"] = to_cpu(NCCLTrainerWeightTransferEngine._checked_iter(src, src.metadata))
+        return
+    info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=1, world_size=2, rank=rank)
+    engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=Untouchable(), source=src)
+    facts["nccl_is_sender"] = engine.is_sender
+    engine.send_weights()
+    facts["nccl_nonsender_tensors"] = src.last_pass.tensors
+    facts["nccl_nonsender_collectives"] = src.last_pass.collectives
 
 
 def world_wrappers(rank: int, world_size: int, *, oracle_dir: str) -> dict:
@@ -405,10 +426,6 @@ def world_wrappers(rank: int, world_size: int, *, oracle_dir: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     from vllm.distributed.weight_transfer import ModuleSource
-    from vllm.distributed.weight_transfer.nccl_engine import (
-        NCCLTrainerInitInfo,
-        NCCLTrainerWeightTransferEngine,
-    )
 
     from weightsync.sources import FSDPSource
 
@@ -475,16 +492,7 @@ def world_wrappers(rank: int, world_size: int, *, oracle_dir: str) -> dict:
         save_oracle(model, os.path.join(oracle_dir, "nccl"), torch.bfloat16)
     shard(model, mesh)
     src = FSDPSource(model, dtype=torch.bfloat16)
-    if rank == 0:
-        pairs = NCCLTrainerWeightTransferEngine._checked_iter(src, src.metadata)
-        facts["nccl_sender"] = to_cpu(pairs)
-    else:
-        info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=1, world_size=2, rank=rank)
-        engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=_Untouchable(), source=src)
-        facts["nccl_is_sender"] = engine.is_sender
-        engine.send_weights()
-        facts["nccl_nonsender_tensors"] = src.last_pass.tensors
-        facts["nccl_nonsender_collectives"] = src.last_pass.collectives
+    drive_vllm_nccl(src, rank, facts)
 
     # 6) MoE by default: transformers-5 fused experts go out per expert, as save_pretrained
     #    writes them, with no option passed.
@@ -560,7 +568,7 @@ def world_loopback(rank: int, world_size: int, *, oracle_dir: str, port: int, ur
     info = LoopbackTrainerInitInfo("127.0.0.1", port, 2, rank=rank, timeout_s=60)
     from weightsync.plugins.loopback_server import ReceiverClient
 
-    client = ReceiverClient(url) if rank == 0 else _Untouchable()
+    client = ReceiverClient(url) if rank == 0 else Untouchable()
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     engine.send_weights()
     facts = {

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_worlds import (
+    Untouchable,
+    drive_vllm_nccl,
     count_pass,
     errors_of,
     fsdp_unit_count,
@@ -138,11 +140,6 @@ def save_merged(model: torch.nn.Module, directory: str, dtype: torch.dtype | Non
     merged.save_pretrained(directory)
 
 
-class _Untouchable:
-    def __getattr__(self, name):
-        raise AssertionError(f"non-sender rank called client.{name}")
-
-
 # ---- worlds -------------------------------------------------------------------------------------
 
 
@@ -150,10 +147,6 @@ def world_merge(rank: int, world_size: int, *, oracle_dir: str) -> bytes:
     _quiet()
     from peft import LoraConfig, get_peft_model
     from torch.distributed.device_mesh import init_device_mesh
-    from vllm.distributed.weight_transfer.nccl_engine import (
-        NCCLTrainerInitInfo,
-        NCCLTrainerWeightTransferEngine,
-    )
 
     from weightsync.sources import FSDPSource
 
@@ -283,14 +276,7 @@ def world_merge(rank: int, world_size: int, *, oracle_dir: str) -> bytes:
     model, _ = lora_model("qwen3-tied-rslora")
     shard(model, mesh, layers=peft_layers(model))
     src = FSDPSource(model, dtype=torch.bfloat16)
-    if rank == 0:
-        facts["nccl_sender"] = to_cpu(NCCLTrainerWeightTransferEngine._checked_iter(src, src.metadata))
-    else:
-        info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=1, world_size=2, rank=rank)
-        engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=_Untouchable(), source=src)
-        facts["nccl_is_sender"] = engine.is_sender
-        engine.send_weights()
-        facts["nccl_nonsender_tensors"] = src.last_pass.tensors
+    drive_vllm_nccl(src, rank, facts)
     dist.barrier()
     return pack(facts)
 
@@ -351,7 +337,7 @@ def world_loopback(rank: int, world_size: int, *, port: int, url: str) -> bytes:
     shard(model, init_device_mesh("cpu", (world_size,)), layers=peft_layers(model))
     source = FSDPSource(model)
     info = LoopbackTrainerInitInfo("127.0.0.1", port, 2, rank=rank, timeout_s=60)
-    client = ReceiverClient(url) if rank == 0 else _Untouchable()
+    client = ReceiverClient(url) if rank == 0 else Untouchable()
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     engine.send_weights()
     facts: dict[str, Any] = {"tensors": source.last_pass.tensors, "names": [m.name for m in source.metadata]}

@@ -11,7 +11,6 @@ CPU). One world per scenario; each returns facts asserted here.
 
 from __future__ import annotations
 
-import tempfile
 
 import pytest
 import torch
