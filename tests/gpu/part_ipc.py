@@ -7,6 +7,8 @@ built by ``WeightTransferTrainerFactory.trainer_init`` drives ``send_weights()``
 Receiver (spawned process): vLLM's ``IPCWeightTransferEngine`` loading into a transformers model of
 the same config (``receiver.py``). ``--source module`` runs vLLM's own ``ModuleSource`` on the plain
 model through the same harness: the control that tells a harness failure from a source failure.
+``--source lora`` wraps the FSDP2 trainer's model in PEFT LoRA (every linear, non-zero B): the plain
+transformers receiver can only match the trainer's logits through ``FSDPSource``'s merged weights.
 
 Checked, packed and unpacked, each over two refits (the second after the trainer's weights changed):
 * exported names/shapes equal what transformers' ``save_pretrained`` writes for the config;
@@ -39,8 +41,10 @@ FP32_CROSS_IMPL_REL = 2e-4
 #: bf16 logits of the same transformers model (FSDP2 forward vs plain forward, or two processes).
 BF16_SAME_IMPL_REL = 1e-2
 #: The Megatron trainer runs in fp32 so that its logits can be compared tightly with the
-#: receiver's transformers forward; the transformers trainers run in bf16 (the usual wire dtype).
-DTYPES = {"module": "bfloat16", "fsdp": "bfloat16", "megatron": "float32"}
+#: receiver's transformers forward; so does the LoRA trainer, whose unmerged forward (base and
+#: adapter paths rounded separately) differs from a merged one by 2-5% in bf16. The transformers
+#: trainers run in bf16 (the usual wire dtype).
+DTYPES = {"module": "bfloat16", "fsdp": "bfloat16", "lora": "float32", "megatron": "float32"}
 
 
 def _init_dist(device: str) -> None:
@@ -67,7 +71,7 @@ def _build_trainer(kind: str, cfg, device: str, dtype, facts: Facts):
     from hf_side import build_hf, fixed_batch, hf_logits
 
     ids = fixed_batch(cfg.vocab_size, device=device)
-    if kind in ("fsdp", "module"):
+    if kind in ("fsdp", "module", "lora"):
         model = build_hf(cfg, device=device, dtype=dtype, seed=11)
         if kind == "module":
             from vllm.distributed.weight_transfer import ModuleSource
@@ -78,9 +82,25 @@ def _build_trainer(kind: str, cfg, device: str, dtype, facts: Facts):
 
         from weightsync.sources import FSDPSource
 
+        layers = model.model.layers
+        if kind == "lora":
+            # PEFT LoRA on every linear projection, B initialized non-zero so the merge is visible;
+            # the receiver is a plain transformers model: it can only match through merged weights.
+            from peft import LoraConfig, get_peft_model
+
+            torch.manual_seed(5)
+            lcfg = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+            model = get_peft_model(model, lcfg)
+            layers = model.base_model.model.model.layers
+            log(f"[ipc] lora trainer: {sum(1 for n, _ in model.named_parameters() if 'lora_' in n)} adapter tensors")
+            with model.disable_adapter():
+                base_only = hf_logits(model, ids)
+            c = _cmp(hf_logits(model, ids), base_only)
+            facts.check("lora: the adapters move the logits far beyond the tolerance (an unmerged export "
+                        "would fail the logits checks)", c["rel_err"] > 100 * FP32_CROSS_IMPL_REL, c)
         plain_logits = hf_logits(model, ids)
         mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (1,))
-        for layer in model.model.layers:
+        for layer in layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         sharded = sum(1 for p in model.parameters() if type(p).__name__ == "DTensor")
@@ -131,8 +151,9 @@ def run_source(kind: str, family: str, device: str, mode: str, client, facts: Fa
     facts.check(f"{kind}: metadata shapes == save_pretrained shapes", not bad_shapes, bad_shapes or len(meta))
     wire = {str(m.dtype) for m in src.metadata}
     facts.check(f"{kind}: wire dtype is the model's {DTYPES[kind]}", wire == {str(dtype)}, wire)
-    cross_impl = kind == "megatron"
+    cross_impl = kind in ("megatron", "lora")
     tol = FP32_CROSS_IMPL_REL if cross_impl else BF16_SAME_IMPL_REL
+    ref_name = {"megatron": "Megatron fwd", "lora": "PEFT unmerged fwd"}.get(kind, "same model")
 
     for packed in (False, True):
         tag = f"{kind}/{'packed' if packed else 'unpacked'}"
@@ -162,7 +183,7 @@ def run_source(kind: str, family: str, device: str, mode: str, client, facts: Fa
                 c = _cmp(client.call("logits", ids), ref)
                 facts.check(
                     f"{tag} refit {refit}: receiver logits == trainer logits "
-                    f"({'Megatron fwd' if cross_impl else 'same model'}, rel<= {tol})",
+                    f"({ref_name}, rel<= {tol})",
                     c["shape_equal"] and c["finite"] and c["rel_err"] <= tol, c,
                 )
         finally:
@@ -178,7 +199,7 @@ def _first_diff(got, want) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--source", default="module,fsdp,megatron", help="comma list: module,fsdp,megatron")
+    ap.add_argument("--source", default="module,fsdp,megatron", help="comma list: module,fsdp,lora,megatron")
     ap.add_argument("--family", default="qwen3")
     ap.add_argument("--dry-run", action="store_true", help="CPU: gloo + loopback transport")
     ap.add_argument("--json", default=None)
