@@ -137,6 +137,12 @@ def run_source(kind: str, family: str, device: str, mode: str, client, facts: Fa
     from hf_side import checkpoint_layout, digest, fixed_batch, tiny_config
     from receiver import trainer_engine
 
+    if kind == "lora":
+        try:
+            import peft  # noqa: F401
+        except ImportError as e:
+            facts.skip("lora", f"peft is not importable here ({e}): run bash .ci/kit-extras before shipping .kit")
+            return
     cfg = tiny_config(family)
     ids = fixed_batch(cfg.vocab_size, device="cpu")
     dtype = getattr(torch, DTYPES[kind])
