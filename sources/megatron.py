@@ -10,7 +10,10 @@ Invariants:
   model-parallel replica send their TP shards, cast to the wire dtype first, point-to-point to
   rank 0 and yield nothing, so **no non-sender ever materializes a full tensor**; ranks of other
   data-parallel / context-parallel replicas return at once. Rank 0 splits each shard (QKV per query
-  group, GLU per shard, vocabulary trimmed) and concatenates the pieces.
+  group, GLU per shard, vocabulary trimmed) and concatenates the pieces. Units rank 0 holds whole
+  (all of its stage at tp=1, replicated norms at any tp) skip all of that: a loop planned at
+  construction (``sources/megatron_local.py``) exports them, because such an export is bound by
+  host work per tensor, not by bytes.
 * ``mode="local"`` (vLLM's ``nccl_m2n`` engine): each TP rank of the sender's replica yields its own
   piece of each HF tensor, no communication. After the local split a TP shard is a plain
   ``torch.chunk`` piece (``Shard(0)`` for q/k/v/gate/up/embedding, ``Shard(1)`` for o/down), owners
