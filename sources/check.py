@@ -315,10 +315,10 @@ class CheckedSource(WeightSource):
             if multi and self.agree and not self._agreed:
                 verify_metadata_agreement(metadata, timeout_s=self.timeout_s, board=board)
                 self._agreed = True
-            expected = self._expected()
-            shapes = [local_shape(m, self.rank) for m in expected] if local else None
             stream = make_iter()
             if not getattr(self.source, "checks_stream", False):
+                expected = self._expected()
+                shapes = [local_shape(m, self.rank) for m in expected] if local else None
                 stream = check_stream(stream, expected, rank=self.rank, what=what, local_shapes=shapes)
             for name, tensor in stream:
                 if self.checksums:
