@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from worlds import errors_of  # noqa: F401  (re-exported: the FSDP and LoRA worlds import it from here)
+
 # ---- tiny transformers models -----------------------------------------------------------------
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -253,16 +255,6 @@ class FusedExperts(torch.nn.Module):
         super().__init__()
         self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * intermediate, hidden))
         self.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, intermediate))
-
-
-def errors_of(fn, *a, **k) -> str | None:
-    try:
-        r = fn(*a, **k)
-        if hasattr(r, "__next__"):
-            list(r)
-    except Exception as e:  # noqa: BLE001 - reported to the parent
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def pack(facts: Any) -> bytes:

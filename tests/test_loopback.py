@@ -16,7 +16,7 @@ import hashlib
 import pytest
 import torch
 
-from worlds import free_port, run_world
+from worlds import errors_of, free_port, run_world
 
 from weightsync.plugins.loopback_server import ReceiverClient, start_receiver_process
 from weightsync.plugins.presets import build_model, load_config
@@ -78,14 +78,6 @@ def _engine(cls_or_factory, rank, port, client, source, **kw):
 
     info = LoopbackTrainerInitInfo("127.0.0.1", port, 2, rank=rank, timeout_s=60, **kw)
     return cls_or_factory.trainer_init(info, client=client, source=source)
-
-
-def _catch(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 # --- world: good syncs, driven by our client and by vLLM's HTTP client ---------------------------
@@ -277,23 +269,23 @@ def _bad_world(rank: int, world_size: int, url: str, ports: list[int]) -> dict:
     facts: dict = {}
     # 1. unknown name: receiver rejects at the handshake, before any byte is broadcast.
     eng = _engine(Engine, rank, ports[0], client, _renamed_source(source, "model.norm.weight", "model.nrm.weight"))
-    facts["unknown"] = _catch(lambda: eng.send_weights(weight_version="bad1"))
+    facts["unknown"] = errors_of(lambda: eng.send_weights(weight_version="bad1"))
     facts["unknown_bytes"] = eng.last_send.bytes if rank == 0 else None
     facts["unknown_collectives"] = eng.last_send.collectives if rank == 0 else None
     # 2. missing name: everything sent, finish refuses and lists what is missing.
     eng = _engine(Engine, rank, ports[1], client, _dropping_source(source, "model.layers.0.self_attn.q_norm.weight"))
-    facts["missing"] = _catch(lambda: eng.send_weights(weight_version="bad2"))
+    facts["missing"] = errors_of(lambda: eng.send_weights(weight_version="bad2"))
     # 3. a byte flipped on the wire: the receiver's checksum names the parameter.
     eng = _engine(Corrupting, rank, ports[2], client, source)
-    facts["corrupt"] = _catch(lambda: eng.send_weights(weight_version="bad3"))
+    facts["corrupt"] = errors_of(lambda: eng.send_weights(weight_version="bad3"))
     # 4. same corruption without checksums goes unnoticed by the transport (why checksums exist).
     eng = _engine(Corrupting, rank, ports[3], client, source, checksums=False)
-    facts["corrupt_unchecked"] = _catch(lambda: eng.send_weights(weight_version="unchecked"))
+    facts["corrupt_unchecked"] = errors_of(lambda: eng.send_weights(weight_version="unchecked"))
     # 5. owners not starting at rank 0: rejected in trainer_init on every rank, no RPC.
-    facts["late_owner"] = _catch(lambda: _engine(Engine, rank, ports[4], client, _late_owner_source(source)))
+    facts["late_owner"] = errors_of(lambda: _engine(Engine, rank, ports[4], client, _late_owner_source(source)))
     # 6. a good sync still works after all that (fresh engine, receiver re-initialized).
     eng = _engine(Engine, rank, ports[5], client, source)
-    facts["good"] = _catch(lambda: eng.send_weights(weight_version="good"))
+    facts["good"] = errors_of(lambda: eng.send_weights(weight_version="good"))
     return facts
 
 
@@ -304,7 +296,7 @@ def test_bad_input_and_corruption_raise_on_every_rank():
         res = run_world(_bad_world, 2, timeout=300, url=handle.url, ports=ports)
         calls = client.calls()
         state = client.state()
-        bad_pause = _catch(lambda: client.pause(mode="sideways"))
+        bad_pause = errors_of(lambda: client.pause(mode="sideways"))
         client.pause(mode="keep")
         paused = client.is_paused()
         client.resume()
@@ -348,8 +340,8 @@ def _recover_world(rank: int, world_size: int, url: str, port: int) -> dict:
 
     model = _fsdp_model(PRESET, world_size)
     eng = _engine(Engine, rank, port, ReceiverClient(url), _source(model), packed=False)
-    facts = {"first": _catch(lambda: eng.send_weights(weight_version="v1"))}
-    facts["second"] = _catch(lambda: eng.send_weights(weight_version="v2"))  # same engine
+    facts = {"first": errors_of(lambda: eng.send_weights(weight_version="v1"))}
+    facts["second"] = errors_of(lambda: eng.send_weights(weight_version="v2"))  # same engine
     facts["trainer"] = _full_state(model)
     return facts
 

@@ -13,6 +13,7 @@ import tempfile
 import pytest
 import torch
 from fsdp_worlds import unpack
+from worlds import errors_of
 from worlds import run_world as _run_world
 
 pytestmark = pytest.mark.slow
@@ -124,12 +125,9 @@ def _expect(ck, hf, layer, spec_names, *, shared=False, gate=False, bias=False):
     return out
 
 
-def _check(res, ckpt, family, moe_layers, *, experts, **kw):
-    from weightsync.sources.moe_families import HFMoENames
-
-    ck = _oracle(ckpt)
-    r0 = res[0]
-    names = HFMoENames(_hf_config(family, **kw["hf"]))
+def _expected_moe(ck, names, moe_layers) -> dict[str, torch.Tensor]:
+    """Every MoE tensor of ``moe_layers`` cut from Megatron's own full checkpoint ``ck`` under the
+    HF names (``HFMoENames``: transformers' reversal) -- no MegatronSource involved."""
     want: dict[str, torch.Tensor] = {}
     for lay in moe_layers:
         L = names.layer(lay)
@@ -137,6 +135,16 @@ def _check(res, ckpt, family, moe_layers, *, experts, **kw):
                     shared=L.shared and [n for n, _ in L.shared], sgate=L.shared_gate and L.shared_gate[0])
         want.update(_expect(ck, None, lay, spec, shared=L.shared is not None, gate=L.shared_gate is not None,
                             bias=L.router_bias is not None))
+    return want
+
+
+def _check(res, ckpt, family, moe_layers, *, experts, **kw):
+    from weightsync.sources.moe_families import HFMoENames
+
+    ck = _oracle(ckpt)
+    r0 = res[0]
+    names = HFMoENames(_hf_config(family, **kw["hf"]))
+    want = _expected_moe(ck, names, moe_layers)
     # per_expert: exactly megatron's tensors under HF names, in declared order, contiguous.
     got = r0["per_expert"]
     assert sorted(got) == sorted(want)
@@ -251,14 +259,6 @@ def test_per_expert_never_materializes_a_layer(monkeypatch):
 # ---- MegatronSource on MoE models (the exporter wired in): one world per scenario ------------------
 
 
-def _catch(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
 def _source_world(rank, world_size, *, ckpt, family, tp=1, pp=1, ep=1, etp=None, layers=2, experts=4,
                   hidden=16, moe_ffn=12, shared=None, shared_gate=False, dense_first=0):
     """Sharded MegatronSource (per_expert and fused) + its errors, then the same weights resharded to
@@ -295,10 +295,10 @@ def _source_world(rank, world_size, *, ckpt, family, tp=1, pp=1, ep=1, etp=None,
     fused_src = MegatronSource(model, hf_config=hf, expert_layout="fused", expert_batch_bytes=1)
     fused = {n: t.clone() for n, t in fused_src.iter_full()}
     facts["fused_meta"] = [(m.name, tuple(m.shape)) for m in fused_src.metadata]
-    facts["local"] = _catch(lambda: MegatronSource(model, hf_config=hf, mode="local"))
+    facts["local"] = errors_of(lambda: MegatronSource(model, hf_config=hf, mode="local"))
     mla = _hf_config("deepseek_v3", layers=layers, experts=experts, hidden=hidden, moe_ffn=moe_ffn,
                      shared=moe_ffn, dense_first=dense_first)
-    facts["mla"] = _catch(lambda: MegatronSource(model, hf_config=mla))
+    facts["mla"] = errors_of(lambda: MegatronSource(model, hf_config=mla))
     facts["unchanged"] = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     dist.barrier()
     # Megatron's own resharding: the same checkpoint loaded at TP1/PP1/EP1 on every rank.
@@ -354,13 +354,7 @@ def _check_source(res, ckpt, tmp, family, moe_layers, **kw):
     # MoE tensors == megatron's dist_checkpointing full tensors cut under HF names (no MegatronSource)
     ck = _oracle(ckpt)
     names = HFMoENames(hf)
-    want = {}
-    for lay in moe_layers:
-        L = names.layer(lay)
-        spec = dict(router=L.router[0], bias=L.router_bias and L.router_bias[0], expert=L.experts.expert_name,
-                    shared=L.shared and [n for n, _ in L.shared], sgate=L.shared_gate and L.shared_gate[0])
-        want.update(_expect(ck, None, lay, spec, shared=L.shared is not None, gate=L.shared_gate is not None,
-                            bias=L.router_bias is not None))
+    want = _expected_moe(ck, names, moe_layers)
     assert len(want) > 0 and all(n in got for n in want)
     for n, t in want.items():
         assert got[n].dtype == t.dtype and torch.equal(got[n], t), n

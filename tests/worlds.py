@@ -125,3 +125,15 @@ def run_world(
             lines.append(f"--- rank {r} ---\n{text}")
         raise WorldError("\n".join(lines), outcomes)
     return {r: v for r, (s, v) in outcomes.items()}
+
+
+def errors_of(fn, *a, **k) -> str | None:
+    """``"Type: message"`` of what ``fn(*a, **k)`` raises (draining it if it returns an iterator),
+    else None: how a rank reports an expected error as a fact instead of dying."""
+    try:
+        r = fn(*a, **k)
+        if hasattr(r, "__next__"):
+            list(r)
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        return f"{type(e).__name__}: {e}"
+    return None
