@@ -27,6 +27,7 @@ from .errors import (
     UnmappedParameterError,
     UnsupportedAdapterError,
     AdapterStateError,
+    CheckpointError,
     WeightSyncError,
 )
 
@@ -53,6 +54,7 @@ __all__ = [
     "PreflightError",
     "UnsupportedAdapterError",
     "AdapterStateError",
+    "CheckpointError",
 ]
 
 

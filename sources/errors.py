@@ -19,6 +19,7 @@ __all__ = [
     "PreflightError",
     "UnsupportedAdapterError",
     "AdapterStateError",
+    "CheckpointError",
 ]
 
 
@@ -68,3 +69,9 @@ class UnsupportedAdapterError(WeightSyncError, ValueError):
 
 class AdapterStateError(WeightSyncError, ValueError):
     """The adapter state (active adapters, disabled flags) changed after the source was built."""
+
+
+class CheckpointError(WeightSyncError, ValueError):
+    """A checkpoint folder cannot be read or written as asked (a missing or empty path, a truncated
+    shard, a header that disagrees with the index, an unsupported dtype, a target that exists): the
+    message names the file, the tensor and the rank."""
