@@ -5,6 +5,7 @@ lockstep on every rank, and checks its own stream against its metadata on every 
 
 * ``FSDPSource``      -- plain / FSDP2 / HSDP / FSDP+TP ``torch.nn.Module`` (transformers models).
 * ``MegatronSource``  -- megatron-core ``GPTModel`` under TP / PP / VPP / EP / ETP.
+* ``SafetensorsSource`` -- a safetensors checkpoint folder (single file or indexed shards).
 * ``checked``         -- wrap any ``WeightSource`` with the per-rank stream check.
 
 Heavy optional imports (megatron-core) happen only when the class is first used.
@@ -34,11 +35,13 @@ from .errors import (
 _LAZY = {
     "FSDPSource": ".fsdp",
     "MegatronSource": ".megatron",
+    "SafetensorsSource": ".safetensors_source",
 }
 
 __all__ = [
     "FSDPSource",
     "MegatronSource",
+    "SafetensorsSource",
     "CheckedSource",
     "checked",
     "check_stream",
