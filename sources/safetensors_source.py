@@ -36,10 +36,14 @@ Invariants:
   the source, in the same order relative to other weightsync sources. The ranks' ``dtype``
   arguments are exchanged too: ranks that disagree all raise, naming the ranks.
 * **Lazy, one tensor at a time.** ``iter_full`` on rank 0 opens each shard with safetensors'
-  ``safe_open`` (memory-mapped), copies out one tensor, casts it to the wire dtype and moves it to
-  ``device``, yields it and holds no reference to it afterwards. A shard whose size, mtime or inode
-  changed since construction raises ``CheckpointError`` before its first tensor is read (the
-  metadata the receiver sized its buffers from would no longer describe it).
+  ``safe_open`` and takes one tensor at a time: safetensors (0.8) hands out a CPU tensor backed by
+  a private, copy-on-write mapping of the file, so a page is read from disk only when something
+  touches it -- the cast to the wire dtype, the copy to ``device``, or (CPU, no cast) the consumer.
+  The source holds no reference to a tensor after yielding it. A CPU tensor yielded without a cast
+  is that mapping: writing to it never reaches the file, but truncating the file while the tensor
+  is alive makes reading it fault (as with any memory-mapped loader). A shard whose size, mtime or
+  inode changed since construction raises ``CheckpointError`` before its first tensor is taken
+  (the metadata the receiver sized its buffers from would no longer describe it).
 * ``dtype`` follows ``wire.WirePolicy`` exactly as ``FSDPSource``: floating tensors are cast to it
   except MoE routers / gates / score-correction biases (``DEFAULT_KEEP_FP32``); integer and bool
   tensors keep their own dtype. Leave it ``None`` for quantized (FP8) checkpoints.
