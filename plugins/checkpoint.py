@@ -1,0 +1,336 @@
+"""``save_safetensors``: a Hugging Face checkpoint folder straight from any ``WeightSource``.
+
+Called collectively on every rank with the same source (``FSDPSource``, ``MegatronSource``, a
+``checked()`` one, vLLM's ``ModuleSource``); it drives ``iter_full()`` exactly once and the *writer*
+-- the lowest rank that owns every tensor (rank 0 for FSDP2 and ``MegatronSource(mode="full")``) --
+streams each tensor into its planned place as it arrives. What it guarantees:
+
+* **Same files as ``save_pretrained``.** File names, the split, headers, data order and the index are
+  planned from ``metadata`` before any byte moves (``checkpoint_plan``), byte-identical to transformers
+  5 for the same tensors; ``config.json`` and ``generation_config.json`` are written with transformers'
+  own ``save_pretrained`` of a copy of the config (``dtype`` = the first floating wire dtype,
+  ``architectures`` = the model class), as ``save_pretrained`` does.
+* **Bounded memory.** The writer holds the plan's headers plus at most one tensor's host copy (none
+  for a contiguous CPU tensor: its bytes go from the tensor to the file), never a shard, never the
+  model; ``SaveReport.peak_extra_bytes`` is that figure, tracked. What the source itself holds during
+  its pass (an FSDP unit's gather) is the source's, as for any sync.
+* **Checked stream.** The source runs under ``checked()`` (cross-rank metadata agreement, the stream
+  against metadata on every rank, the end-of-pass count exchange), and the writer compares every
+  tensor with the plan (name, dtype, shape, order, byte count) before writing it.
+* **All or nothing, on every rank.** Bytes go to a staging folder next to ``path`` (same filesystem)
+  with disk space reserved up front; only after every rank reported success does the writer rename it
+  into place (``checkpoint_files``). Any failure on any rank -- a source raising mid-stream, a full
+  disk, a peer that never arrives -- removes the staging folder, leaves ``path`` as it was, and raises
+  ``CheckpointError`` (chained to the cause) on every rank. Every wait is bounded by the source's
+  ``timeout_s`` (default 300 s; pass ``checked(source, timeout_s=...)`` to change it) and hears a
+  peer's failure at once through a ``groups.Board``.
+* **Target rules.** ``path`` existing and non-empty raises on every rank before any collective byte
+  moves unless ``overwrite=True`` (then the old folder stays intact until the new one replaces it).
+
+The three control exchanges (target ready, all ranks done, committed) run on the default process
+group's store, a few hundred bytes each.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+from weightsync.sources.check import DEFAULT_TIMEOUT_S, checked, verify_metadata_agreement
+from weightsync.sources.errors import CheckpointError
+from weightsync.sources.groups import Board, active_board, group_ranks, next_tag
+from weightsync.sources.logs import get_logger
+from weightsync.sources.naming import hf_root
+
+from .checkpoint_files import StagedFolder
+from .checkpoint_plan import INDEX_FILE, CheckpointPlan, model_class, plan_checkpoint, transformers_save_layout
+
+__all__ = ["save_safetensors", "SaveReport", "DEFAULT_MAX_SHARD_BYTES"]
+
+logger = get_logger(__name__)
+
+#: 5 GB as transformers parses "5GB" (the issue's default; ``save_pretrained``'s own is "50GB").
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+
+
+@dataclass
+class SaveReport:
+    """What ``save_safetensors`` wrote; the same on every rank except ``seconds`` (this rank's own).
+
+    ``files``: every file in the folder (shards, index, configs). ``total_size``: tensor bytes, as the
+    index's ``metadata.total_size``. ``peak_extra_bytes``: the writer's most bytes held at once beyond
+    what the source yielded (headers + one tensor's host copy). ``order``: where the shard order came
+    from (``"transformers"``: a meta instance of the model; ``"metadata"``: the source's order).
+    """
+
+    path: str
+    files: list[str]
+    num_tensors: int
+    total_size: int
+    seconds: float
+    peak_extra_bytes: int
+    writer: int
+    num_shards: int
+    largest_shard_bytes: int
+    max_shard_bytes: int
+    order: str
+    overwrote: bool = False
+    config_written: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _hf_model(source: WeightSource) -> nn.Module | None:
+    """The transformers model behind ``source`` (through ``checked()``, ``torch.compile``/activation
+    checkpointing/DDP wrappers and PEFT), or None. ``FSDPSource`` and vLLM's ``ModuleSource`` keep it
+    as ``_module``; other sources may expose ``model``."""
+    inner = source
+    while isinstance(inner.__dict__.get("source"), WeightSource):  # checked() and similar wrappers
+        inner = inner.__dict__["source"]
+    for attr in ("model", "_module"):
+        try:
+            model = getattr(inner, attr, None)
+        except Exception:  # noqa: BLE001 - a property that cannot answer: no model
+            model = None
+        if isinstance(model, nn.Module):
+            break
+    else:
+        return None
+    model = hf_root(model)
+    base = getattr(model, "get_base_model", None)  # PEFT: the transformers model inside the tuner
+    if callable(base):
+        model = hf_root(base())
+    return model if model_class(model) is not None else None
+
+
+def _default_config(source: WeightSource, model: nn.Module | None) -> Any:
+    cfg = getattr(source, "hf_config", None)
+    if cfg is None and model is not None:
+        cfg = getattr(model, "config", None)
+    return cfg
+
+
+def _validate_args(max_shard_bytes: Any, metadata: Any, rank: int) -> dict[str, str]:
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+        raise CheckpointError(f"rank {rank}: max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    user = dict(metadata or {})
+    for k, v in user.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise CheckpointError(
+                f"rank {rank}: safetensors metadata must map str to str; entry {k!r}: {v!r} "
+                f"({type(k).__name__} -> {type(v).__name__})"
+            )
+    if user.get("format", "pt") != "pt":
+        raise CheckpointError(
+            f"rank {rank}: metadata['format'] is {user['format']!r}; transformers loads only 'pt' "
+            "checkpoints of torch tensors"
+        )
+    user.pop("format", None)
+    return user
+
+
+def _writer(metadata: list[ParamMeta], world: int, rank: int) -> int:
+    """The lowest rank that owns every tensor (``owners=None``: every rank)."""
+    common = set(range(world))
+    for m in metadata:
+        if m.owners is not None:
+            common &= set(m.owners)
+            if not common:
+                raise CheckpointError(
+                    f"rank {rank}: no rank owns every tensor (e.g. {m.name!r} is owned by ranks "
+                    f"{list(m.owners)}); save_safetensors needs one rank whose iter_full yields the "
+                    "whole model (MegatronSource(mode='full'), FSDPSource)"
+                )
+    return min(common)
+
+
+def _model_dtype(metadata: list[ParamMeta]) -> torch.dtype | None:
+    """``save_pretrained``'s ``config.dtype``: its model's first floating-point parameter's dtype."""
+    return next((m.dtype for m in metadata if m.dtype.is_floating_point), None)
+
+
+def save_safetensors(
+    source: WeightSource,
+    path: str | os.PathLike,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    metadata: dict[str, str] | None = None,
+    config: Any = None,
+    overwrite: bool = False,
+) -> SaveReport:
+    """Write ``source``'s tensors as a Hugging Face safetensors checkpoint folder at ``path``.
+
+    Collective: call it on every rank of the default process group, with the same arguments (see
+    the module docstring for what is guaranteed).
+
+    Args:
+        source: any ``WeightSource`` implementing ``iter_full``; one rank must own every tensor.
+        path: the checkpoint folder to create (its parent is created if needed).
+        max_shard_bytes: shard size limit, split as ``save_pretrained(max_shard_size=...)`` splits.
+        metadata: extra safetensors ``__metadata__`` entries (str -> str) for every shard, after
+            ``"format": "pt"``.
+        config: a transformers ``PretrainedConfig`` to write as ``config.json`` (default: the
+            source's ``hf_config`` or its model's ``config`` when present; None writes no config).
+        overwrite: replace an existing non-empty folder at ``path`` (atomically, at the end).
+
+    Returns the ``SaveReport`` on every rank. Raises ``CheckpointError`` on every rank on any failure.
+    """
+    t0 = time.perf_counter()
+    path = os.path.abspath(os.fspath(path))
+    multi = _distributed() and dist.get_world_size() > 1
+    rank = dist.get_rank() if _distributed() else 0
+    world = dist.get_world_size() if _distributed() else 1
+    timeout_s = float(getattr(source, "timeout_s", DEFAULT_TIMEOUT_S))
+    board = Board(next_tag("checkpoint")) if multi else None
+    ranks = group_ranks(None) if multi else (0,)
+    staged: StagedFolder | None = None
+    writer = -1
+    try:
+        user = _validate_args(max_shard_bytes, metadata, rank)
+        stream_source = checked(source, timeout_s=timeout_s)
+        meta = list(stream_source.metadata)
+        if multi:
+            verify_metadata_agreement(meta, timeout_s=timeout_s, board=board, what="metadata (save_safetensors)")
+        writer = _writer(meta, world, rank)
+        model = _hf_model(source)
+        cfg = config if config is not None else _default_config(source, model)
+        layout = transformers_save_layout(model_class(model) if model is not None else None, cfg)
+        plan = plan_checkpoint(meta, max_shard_bytes=max_shard_bytes, user_metadata=user, layout=layout, rank=rank)
+        existed = os.path.isdir(path) and bool(os.listdir(path)) if rank == writer else False
+        if rank == writer:
+            staged = StagedFolder(path, plan, overwrite=overwrite, rank=rank)
+        if multi:
+            board.exchange(
+                "ready", ranks=ranks, timeout_s=timeout_s,
+                what=f"the checkpoint target check (writer rank {writer}, {path})",
+            )
+        peak = _stream(stream_source, plan, staged, rank)
+        files = [f.name for f in plan.files]
+        if staged is not None:
+            files += _write_metadata_files(staged, plan, cfg, model, meta)
+        if multi:
+            board.exchange("done", ranks=ranks, timeout_s=timeout_s, what=f"the checkpoint completion check ({path})")
+        if staged is not None:
+            staged.commit()
+            staged = None
+            logger.info("checkpoint %s: %d tensors, %d bytes in %d file(s)", path, len(plan.tensors), plan.total_size, len(plan.files))
+        verdict = f"{peak}|{int(existed)}|{'|'.join(files)}"
+        if multi:
+            verdict = board.exchange(
+                verdict if rank == writer else "", ranks=ranks, timeout_s=timeout_s,
+                what=f"the commit of {path} by writer rank {writer}",
+            )[writer]
+    except BaseException as e:
+        if staged is not None:
+            staged.discard()
+        if board is not None and not isinstance(e, KeyboardInterrupt):
+            board.fail(f"rank {rank}: {type(e).__name__}: {e}")
+        if isinstance(e, (CheckpointError, KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(
+            f"rank {rank}: checkpoint {path} was not written (nothing left there; writer rank "
+            f"{writer if writer >= 0 else '?'}): {type(e).__name__}: {e}"
+        ) from e
+    peak_s, existed_s, *files = verdict.split("|")
+    return SaveReport(
+        path=path,
+        files=files,
+        num_tensors=len(plan.tensors),
+        total_size=plan.total_size,
+        seconds=time.perf_counter() - t0,
+        peak_extra_bytes=int(peak_s),
+        writer=writer,
+        num_shards=len(plan.files),
+        largest_shard_bytes=plan.largest_file_bytes,
+        max_shard_bytes=max_shard_bytes,
+        order=plan.order,
+        overwrote=bool(int(existed_s)),
+        config_written="config.json" in files,
+    )
+
+
+def _stream(source: WeightSource, plan: CheckpointPlan, staged: StagedFolder | None, rank: int) -> int:
+    """Drive one ``iter_full`` pass; the writer (``staged`` set) checks each tensor against the plan
+    and writes it. Returns the writer's peak extra bytes (headers + the largest host copy)."""
+    expected = plan.tensors
+    headers = sum(len(f.header) for f in plan.files)
+    peak = headers if staged is not None else 0
+    i = 0
+    stream = source.iter_full()
+    for name, tensor in stream:
+        if staged is not None:
+            try:
+                if i >= len(expected):
+                    raise CheckpointError(
+                        f"rank {rank}: the source yielded {name!r} after the {len(expected)} planned tensors"
+                    )
+                e = expected[i]
+                if name != e.name or tensor.dtype != e.dtype or tuple(tensor.shape) != e.shape:
+                    raise CheckpointError(
+                        f"rank {rank}: tensor {i} of the stream is {name!r} {tensor.dtype} "
+                        f"{tuple(tensor.shape)}, the plan expects {e.name!r} {e.dtype} {e.shape} "
+                        f"(file {plan.files[e.file].name})"
+                    )
+                peak = max(peak, headers + staged.write(e, tensor))
+            except BaseException as err:
+                # The peers are inside the source's collectives: tell them why before stopping the
+                # pass (closing it posts only "the consumer stopped").
+                board = active_board()
+                if board is not None:
+                    board.fail(f"rank {rank}: the checkpoint writer stopped: {type(err).__name__}: {err}")
+                stream.close()
+                raise
+        i += 1
+        del tensor
+    if staged is not None and i != len(expected):
+        raise CheckpointError(
+            f"rank {rank}: the source yielded {i} tensors, the plan has {len(expected)}; first "
+            f"missing {expected[i].name!r} ({plan.files[expected[i].file].name})"
+        )
+    return peak
+
+
+def _write_metadata_files(
+    staged: StagedFolder, plan: CheckpointPlan, cfg: Any, model: nn.Module | None, meta: list[ParamMeta]
+) -> list[str]:
+    """The index (sharded checkpoints) and, with a transformers config, ``config.json`` plus
+    ``generation_config.json`` as ``save_pretrained`` writes them. Returns the file names."""
+    files: list[str] = []
+    if plan.index is not None:
+        staged.write_text(INDEX_FILE, plan.index_json())
+        files.append(INDEX_FILE)
+    if cfg is None or not hasattr(cfg, "save_pretrained"):
+        return files
+    cfg = copy.deepcopy(cfg)  # the caller's config is never modified
+    dtype = _model_dtype(meta)
+    if dtype is not None:
+        cfg.dtype = str(dtype).split(".")[1]
+    cls = model_class(model) if model is not None else None
+    arch = cls.__name__ if cls is not None else (plan.layout.architecture if plan.layout else None)
+    if arch is not None:
+        cfg.architectures = [arch]
+    staged.save_with(cfg, "config.json")
+    files.append("config.json")
+    gen = None
+    if model is not None and model.can_generate():
+        gen = getattr(model, "generation_config", None)
+    elif plan.layout is not None:
+        gen = plan.layout.generation_config
+    if gen is not None:
+        staged.save_with(copy.deepcopy(gen), "generation_config.json")
+        files.append("generation_config.json")
+    return files
