@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .demo import _fmt_bytes, _shard
+from .cli_build import build_source
+from .demo import _fmt_bytes
 from .presets import build_model, load_config
 
 __all__ = ["run_check", "checkpoint_index", "fold_experts"]
@@ -100,30 +101,16 @@ def _owners(m: Any, world: int) -> str:
 
 def _fsdp_source(args: argparse.Namespace, config: Any, dtype: torch.dtype | None, rank: int):
     """The model sharded with FSDP2 over every rank and its ``FSDPSource``; the oracle on rank 0."""
-    from weightsync.sources import FSDPSource
-
     model = build_model(config, seed=0)
     oracle = checkpoint_index(model) if rank == 0 else None
-    model = _shard(model)
-    return (lambda: FSDPSource(model, dtype=dtype, expert_layout=args.expert_layout)), oracle
+    return (lambda: build_source(args, config, dtype, hf_model=model)), oracle
 
 
 def _megatron_source(args: argparse.Namespace, config: Any, dtype: torch.dtype | None, rank: int):
     """This rank's megatron-core ``GPTModel`` chunk(s) for the config and their ``MegatronSource``
     (``mode="full"``: rank 0 sends); the oracle (``save_pretrained`` of the HF model) on rank 0."""
-    from weightsync.sources import MegatronSource
-
-    from .megatron_build import MegatronParallel, build_megatron_gpt
-
     oracle = checkpoint_index(build_model(config, seed=0)) if rank == 0 else None
-    par = MegatronParallel(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
-    chunks = build_megatron_gpt(config, par, seed=0)
-    model = chunks if args.vpp else chunks[0]
-    return (
-        lambda: MegatronSource(
-            model, hf_config=config, dtype=dtype, mode="full", expert_layout=args.expert_layout
-        )
-    ), oracle
+    return (lambda: build_source(args, config, dtype)), oracle
 
 
 def run_check(args: argparse.Namespace) -> int:
