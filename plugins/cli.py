@@ -5,6 +5,8 @@
   layout (``--layout fsdp``: FSDP2 over ``--nproc`` ranks, ``FSDPSource``; ``--layout megatron``:
   a megatron-core ``GPTModel`` at ``--tp/--pp/--vpp/--ep``, ``MegatronSource``), verify metadata vs
   stream vs the checkpoint ``save_pretrained`` writes, print what would be sent.
+* ``weightsync export`` -- the same model and source on CPU ranks, written as a Hugging Face
+  safetensors checkpoint folder by ``weightsync.plugins.checkpoint.save_safetensors`` (``--out``).
 
 Asked for N > 1 ranks and not already under ``torchrun``, a command re-runs itself under
 ``python -m torch.distributed.run --standalone --nproc-per-node N``. The ranks report their
@@ -78,27 +80,50 @@ def _parser() -> argparse.ArgumentParser:
         "shapes and bytes with what transformers' save_pretrained writes for the same config, and "
         "print what would be sent. Exit 0 if everything matches, 1 if not, 2 for usage errors.",
     )
-    c.add_argument("--model", default=None, help=f"preset: {presets} (default tiny-qwen3)")
-    c.add_argument("--config", help="a transformers config.json (file or directory) instead of --model")
-    c.add_argument("--layout", choices=("fsdp", "megatron"), default="fsdp")
-    c.add_argument(
+    _source_args(c, presets)
+    c.add_argument("--show", type=int, default=0, help="also list the first N tensors")
+
+    e = sub.add_parser(
+        "export",
+        help="write a Hugging Face safetensors checkpoint from a model built as check builds it",
+        description="Build the model from a transformers config on CPU ranks in the given layout "
+        "(random weights, seed 0, as check does) and write it with save_safetensors: shards and "
+        "index named and split as save_pretrained does, config.json, written by one rank into a "
+        "staging folder renamed into place at the end. Exit 0 when the folder is in place, 1 if the "
+        "export failed (nothing left at --out), 2 for usage errors.",
+    )
+    _source_args(e, presets)
+    e.add_argument("--out", required=True, metavar="PATH", help="the checkpoint folder to write")
+    e.add_argument(
+        "--max-shard-size", default="5GB",
+        help="shard size limit: bytes, or digits + KB/MB/GB (powers of 10, as transformers parses "
+        "max_shard_size; default 5GB)",
+    )
+    e.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder (at the end, atomically)")
+    return p
+
+
+def _source_args(p: argparse.ArgumentParser, presets: str) -> None:
+    """The model + layout options ``check`` and ``export`` share (``cli_build.build_source``)."""
+    p.add_argument("--model", default=None, help=f"preset: {presets} (default tiny-qwen3)")
+    p.add_argument("--config", help="a transformers config.json (file or directory) instead of --model")
+    p.add_argument("--layout", choices=("fsdp", "megatron"), default="fsdp")
+    p.add_argument(
         "--nproc", type=int, default=None,
         help="ranks (default: 1 for fsdp; tp*pp*ep for megatron, which needs a multiple of it)",
     )
-    c.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
-    c.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
-    c.add_argument("--vpp", type=int, default=None, help="Megatron virtual pipeline size")
-    c.add_argument("--ep", type=int, default=1, help="Megatron expert parallel size")
-    c.add_argument(
+    p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
+    p.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
+    p.add_argument("--vpp", type=int, default=None, help="Megatron virtual pipeline size")
+    p.add_argument("--ep", type=int, default=1, help="Megatron expert parallel size")
+    p.add_argument(
         "--expert-layout", choices=("per_expert", "fused"), default=None,
         help="MoE routed experts on the wire: per_expert (what save_pretrained writes; the default) "
         "or fused (vLLM 0.33's experts.gate_up_proj / down_proj)",
     )
-    c.add_argument("--dtype", default=None, help="wire dtype, e.g. bfloat16 (default: the model's)")
-    c.add_argument("--hidden", type=int, help="override hidden size")
-    c.add_argument("--layers", type=int, help="override number of layers")
-    c.add_argument("--show", type=int, default=0, help="also list the first N tensors")
-    return p
+    p.add_argument("--dtype", default=None, help="wire dtype, e.g. bfloat16 (default: the model's)")
+    p.add_argument("--hidden", type=int, help="override hidden size")
+    p.add_argument("--layers", type=int, help="override number of layers")
 
 
 def _usage(message: str) -> int:
@@ -153,7 +178,7 @@ def _validate(args: argparse.Namespace) -> Any:
 
     if args.config and args.model:
         raise UserError("pass --model or --config, not both")
-    if args.command == "check" and args.nproc is None:
+    if args.command in ("check", "export") and args.nproc is None:
         args.nproc = args.tp * args.pp * args.ep if args.layout == "megatron" else 1
     nproc = getattr(args, "nproc", 1)
     if nproc < 1 or nproc > 64:
@@ -166,8 +191,12 @@ def _validate(args: argparse.Namespace) -> Any:
 
         if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
             raise UserError(f"--dtype {args.dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
-    if args.command == "check" and args.layout == "megatron":
+    if args.command in ("check", "export") and args.layout == "megatron":
         _validate_megatron(args, config)
+    if args.command == "export":
+        from .cli_export import validate_export
+
+        validate_export(args)
     return config
 
 
@@ -254,6 +283,10 @@ def _run(args: argparse.Namespace) -> int:
                     print(f"weightsync demo: FAIL: {type(e).__name__}: {e}", file=sys.stderr)
                 return EXIT_FAIL
             return EXIT_OK if res.ok else EXIT_FAIL
+        if args.command == "export":
+            from .cli_export import run_export
+
+            return run_export(args)
         from .cli_check import run_check
 
         return run_check(args)
