@@ -4,7 +4,8 @@
 * ``weightsync check`` -- dry-run one pass of a source on CPU for a transformers config and a
   layout (``--layout fsdp``: FSDP2 over ``--nproc`` ranks, ``FSDPSource``; ``--layout megatron``:
   a megatron-core ``GPTModel`` at ``--tp/--pp/--vpp/--ep``, ``MegatronSource``), verify metadata vs
-  stream vs the checkpoint ``save_pretrained`` writes, print what would be sent.
+  stream vs the checkpoint ``save_pretrained`` writes (or, with ``--checkpoint PATH``, a checkpoint
+  folder, bytes included), print what would be sent.
 * ``weightsync export`` -- the same model and source on CPU ranks, written as a Hugging Face
   safetensors checkpoint folder by ``weightsync.plugins.checkpoint.save_safetensors`` (``--out``).
 
@@ -82,6 +83,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     _source_args(c, presets)
     c.add_argument("--show", type=int, default=0, help="also list the first N tensors")
+    c.add_argument(
+        "--checkpoint", metavar="PATH", default=None,
+        help="compare this safetensors checkpoint folder (instead of save_pretrained) with what the "
+        "source would send: names, dtypes, shapes and bytes, listing the first differences; the config "
+        "defaults to PATH/config.json. Bytes match only for weights built as check builds them "
+        "(seed 0), e.g. a folder written by save_pretrained or weightsync export of such a model",
+    )
 
     e = sub.add_parser(
         "export",
@@ -185,6 +193,7 @@ def _validate(args: argparse.Namespace) -> Any:
         raise UserError(f"--nproc must be between 1 and 64, got {nproc}")
     if getattr(args, "steps", 1) < 1:
         raise UserError(f"--steps must be >= 1, got {args.steps}")
+    checkpoint_config(args)
     config = load_config(args.model, args.config, hidden=args.hidden, layers=args.layers)
     if getattr(args, "dtype", None):
         import torch
@@ -198,6 +207,25 @@ def _validate(args: argparse.Namespace) -> Any:
 
         validate_export(args)
     return config
+
+
+def checkpoint_config(args: argparse.Namespace) -> None:
+    """``check --checkpoint PATH``: PATH must be a folder; without ``--model``/``--config`` the
+    config is PATH/config.json (sets ``args.config``). Raises ``UserError``; idempotent."""
+    from .presets import UserError
+
+    path = getattr(args, "checkpoint", None)
+    if path is None:
+        return
+    if not os.path.isdir(path):
+        raise UserError(f"--checkpoint {path}: no such folder")
+    if not args.model and not args.config:
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise UserError(
+                f"--checkpoint {path}: no config.json in it; pass --model or --config to say which "
+                "model the folder should hold"
+            )
+        args.config = path
 
 
 def _validate_megatron(args: argparse.Namespace, config: Any) -> None:

@@ -10,6 +10,13 @@ Three things must agree for a pass to be PASS:
    ``fold_experts``);
 3. every rank's verdict (gathered, so a failure on any rank fails the check everywhere).
 
+``--checkpoint PATH`` replaces the oracle of 2. with a checkpoint folder (``SafetensorsSource``'s
+reader: headers only, validated) and adds bytes: rank 0 compares every tensor it yields with the
+folder's tensor of that name (``safe_open``, read lazily), and a failure lists the first
+differences (missing, extra, dtype, shape, bytes) in metadata order. Only rank 0 opens PATH. Bytes
+can only match for the weights check builds (``build_model(config, seed=0)``, or the Megatron model
+built from the same seed); names, dtypes and shapes match for any checkpoint of the config.
+
 Layouts: ``fsdp`` (the HF model, FSDP2 over every rank, ``FSDPSource``) and ``megatron`` (a
 megatron-core ``GPTModel`` built on CPU from the same config by ``megatron_build``, ``MegatronSource``
 in ``mode="full"``: rank 0 is the only owner).
@@ -38,17 +45,13 @@ from .presets import build_model, load_config
 
 __all__ = ["run_check", "checkpoint_index", "fold_experts"]
 
-_ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-
 
 def checkpoint_index(model: torch.nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """``{name: (dtype, shape)}`` of the safetensors checkpoint ``model.save_pretrained`` writes."""
     from safetensors import safe_open
     from transformers.utils import logging as hf_logging
+
+    from weightsync.sources.safetensors_source import SAFETENSORS_DTYPES
 
     hf_logging.disable_progress_bar()
 
@@ -59,7 +62,7 @@ def checkpoint_index(model: torch.nn.Module) -> dict[str, tuple[torch.dtype, tup
             with safe_open(file, "pt") as f:
                 for k in f.keys():
                     s = f.get_slice(k)
-                    out[k] = (_ST_DTYPES.get(s.get_dtype(), torch.uint8), tuple(s.get_shape()))
+                    out[k] = (SAFETENSORS_DTYPES.get(s.get_dtype(), torch.uint8), tuple(s.get_shape()))
     return out
 
 
@@ -102,14 +105,15 @@ def _owners(m: Any, world: int) -> str:
 def _fsdp_source(args: argparse.Namespace, config: Any, dtype: torch.dtype | None, rank: int):
     """The model sharded with FSDP2 over every rank and its ``FSDPSource``; the oracle on rank 0."""
     model = build_model(config, seed=0)
-    oracle = checkpoint_index(model) if rank == 0 else None
+    oracle = checkpoint_index(model) if rank == 0 and not getattr(args, "checkpoint", None) else None
     return (lambda: build_source(args, config, dtype, hf_model=model)), oracle
 
 
 def _megatron_source(args: argparse.Namespace, config: Any, dtype: torch.dtype | None, rank: int):
     """This rank's megatron-core ``GPTModel`` chunk(s) for the config and their ``MegatronSource``
     (``mode="full"``: rank 0 sends); the oracle (``save_pretrained`` of the HF model) on rank 0."""
-    oracle = checkpoint_index(build_model(config, seed=0)) if rank == 0 else None
+    want_oracle = rank == 0 and not getattr(args, "checkpoint", None)
+    oracle = checkpoint_index(build_model(config, seed=0)) if want_oracle else None
     return (lambda: build_source(args, config, dtype)), oracle
 
 
@@ -118,7 +122,11 @@ def run_check(args: argparse.Namespace) -> int:
 
     from weightsync.sources.check import check_stream
 
+    from .cli import checkpoint_config
+
     rank, world = dist.get_rank(), dist.get_world_size()
+    args.checkpoint = getattr(args, "checkpoint", None)
+    checkpoint_config(args)
     config = load_config(args.model, args.config, hidden=args.hidden, layers=args.layers)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     build = _megatron_source if args.layout == "megatron" else _fsdp_source
@@ -131,6 +139,7 @@ def run_check(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - reported as the verdict
         meta, source = [], None
         problems.append(f"rank {rank}: metadata failed: {type(e).__name__}: {e}")
+    folder = _Folder.open(args.checkpoint, problems) if args.checkpoint and rank == 0 else None
     mine = [m for m in meta if m.owners is None or rank in m.owners]
     seen = 0
     if source is not None:
@@ -139,21 +148,30 @@ def run_check(args: argparse.Namespace) -> int:
             disable=rank != 0 or len(mine) < 64 or not sys.stderr.isatty(), leave=False,
         )
         try:
-            for _name, _t in check_stream(source.iter_full(), mine, rank=rank, what="iter_full"):
+            for name, t in check_stream(source.iter_full(), mine, rank=rank, what="iter_full"):
                 seen += 1
+                if folder is not None:
+                    folder.compare(name, t)
                 bar.update()
         except Exception as e:  # noqa: BLE001 - reported as the verdict
             problems.append(f"rank {rank}: pass failed: {type(e).__name__}: {e}")
         finally:
             bar.close()
+            if folder is not None:
+                folder.close()
     verdicts: list[Any] = [None] * world
     dist.all_gather_object(verdicts, (rank, seen, len(mine), problems))
     code = None
     if rank == 0:
         oracle = oracle or {}
-        if getattr(args, "expert_layout", None) == "fused":
+        if args.checkpoint:
+            oracle = folder.index if folder is not None else {}
+        elif getattr(args, "expert_layout", None) == "fused":
             oracle = fold_experts(oracle)
-        code = _report(args, config, dtype, meta, oracle, verdicts, world, source)
+        code = _report(
+            args, config, dtype, meta, oracle, verdicts, world, source,
+            checkpoint=args.checkpoint, content=folder.bytes_differ if folder is not None else None,
+        )
     box = [code]
     dist.broadcast_object_list(box, src=0)
     return int(box[0])
@@ -168,7 +186,13 @@ def _report(
     verdicts: list[Any],
     world: int,
     source: Any,
+    *,
+    checkpoint: str | None = None,
+    content: tuple[int, dict[str, str]] | None = None,
 ) -> int:
+    """Print the table and the verdict; 0 pass, 1 fail. ``oracle`` is save_pretrained's index, or
+    with ``checkpoint`` that folder's (dtypes then always compared), and ``content`` is rank 0's
+    byte comparison with it: (tensors compared, {name: how its bytes differ})."""
     what = args.config or (args.model or "tiny-qwen3")
     print(
         f"weightsync check: {what} ({config.model_type}, {config.num_hidden_layers} layers), "
@@ -202,31 +226,126 @@ def _report(
         if m.name in oracle and tuple(m.shape) != oracle[m.name][1]
     ]
     dtype_diff = []
-    if dtype is None:
+    if dtype is None or checkpoint:
         dtype_diff = [
             f"{m.name}: sent {m.dtype}, checkpoint {oracle[m.name][0]}"
             for m in meta
             if m.name in oracle and m.dtype != oracle[m.name][0]
         ]
     ckpt_bytes = sum(d.itemsize * _numel(s) for d, s in oracle.values())
-    print(
-        f"  checkpoint (save_pretrained of the same config{_fused_note(args)}): {len(oracle)} tensors, "
-        f"{_fmt_bytes(ckpt_bytes)}"
-    )
-    print(f"  unmapped: checkpoint tensors not sent: {_some(not_sent)}")
-    print(f"  unmapped: sent names not in the checkpoint: {_some(not_in_ckpt)}")
-    for label, items in (("shape", shape_diff), ("dtype", dtype_diff)):
-        for item in items[:10]:
-            print(f"  {label} differs: {item}")
-    if dtype is None and not not_sent and not not_in_ckpt and total != ckpt_bytes:
+    label = checkpoint or f"(save_pretrained of the same config{_fused_note(args)})"
+    differ = content[1] if content is not None else {}
+    if checkpoint and content is None:  # unreadable: the FAIL line says why; nothing to compare
+        not_sent, not_in_ckpt, shape_diff, dtype_diff = [], [], [], []
+        print(f"  checkpoint {label}: unreadable")
+    else:
+        print(f"  checkpoint {label}: {len(oracle)} tensors, {_fmt_bytes(ckpt_bytes)}")
+        print(f"  unmapped: checkpoint tensors not sent: {_some(not_sent)}")
+        print(f"  unmapped: sent names not in the checkpoint: {_some(not_in_ckpt)}")
+    if checkpoint and content is not None:
+        print(f"  bytes: {content[0] - len(differ)} of {content[0]} tensors compared equal the checkpoint's")
+        diffs = _differences(meta, oracle, differ)
+        if diffs:
+            print(f"  first differences ({len(diffs)} in all, metadata order):")
+            for item in diffs[:10]:
+                print(f"    {item}")
+            failures.append(f"{len(diffs)} difference(s) from checkpoint {checkpoint}, the first listed above")
+    else:
+        for label, items in (("shape", shape_diff), ("dtype", dtype_diff)):
+            for item in items[:10]:
+                print(f"  {label} differs: {item}")
+    if (dtype is None or checkpoint) and oracle and not not_sent and not not_in_ckpt and total != ckpt_bytes:
         failures.append(f"bytes differ: sent {total}, checkpoint {ckpt_bytes}")
     dtypes = Counter(str(m.dtype).removeprefix("torch.") for m in meta)
     print(f"  stream vs metadata: {sum(v[1] for v in verdicts)} tensors checked on {world} rank(s); dtypes {dict(dtypes)}")
     for f in failures:
         print(f"  FAIL: {f}")
-    ok = not (failures or not_sent or not_in_ckpt or shape_diff or dtype_diff) and bool(meta)
+    ok = not (failures or not_sent or not_in_ckpt or shape_diff or dtype_diff or differ) and bool(meta)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
+
+
+def _differences(
+    meta: list[Any], oracle: dict[str, tuple[torch.dtype, tuple[int, ...]]], differ: dict[str, str]
+) -> list[str]:
+    """Every difference between what is sent and the checkpoint, one line each: sent tensors in
+    metadata order, then checkpoint tensors that are not sent."""
+    out = []
+    for m in meta:
+        if m.name not in oracle:
+            out.append(f"{m.name}: sent ({_dt(m.dtype)} {tuple(m.shape)}), not in the checkpoint")
+            continue
+        dt, shape = oracle[m.name]
+        if dt != m.dtype or tuple(shape) != tuple(m.shape):
+            out.append(f"{m.name}: sent {_dt(m.dtype)} {tuple(m.shape)}, checkpoint {_dt(dt)} {tuple(shape)}")
+        elif m.name in differ:
+            out.append(f"{m.name}: {differ[m.name]}")
+    names = {m.name for m in meta}
+    out += [
+        f"{k}: in the checkpoint ({_dt(d)} {tuple(s)}), not sent" for k, (d, s) in oracle.items() if k not in names
+    ]
+    return out
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class _Folder:
+    """Rank 0's side of ``check --checkpoint``: the folder's ``{name: (dtype, shape)}`` from its
+    headers (``read_checkpoint``: validated, no tensor data read) and, per streamed tensor, a byte
+    comparison with the file's tensor of that name (``safe_open``, mapped lazily; one handle per
+    shard, closed by ``close``). Only names whose dtype and shape agree are compared: the rest are
+    already differences."""
+
+    def __init__(self, layout: Any) -> None:
+        self.where = {e.name: (shard.path, e) for shard, e in layout.entries()}
+        self.index = {n: (e.dtype, e.shape) for n, (_, e) in self.where.items()}
+        self.compared = 0
+        self.differ: dict[str, str] = {}
+        self._handles: dict[str, Any] = {}
+
+    @classmethod
+    def open(cls, path: str, problems: list[str]) -> "_Folder | None":
+        from weightsync.sources import CheckpointError
+        from weightsync.sources.safetensors_source import read_checkpoint
+
+        try:
+            return cls(read_checkpoint(path))
+        except CheckpointError as e:
+            problems.append(f"rank 0: checkpoint unreadable: {e}")
+            return None
+
+    @property
+    def bytes_differ(self) -> tuple[int, dict[str, str]]:
+        return self.compared, self.differ
+
+    def compare(self, name: str, t: torch.Tensor) -> None:
+        if name not in self.where:
+            return
+        path, e = self.where[name]
+        if e.dtype != t.dtype or tuple(e.shape) != tuple(t.shape):
+            return
+        if path not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[path] = safe_open(path, framework="pt", device="cpu")
+        want = self._handles[path].get_tensor(name)
+        got = t.detach().to("cpu").contiguous()
+        self.compared += 1
+        as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(got.element_size())
+        if as_int is None or got.numel() == 0:
+            return
+        a, b = got.reshape(-1).view(as_int), want.reshape(-1).view(as_int)
+        bad = int((a != b).sum())
+        if bad:
+            worst = ""
+            if got.is_floating_point():
+                worst = f"; max |sent - checkpoint| {float((got.float() - want.float()).abs().max()):.3g}"
+            self.differ[name] = f"bytes differ in {bad} of {got.numel()} elements{worst}"
+
+    def close(self) -> None:
+        self._handles.clear()
 
 
 def _fused_note(args: argparse.Namespace) -> str:

@@ -364,7 +364,9 @@ def _read_indexed(folder: str, index_path: str) -> tuple[ShardHeader, ...]:
     total = (index.get("metadata") or {}).get("total_size") if isinstance(index.get("metadata"), dict) else None
     actual = sum(e.nbytes for s in shards for e in s.entries)
     if total is not None and total != actual:
-        logger.warning("%s: metadata.total_size is %s but the shards hold %d tensor bytes", index_path, total, actual)
+        logger.warning(
+            "%s: metadata.total_size is %s but the shards hold %d tensor bytes", index_path, total, actual
+        )
     return tuple(shards)
 
 

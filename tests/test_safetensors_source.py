@@ -364,7 +364,8 @@ def _oracle(folder: str, dtype: torch.dtype | None = None) -> tuple[list[tuple],
         with safe_open(path, "pt") as f:
             for k in f.offset_keys():
                 t = f.get_tensor(k)
-                wire = dtype if dtype is not None and t.is_floating_point() and not k.endswith("mlp.gate.weight") else t.dtype
+                router = k.endswith("mlp.gate.weight")  # routers keep their dtype (wire.DEFAULT_KEEP_FP32)
+                wire = dtype if dtype is not None and t.is_floating_point() and not router else t.dtype
                 rows.append((k, str(wire), tuple(t.shape), (0,)))
                 stream.append((k, _digest(t.to(wire))))
     return rows, stream

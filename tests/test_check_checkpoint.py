@@ -1,0 +1,130 @@
+"""``weightsync check --checkpoint PATH``, run as a user runs it (a subprocess; exit codes, output).
+
+The folders are written here by transformers' ``save_pretrained`` (and, for the edited one,
+safetensors' ``save_file``); what each run must report -- tensor counts, which tensors differ and the
+first of them in the source's order -- is computed here from those files with ``safe_open``, not
+from weightsync. One torchrun launch (2 ranks); the failing cases run on one rank.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+from test_demo_cli import _run
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+    from safetensors.torch import save_file
+    from transformers.utils import logging as hf_logging
+
+    from weightsync.plugins.presets import build_model, load_config
+
+    hf_logging.disable_progress_bar()
+    root = tmp_path_factory.mktemp("check-ckpt")
+    config = load_config("tiny-llama")
+    out = {k: str(root / k) for k in ("bf16", "seed3", "edited", "no-config")}
+    # What check builds (seed 0), cast to bf16 and sharded: PASS with --dtype bfloat16.
+    build_model(config, seed=0).to(torch.bfloat16).save_pretrained(out["bf16"], max_shard_size="100KB")
+    # Same config, other weights: names, dtypes, shapes equal; bytes differ.
+    build_model(config, seed=3).save_pretrained(out["seed3"])
+    # seed 0 with model.norm.weight dropped, an extra tensor and lm_head in bf16.
+    model = build_model(config, seed=0)
+    model.save_pretrained(out["edited"])
+    sd = {k: v.contiguous() for k, v in model.state_dict().items() if k != "model.norm.weight"}
+    sd["lm_head.weight"] = sd["lm_head.weight"].to(torch.bfloat16)
+    sd["model.extra.weight"] = torch.zeros(3)
+    save_file(sd, os.path.join(out["edited"], "model.safetensors"), metadata={"format": "pt"})
+    os.makedirs(out["no-config"])
+    save_file({"w": torch.zeros(1)}, os.path.join(out["no-config"], "model.safetensors"))
+    return out
+
+
+def _tensors(folder: str) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, f), "pt") as h:
+                out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def _differences(out: str) -> list[str]:
+    """The lines listed under ``first differences``."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("  first differences ("))
+    block = []
+    for line in lines[start + 1:]:
+        if not line.startswith("    "):
+            break
+        block.append(line.strip())
+    return block
+
+
+def test_two_ranks_bf16_sharded_folder_passes(folders):
+    files = _tensors(folders["bf16"])
+    assert len([f for f in os.listdir(folders["bf16"]) if f.endswith(".safetensors")]) >= 3
+    r = _run("check", "--checkpoint", folders["bf16"], "--dtype", "bfloat16", "--nproc", "2")
+    out = r.stdout
+    assert r.returncode == 0, (out, r.stderr[-3000:])
+    assert out.strip().endswith("PASS") and "layout fsdp x2" in out
+    assert f"weightsync check: {folders['bf16']} (llama, 2 layers)" in out  # config from the folder
+    n = len(files)
+    assert f"checkpoint {folders['bf16']}: {n} tensors" in out
+    assert f"bytes: {n} of {n} tensors compared equal the checkpoint's" in out
+    assert "Traceback" not in r.stderr
+
+
+def test_other_weights_fail_with_the_first_differing_tensors(folders):
+    from weightsync.plugins.presets import build_model, load_config
+
+    ours = build_model(load_config("tiny-llama"), seed=0).state_dict()  # what check builds
+    theirs = _tensors(folders["seed3"])
+    differ = [k for k, v in ours.items() if not torch.equal(v, theirs[k])]
+    assert 0 < len(differ) < len(ours)  # norms are ones in both: they must not be listed
+    r = _run("check", "--checkpoint", folders["seed3"])
+    out = r.stdout
+    assert r.returncode == 1, (out, r.stderr[-3000:])
+    assert out.strip().endswith("FAIL")
+    assert f"bytes: {len(ours) - len(differ)} of {len(ours)} tensors compared equal" in out
+    assert f"first differences ({len(differ)} in all, metadata order):" in out
+    pattern = r"(\S+): bytes differ in (\d+) of (\d+) elements; .*"
+    listed = [re.fullmatch(pattern, x).groups() for x in _differences(out)]
+    assert [n for n, _, _ in listed] == differ[:10]
+    assert all(int(a) == int(b) == ours[n].numel() for n, a, b in listed)
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_extra_and_dtype_differences_are_listed(folders):
+    r = _run("check", "--checkpoint", folders["edited"])
+    out = r.stdout
+    assert r.returncode == 1, (out, r.stderr[-3000:])
+    assert _differences(out) == [
+        "model.norm.weight: sent (float32 (64,)), not in the checkpoint",
+        "lm_head.weight: sent float32 (256, 64), checkpoint bfloat16 (256, 64)",
+        "model.extra.weight: in the checkpoint (float32 (3,)), not sent",
+    ], out
+    assert "first differences (3 in all" in out and out.strip().endswith("FAIL")
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["check", "--checkpoint", "/no/such/folder"], "--checkpoint /no/such/folder: no such folder"),
+        (["check", "--checkpoint", "NOCONFIG"], "no config.json in it; pass --model or --config"),
+    ],
+)
+def test_checkpoint_usage_errors_exit_2(folders, args, words):
+    args = [folders["no-config"] if a == "NOCONFIG" else a for a in args]
+    r = _run(*args, timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    err = [line for line in r.stderr.splitlines() if line.startswith("weightsync")]
+    assert len(err) == 1 and words in err[0], r.stderr
