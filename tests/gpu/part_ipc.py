@@ -9,6 +9,9 @@ the same config (``receiver.py``). ``--source module`` runs vLLM's own ``ModuleS
 model through the same harness: the control that tells a harness failure from a source failure.
 ``--source lora`` wraps the FSDP2 trainer's model in PEFT LoRA (every linear, non-zero B): the plain
 transformers receiver can only match the trainer's logits through ``FSDPSource``'s merged weights.
+``--source safetensors`` has no trainer model: ``save_pretrained`` writes a sharded fp32 checkpoint and
+``SafetensorsSource(folder, dtype=bfloat16, device="cuda")`` feeds vLLM's IPC engine from the files
+(see ``run_safetensors``).
 
 Checked, packed and unpacked, each over two refits (the second after the trainer's weights changed):
 * exported names/shapes equal what transformers' ``save_pretrained`` writes for the config;
@@ -20,7 +23,7 @@ Checked, packed and unpacked, each over two refits (the second after the trainer
 ``--dry-run`` runs it all on CPU with gloo and a loopback transport instead of CUDA IPC (Megatron's
 forward with ``megatron_side.allow_cpu_forward``).
 
-    python tests/gpu/part_ipc.py --source fsdp,megatron,module [--dry-run] [--json out.json]
+    python tests/gpu/part_ipc.py --source fsdp,megatron,module,safetensors [--dry-run] [--json out.json]
 """
 
 from __future__ import annotations
@@ -196,6 +199,104 @@ def run_source(kind: str, family: str, device: str, mode: str, client, facts: Fa
             eng.shutdown()
 
 
+def run_safetensors(kind: str, family: str, device: str, mode: str, client, facts: Facts) -> None:
+    """A checkpoint folder through vLLM's IPC engines: ``save_pretrained`` of a seed-11 fp32 model,
+    sharded; ``SafetensorsSource(folder, dtype=bfloat16, device=device)`` (files read lazily, cast
+    and moved on the way out); vLLM's IPC trainer engine into a receiver built with other weights.
+
+    Checked, unpacked and packed: metadata == the files (safe_open: names in on-disk order, shapes),
+    owners (0,), bf16 wire; the receiver's tensors == the files' tensors cast to bf16, bit for bit,
+    in order; every receiver parameter written; the receiver's logits == transformers'
+    ``from_pretrained(folder, dtype=bfloat16)`` logits. Negative controls: before each sync the
+    receiver's logits are far from the checkpoint's; after one shard is truncated, a new source
+    raises ``CheckpointError`` naming the file, and the source built before refuses to send (the
+    receiver gets nothing)."""
+    import tempfile
+
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from hf_side import build_hf, digest, fixed_batch, hf_logits, tiny_config
+    from receiver import trainer_engine
+
+    from weightsync.sources import CheckpointError, SafetensorsSource
+
+    cfg = tiny_config(family)
+    ids = fixed_batch(cfg.vocab_size, device="cpu")
+    wire = torch.bfloat16
+    with tempfile.TemporaryDirectory(prefix="ws-ipc-ckpt-") as root:
+        folder = os.path.join(root, "ckpt")
+        build_hf(cfg, device="cpu", dtype=torch.float32, seed=11).save_pretrained(folder, max_shard_size="1MB")
+        shards = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+        facts.check("safetensors: save_pretrained wrote a sharded fp32 checkpoint", len(shards) >= 2, shards)
+        files: list[tuple[str, str]] = []
+        for fn in shards:
+            with safe_open(os.path.join(folder, fn), "pt") as h:
+                files += [(k, digest(h.get_tensor(k).to(wire))) for k in h.offset_keys()]
+        src = SafetensorsSource(folder, dtype=wire, device=device)
+        names = [m.name for m in src.metadata]
+        facts.check("safetensors: metadata names == the files' (safe_open, shard by shard, on-disk order)",
+                    names == [n for n, _ in files], f"{len(names)} tensors")
+        facts.check("safetensors: every entry owned by rank 0 only, bf16 on the wire",
+                    all(m.owners == (0,) and m.dtype == wire for m in src.metadata),
+                    {str(m.dtype) for m in src.metadata})
+        first = next(iter(src.iter_full()))[1]
+        facts.check(f"safetensors: tensors are yielded on {device}", first.device.type == torch.device(device).type,
+                    first.device)
+        del first
+        ref = AutoModelForCausalLM.from_pretrained(folder, dtype=wire, attn_implementation="eager").to(device)
+        ref_logits = hf_logits(ref.eval(), ids.to(device)).cpu()
+        del ref
+        for packed in (False, True):
+            tag = f"safetensors/{'packed' if packed else 'unpacked'}"
+            client.call("build", (cfg, wire, 2000 + packed, True))  # other weights than the checkpoint
+            c0 = _cmp(client.call("logits", ids), ref_logits)
+            facts.check(f"{tag}: before the sync the receiver's logits are far from the checkpoint's "
+                        "(negative control)", c0["rel_err"] > 10 * BF16_SAME_IMPL_REL, c0)
+            eng = trainer_engine(mode, client=client, source=src, packed=packed, buffer_bytes=PACKED_BUFFER_BYTES)
+            try:
+                client.call("reset")
+                eng.send_weights()
+                rep = client.call("report")
+                got = [tuple(x) for x in rep["received"]]
+                facts.check(f"{tag}: receiver tensors == the files' tensors cast to bf16 (bitwise, in order)",
+                            got == files, f"{len(got)} tensors" if got == files else _first_diff(got, files))
+                facts.check(f"{tag}: every receiver parameter written", not rep["missing"], rep["missing"][:5] or "all")
+                c = _cmp(client.call("logits", ids), ref_logits)
+                facts.check(f"{tag}: receiver logits == from_pretrained(folder) logits (rel<= {BF16_SAME_IMPL_REL})",
+                            c["shape_equal"] and c["finite"] and c["rel_err"] <= BF16_SAME_IMPL_REL, c)
+            finally:
+                eng.shutdown()
+        # Negative controls: a truncated shard. The metadata order starts with the first shard, so
+        # the stale source fails before its first tensor.
+        victim = os.path.join(folder, shards[0])
+        with open(victim, "r+b") as f:
+            f.truncate(os.path.getsize(victim) - 64)
+        try:
+            SafetensorsSource(folder, dtype=wire, device=device)
+            err = "no error"
+        except CheckpointError as e:
+            err = str(e)
+        facts.check("safetensors: a truncated shard raises CheckpointError naming the file",
+                    shards[0] in err and "truncated" in err, err)
+        client.call("build", (cfg, wire, 2002, True))
+        eng = trainer_engine(mode, client=client, source=src, packed=False, buffer_bytes=PACKED_BUFFER_BYTES)
+        try:
+            client.call("reset")
+            try:
+                eng.send_weights()
+                err = "no error"
+            except CheckpointError as e:
+                err = str(e)
+            rep = client.call("report")
+            facts.check("safetensors: the source built before the truncation refuses to send; the receiver "
+                        "got nothing", "changed since" in err and not rep["received"],
+                        f"{err[:300]}; received {len(rep['received'])}")
+        finally:
+            eng.shutdown()
+
+
 def _first_diff(got, want) -> str:
     for i, (a, b) in enumerate(zip(got, want)):
         if a != b:
@@ -205,7 +306,8 @@ def _first_diff(got, want) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--source", default="module,fsdp,megatron", help="comma list: module,fsdp,lora,megatron")
+    ap.add_argument("--source", default="module,fsdp,megatron",
+                    help="comma list: module,fsdp,lora,megatron,safetensors")
     ap.add_argument("--family", default="qwen3")
     ap.add_argument("--dry-run", action="store_true", help="CPU: gloo + loopback transport")
     ap.add_argument("--json", default=None)
@@ -232,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         client = start_receiver(mode, device)
         for kind in kinds:
             try:
-                run_source(kind, args.family, device, mode, client, facts)
+                run = run_safetensors if kind == "safetensors" else run_source
+                run(kind, args.family, device, mode, client, facts)
             except Exception as e:  # noqa: BLE001 - next source still runs
                 facts.error(f"{kind}: round trip", e)
     except Exception as e:  # noqa: BLE001

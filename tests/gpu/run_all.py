@@ -34,6 +34,7 @@ PARTS = [
     ("ipc_fsdp", "tests/gpu/part_ipc.py", ["--source", "module,fsdp"], 150),
     ("ipc_megatron", "tests/gpu/part_ipc.py", ["--source", "megatron"], 150),
     ("ipc_lora", "tests/gpu/part_ipc.py", ["--source", "lora"], 150),
+    ("ipc_safetensors", "tests/gpu/part_ipc.py", ["--source", "safetensors"], 150),
     ("oracle_dense", "tests/gpu/part_oracle.py", ["--configs", "qwen3,llama,qwen2"], 150),
     ("bench_ipc", "bench/bench_gpu_ipc.py", [], 180),
     ("bench_megatron", "bench/bench_gpu_megatron.py", [], 120),
