@@ -44,6 +44,7 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
 
@@ -54,10 +55,13 @@ def _classes(family: str) -> tuple[type, type]:
     return getattr(transformers, cfg_name), getattr(transformers, model_name)
 
 
-def tiny_config(family: str, *, layers: int = 2) -> Any:
+def tiny_config(family: str, *, layers: int = 2, **overrides: Any) -> Any:
     """A small config of ``family`` whose every feature differs from the defaults somewhere:
     vocab not a multiple of 128 (Megatron pads it), rope theta and eps not the defaults,
-    GQA (4 heads, 2 groups), head_dim not hidden/heads."""
+    GQA (4 heads, 2 groups), head_dim not hidden/heads. ``overrides`` (DeepSeek-V3 only, e.g.
+    ``q_lora_rank=None``) replace fields of the family's config."""
+    if overrides and family != "deepseek_v3":
+        raise TypeError(f"tiny_config({family!r}): overrides are for deepseek_v3 only, got {sorted(overrides)}")
     cfg_cls, _ = _classes(family)
     common = dict(
         vocab_size=1000,
@@ -83,6 +87,20 @@ def tiny_config(family: str, *, layers: int = 2) -> Any:
                        tie_word_embeddings=False, attention_bias=False, num_experts=8,
                        num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True,
                        decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False)
+    if family == "deepseek_v3":
+        # MLA with every dimension distinct (q_lora 96, kv_lora 64, nope 32, rope 16, v 48), one
+        # dense layer first, then MoE layers: 16 routed experts in 4 groups (top-4 from the best
+        # 2 groups), 2 shared experts' worth of shared MLP, score-correction bias. rms_norm_eps
+        # 1e-6: transformers' MLA norms use 1e-6 whatever the config says.
+        kw = dict(common, num_hidden_layers=max(layers, 3), num_key_value_heads=4,
+                  q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                  v_head_dim=48, moe_intermediate_size=128, n_routed_experts=16, n_shared_experts=2,
+                  num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+                  routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6,
+                  rope_theta=50_000.0, rope_interleave=True, tie_word_embeddings=False,
+                  attention_bias=False)
+        kw.update(overrides)
+        return cfg_cls(**kw)
     raise KeyError(family)
 
 

@@ -6,6 +6,9 @@ rope theta (``rotary_interleaved=False`` is HF's rotate_half), GQA groups and he
 qk-norm (Qwen3), qkv bias (Qwen2), tied embeddings, SiLU-GLU MLP, MoE top-k routing with HF's
 ``norm_topk_prob`` (Megatron's top-k-then-softmax equals softmax-then-top-k-renormalised) -- and
 turns off everything that only Megatron does (dropout, query-key layer scaling, fused kernels).
+DeepSeek-V3 maps to an ``MLATransformerConfig`` (``mla_fields``): multi-latent attention with or
+without ``q_lora_rank``, HF's interleaved rope (Megatron's MLA rope de-interleaves the same way),
+sigmoid group-limited routing with the score-correction bias, shared experts, first-k dense layers.
 The vocab is padded to a multiple of 128 on purpose, so the export's trimming is exercised.
 Weights are Megatron's own init, then perturbed per parameter (norm weights away from 1, biases away
 from 0) so a swapped or dropped tensor changes the logits.
@@ -32,6 +35,9 @@ __all__ = [
     "padded_vocab",
     "megatron_version",
     "allow_cpu_forward",
+    "oracle_device",
+    "mla_fields",
+    "mla_core_attention",
 ]
 
 #: Expert formats to try, in order; those that cannot be built here are reported as skips.
@@ -123,7 +129,71 @@ def megatron_config(hf_config: Any, *, dtype: torch.dtype, cpu: bool, init: bool
             moe_token_dispatcher_type="allgather",
             moe_layer_freq=1,
         )
+    if fam == "DeepseekV3Config":
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        kw.update(mla_fields(c))
+        return MLATransformerConfig(**kw)
     return TransformerConfig(**kw)
+
+
+def mla_fields(c: Any) -> dict[str, Any]:
+    """The ``MLATransformerConfig`` fields of a transformers ``DeepseekV3Config`` that change the
+    function. Raises ``ValueError`` naming the field for what this mapping does not reproduce.
+
+    * transformers' ``q_a_layernorm`` / ``kv_a_layernorm`` use eps 1e-6 whatever ``rms_norm_eps``
+      is, Megatron one ``layernorm_epsilon`` for every norm: the two agree only at 1e-6.
+    * Megatron's group-limited routing scores a group by the sum of its top ``topk // group_topk``
+      experts, transformers' by its top 2: equal only when ``num_experts_per_tok // topk_group == 2``
+      (DeepSeek-V3: 8 // 4).
+    * Megatron's sigmoid router always renormalises the top-k probabilities (``norm_topk_prob``).
+    * Only the default rope (no YaRN scaling) and ``rope_interleave=True`` are mapped.
+    """
+    rope = getattr(c, "rope_parameters", None) or {}
+    problems = {
+        "rms_norm_eps": c.rms_norm_eps == 1e-6,
+        "num_experts_per_tok // topk_group": c.num_experts_per_tok // c.topk_group == 2,
+        "norm_topk_prob": bool(c.norm_topk_prob),
+        "rope_parameters.rope_type": rope.get("rope_type", "default") == "default",
+        "rope_interleave": bool(getattr(c, "rope_interleave", True)),
+        "attention_bias": not getattr(c, "attention_bias", False),
+    }
+    bad = [k for k, ok in problems.items() if not ok]
+    if bad:
+        raise ValueError(f"DeepseekV3Config: the Megatron oracle does not map {bad}")
+    layers = c.num_hidden_layers
+    return dict(
+        multi_latent_attention=True,
+        transformer_impl="local",  # megatron-core 0.19 resolves the MLA q/kv norms by this backend
+        q_lora_rank=c.q_lora_rank,
+        kv_lora_rank=c.kv_lora_rank,
+        qk_head_dim=c.qk_nope_head_dim,
+        qk_pos_emb_head_dim=c.qk_rope_head_dim,
+        v_head_dim=c.v_head_dim,
+        kv_channels=c.v_head_dim,  # the core attention's output width per head
+        num_query_groups=c.num_attention_heads,
+        qk_layernorm=True,  # the local spec builds q_layernorm / kv_layernorm only with it
+        rope_type="rope",
+        rotary_base=rope.get("rope_theta", 10000.0),
+        mscale=1.0,
+        mscale_all_dim=0.0,
+        add_qkv_bias=False,
+        num_moe_experts=c.n_routed_experts,
+        moe_ffn_hidden_size=c.moe_intermediate_size,
+        moe_router_topk=c.num_experts_per_tok,
+        moe_shared_expert_intermediate_size=c.moe_intermediate_size * c.n_shared_experts,
+        moe_layer_freq=[int(i >= c.first_k_dense_replace) for i in range(layers)],
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_num_groups=c.n_group,
+        moe_router_group_topk=c.topk_group,
+        moe_router_topk_scaling_factor=c.routed_scaling_factor,
+        moe_router_pre_softmax=False,
+        moe_router_dtype="fp32",  # transformers' router runs in fp32
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather",
+    )
 
 
 def _layer_spec(config: Any, moe_format: str) -> Any:
@@ -131,6 +201,10 @@ def _layer_spec(config: Any, moe_format: str) -> Any:
 
     num_experts = getattr(config, "num_moe_experts", None)
     backend, _, experts = moe_format.partition("/")
+    if getattr(config, "multi_latent_attention", False):
+        if moe_format != "local/sequential":
+            raise ValueError(f"MLA oracle: only the local spec with SequentialMLP, not {moe_format!r}")
+        return _mla_block_spec(config)
     grouped = experts == "grouped"
     if backend == "te":
         import transformer_engine  # noqa: F401  (raises here, reported as a skip, when absent)
@@ -142,6 +216,49 @@ def _layer_spec(config: Any, moe_format: str) -> Any:
         num_experts=num_experts, moe_grouped_gemm=grouped, qk_layernorm=config.qk_layernorm,
         normalization="RMSNorm",
     )
+
+
+def mla_core_attention() -> type:
+    """megatron-core's own local ``DotProductAttention``, accepting the ``k_channels`` /
+    ``v_channels`` that ``MLASelfAttention`` passes its core attention. Without Transformer Engine
+    the stock local spec cannot build MLA at all (0.16 and 0.19: ``DotProductAttention`` takes no
+    such arguments); its forward is shape-generic except the output width, which is heads x
+    ``v_channels``."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLACoreAttention(DotProductAttention):
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                     **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return MLACoreAttention
+
+
+def _mla_block_spec(config: Any) -> Any:
+    """megatron-core's local decoder-block spec for ``config`` (MLA; dense layers where
+    ``moe_layer_freq`` says 0), with ``mla_core_attention()`` as every layer's core attention.
+
+    megatron-core 0.16 without Transformer Engine sets ``HAVE_TE`` in ``multi_latent_attention``
+    although its ``TELinear`` is a stand-in, not a class, so building ``MLASelfAttention`` fails on
+    ``isinstance``; 0.19 reads ``HAVE_TE`` from the extension and is False. Only then is the flag
+    set to False here (it guards FP8/FP4-only code)."""
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    if getattr(mla, "HAVE_TE", False) and not isinstance(getattr(mla, "TELinear", None), type):
+        mla.HAVE_TE = False
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    core = mla_core_attention()
+    for layer in spec.layer_specs:
+        attn = layer.submodules.self_attention.submodules
+        attn.core_attention = core
+        if config.q_lora_rank is None:  # no q latent to normalise; 0.19 refuses a norm it would not use
+            attn.q_layernorm = IdentityOp
+    return spec
 
 
 def experts_class(model: torch.nn.Module) -> str | None:
@@ -191,7 +308,8 @@ def build_megatron(
 @torch.no_grad()
 def perturb_(model: torch.nn.Module, *, seed: int) -> None:
     """Give every parameter distinctive values, deterministically (CPU generator, sorted names):
-    matrices N(0, 0.02) ... N(0, 0.05), norm weights 1 + N(0, 0.1), other vectors N(0, 0.05)."""
+    matrices N(0, 0.02) ... N(0, 0.05), norm weights 1 + N(0, 0.1), other vectors N(0, 0.05);
+    then the routers' expert-bias buffers (DeepSeek) N(0, 0.1)."""
     g = torch.Generator().manual_seed(seed)
     for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         if p.dim() >= 2:
@@ -201,6 +319,9 @@ def perturb_(model: torch.nn.Module, *, seed: int) -> None:
         else:
             v = 0.05 * torch.randn(p.shape, generator=g)
         p.copy_(v.to(p.dtype))
+    for name, b in sorted(model.named_buffers(), key=lambda kv: kv[0]):
+        if name.endswith("router.expert_bias"):  # DeepSeek's score-correction bias: moves routing
+            b.copy_((0.1 * torch.randn(b.shape, generator=g)).to(b.dtype))
 
 
 def allow_cpu_forward() -> None:
@@ -223,6 +344,30 @@ def allow_cpu_forward() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def oracle_device(dry_run: bool, facts: Any) -> str | None:
+    """Set up a Megatron-vs-transformers oracle part's process and return its device: CUDA with
+    TF32 off (the fp32 comparison must be fp32 on both sides), or for a dry run the CPU with
+    ``allow_cpu_forward``; then ``init_parallel``. None, with a failed check recorded in ``facts``,
+    when that is impossible."""
+    device = "cpu" if dry_run else "cuda:0"
+    if not dry_run:
+        if not torch.cuda.is_available():
+            facts.check("CUDA available", False, "no CUDA device; use --dry-run on CPU")
+            return None
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    else:
+        allow_cpu_forward()
+    log(f"[{facts.part}] megatron-core {megatron_version()} torch {torch.__version__}")
+    try:
+        init_parallel(device)
+    except Exception as e:  # noqa: BLE001
+        facts.error("init_parallel", e)
+        return None
+    return device
 
 
 @torch.no_grad()

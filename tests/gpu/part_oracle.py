@@ -190,25 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     families = [f for f in args.configs.split(",") if f]
     facts = Facts("oracle_" + "_".join(families), dry_run=args.dry_run)
-    import torch
+    from megatron_side import MOE_FORMATS, oracle_device
 
-    from megatron_side import MOE_FORMATS, allow_cpu_forward, init_parallel, megatron_version
-
-    device = "cpu" if args.dry_run else "cuda:0"
-    if not args.dry_run:
-        if not torch.cuda.is_available():
-            facts.check("CUDA available", False, "no CUDA device; use --dry-run on CPU")
-            return facts.finish(args.json)
-        torch.cuda.set_device(0)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-    else:
-        allow_cpu_forward()
-    log(f"[oracle] megatron-core {megatron_version()} torch {torch.__version__}")
-    try:
-        init_parallel(device)
-    except Exception as e:  # noqa: BLE001
-        facts.error("init_parallel", e)
+    device = oracle_device(args.dry_run, facts)
+    if device is None:
         return facts.finish(args.json)
     formats = args.formats.split(",") if args.formats else list(MOE_FORMATS)
     for family in families:

@@ -39,6 +39,7 @@ PARTS = [
     ("bench_ipc", "bench/bench_gpu_ipc.py", [], 180),
     ("bench_megatron", "bench/bench_gpu_megatron.py", [], 120),
     ("oracle_moe", "tests/gpu/part_oracle.py", ["--configs", "qwen3_moe"], 120),
+    ("oracle_mla", "tests/gpu/part_mla.py", [], 120),
 ]
 
 

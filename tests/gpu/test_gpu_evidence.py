@@ -50,6 +50,12 @@ def test_megatron_export_logits_match_transformers_moe():
     assert any("local/sequential] bf16: transformers(export) logits" in c["name"] for c in doc["checks"])
 
 
+def test_megatron_mla_export_logits_match_transformers_deepseek_v3():
+    doc = _run("oracle_mla")
+    assert any(c["name"].startswith("deepseek_v3[q_lora] fp32: transformers(export) logits") for c in doc["checks"])
+    assert "deepseek_v3[q_lora] MLA tensors per layer" in doc["numbers"]
+
+
 @pytest.mark.parametrize("name", ["bench_ipc", "bench_megatron"])
 def test_gpu_benchmarks_run_and_check_their_transfers(name):
     doc = _run(name)
