@@ -51,10 +51,12 @@ Invariants:
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import os
 import struct
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -421,14 +423,17 @@ class SafetensorsSource(WeightSource):
 
     def _exchange(self, dtype: Any, problem: str | None, rows: Any) -> list:
         """One store exchange: rank 0's header list or error, every rank's ``dtype`` and argument
-        errors. Raises ``CheckpointError`` on every rank if any rank has a problem."""
+        errors. Raises ``CheckpointError`` on every rank if any rank has a problem.
+
+        Every rank reads rank 0's post from the store, so it travels compressed: names repeat their
+        prefixes, and zlib shrinks a list of 50k tensors (~5 MB of JSON) about tenfold."""
         mine = {"dtype": str(dtype), "problem": problem, "rows": rows if self.rank == 0 else None}
         board = Board(next_tag("checkpoint"))
         got = board.exchange(
-            json.dumps(mine), ranks=group_ranks(None), timeout_s=DEFAULT_TIMEOUT_S,
+            _pack(mine), ranks=group_ranks(None), timeout_s=DEFAULT_TIMEOUT_S,
             what=f"the exchange of checkpoint {self.path}'s headers (SafetensorsSource construction)",
         )
-        posts = {r: json.loads(v) for r, v in got.items()}
+        posts = {r: _unpack(v) for r, v in got.items()}
         bad = {r: p["problem"] for r, p in posts.items() if p["problem"]}
         if bad:
             r, why = min(bad.items())
@@ -481,6 +486,14 @@ class SafetensorsSource(WeightSource):
             f"SafetensorsSource({self.path!r}, dtype={self.wire.dtype}, device={str(self.device)!r}, "
             f"{len(self._rows)} tensors, rank {self.rank})"
         )
+
+
+def _pack(obj: Any) -> str:
+    return base64.b85encode(zlib.compress(json.dumps(obj).encode(), 6)).decode("ascii")
+
+
+def _unpack(text: str) -> Any:
+    return json.loads(zlib.decompress(base64.b85decode(text)))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
