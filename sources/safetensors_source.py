@@ -393,16 +393,23 @@ class SafetensorsSource(WeightSource):
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
     ) -> None:
-        self.path = os.fspath(path)
         multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if multi else 0
         self.last_pass = PassStats()
         self.layout: CheckpointLayout | None = None
+        self.path = str(path)
         problem, rows = None, None
+        # Argument errors go through the exchange too: no rank may raise alone and leave peers waiting.
         try:
+            if not isinstance(path, (str, os.PathLike)):
+                raise TypeError(f"path= must be a str or os.PathLike folder, got {type(path).__name__}")
+            self.path = os.fspath(path)
             self.wire = WirePolicy.build(dtype, ())
-            self.device = torch.device(device)
-        except (TypeError, ValueError, RuntimeError) as e:
+            try:
+                self.device = torch.device(device)
+            except (TypeError, RuntimeError) as e:
+                raise ValueError(f"device={device!r} is not a torch device: {e}") from None
+        except (TypeError, ValueError) as e:
             problem = f"bad argument: {e}"
         if problem is None and self.rank == 0:
             try:

@@ -334,6 +334,8 @@ def _world(rank: int, world_size: int, *, folders: dict, url: str, port: int) ->
     facts["bad_dtype_rank1_only"] = errors_of(
         SafetensorsSource, good["single"], dtype=torch.int8 if rank == 1 else None
     )
+    facts["bad_path_type_rank1_only"] = errors_of(SafetensorsSource, good["single"] if rank == 0 else None)
+    facts["bad_device"] = errors_of(SafetensorsSource, good["single"], device="gpu7")
     facts["dtype_disagree"] = errors_of(
         SafetensorsSource, good["single"], dtype=torch.bfloat16 if rank == 0 else torch.float16
     )
@@ -450,6 +452,9 @@ def test_bad_folders_raise_checkpoint_error_on_every_rank(folders, world):
         err = res["bad_dtype_rank1_only"]
         assert err.startswith(f"CheckpointError: rank {r}: ") and "int8" in err, err
         assert ("this rank" if r == 1 else "rank 1 could not") in err
+        err = res["bad_path_type_rank1_only"]
+        assert err.startswith(f"CheckpointError: rank {r}: ") and "path= must be a str" in err, err
+        assert "device='gpu7' is not a torch device" in res["bad_device"], res["bad_device"]
         err = res["dtype_disagree"]
         assert err.startswith(f"CheckpointError: rank {r}: ranks pass different dtype=") and "float16" in err, err
         assert res["good_after_bad"] == len(_oracle(folders["good"]["sharded"])[0])
