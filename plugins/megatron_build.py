@@ -15,28 +15,52 @@ Why each CPU concession is safe:
   router's expert bias is allocated on the current device). Both are restored afterwards, and
   nothing is patched on a host with CUDA.
 
-Supported: dense llama / mistral / qwen2 / qwen3 and MoE qwen3_moe / qwen2_moe (shared expert +
-gate) / mixtral. Other families raise ``ValueError`` naming ``model_type``.
+Multi-head latent attention (``deepseek_v3``: ``MLATransformerConfig``, the local spec with
+``multi_latent_attention=True``) needs two more, on any host without Transformer Engine:
+
+* ``MLACoreAttention`` replaces the spec's core attention: megatron-core's local
+  ``DotProductAttention`` (0.16 and 0.19) does not accept MLA's different q/k and v head dims
+  (``k_channels`` / ``v_channels``), only TE's does. Core attention has no parameters, so the
+  parameters ``MegatronSource`` sees are megatron's own; it computes causal softmax attention with
+  megatron's ``softmax_scale``, so the model also runs forward (CPU or GPU).
+* megatron-core 0.16 compares ``linear_proj`` against ``TELinear`` with ``isinstance``; without TE
+  that name is a mock, so it is a placeholder class during construction.
+
+megatron-core 0.17+ cannot build MLA without ``q_lora_rank`` from the local spec (its
+``QKNormConfigResolver`` then wants TE's fused norm + ``linear_q_proj``, a norm DeepseekV3 does not
+have): that raises ``ValueError`` here; megatron-core 0.16 builds it.
+
+Supported: dense llama / mistral / qwen2 / qwen3, MoE qwen3_moe / qwen2_moe (shared expert + gate)
+/ mixtral, and MLA + MoE deepseek_v3 (first-k dense layers, shared experts, sigmoid group-limited
+routing with ``e_score_correction_bias``). Other families raise ``ValueError`` naming ``model_type``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from weightsync.sources.logs import get_logger
 
-__all__ = ["MegatronParallel", "SUPPORTED_MODEL_TYPES", "build_megatron_gpt", "megatron_config"]
+__all__ = [
+    "MegatronParallel",
+    "MLACoreAttention",
+    "SUPPORTED_MODEL_TYPES",
+    "build_megatron_gpt",
+    "megatron_config",
+]
 
 logger = get_logger(__name__)
 
 _DENSE = ("llama", "mistral", "qwen2", "qwen3")
 _MOE = ("qwen3_moe", "qwen2_moe", "mixtral")
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = _DENSE + _MOE
+_MLA = ("deepseek_v3",)
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = _DENSE + _MOE + _MLA
 
 #: megatron's default ``make_vocab_size_divisible_by``: vocabulary rows are padded to a multiple
 #: of this times TP (``MegatronSource`` trims them back to ``vocab_size``).
@@ -56,6 +80,23 @@ class MegatronParallel:
 def _moe_fields(hf: Any) -> dict[str, Any]:
     """TransformerConfig MoE fields of ``hf`` (empty for dense families)."""
     mt = hf.model_type
+    if mt == "deepseek_v3":
+        first = getattr(hf, "first_k_dense_replace", 0) or 0
+        shared = (getattr(hf, "n_shared_experts", 0) or 0) * hf.moe_intermediate_size
+        return dict(
+            num_moe_experts=hf.n_routed_experts,
+            moe_ffn_hidden_size=hf.moe_intermediate_size,
+            moe_router_topk=hf.num_experts_per_tok,
+            moe_layer_freq=[int(i >= first) for i in range(hf.num_hidden_layers)],
+            moe_shared_expert_intermediate_size=shared or None,
+            moe_router_enable_expert_bias=True,
+            moe_router_score_function="sigmoid",
+            moe_router_num_groups=hf.n_group,
+            moe_router_group_topk=hf.topk_group,
+            moe_router_topk_scaling_factor=hf.routed_scaling_factor,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+        )
     if mt == "mixtral":
         return dict(
             num_moe_experts=hf.num_local_experts,
@@ -85,8 +126,11 @@ def _moe_fields(hf: Any) -> dict[str, Any]:
     return {}
 
 
-def megatron_config(hf: Any, par: MegatronParallel, dtype: torch.dtype = torch.float32) -> Any:
-    """The megatron-core ``TransformerConfig`` a trainer would use for transformers config ``hf``."""
+def megatron_config(
+    hf: Any, par: MegatronParallel, dtype: torch.dtype = torch.float32, overrides: dict[str, Any] | None = None
+) -> Any:
+    """The megatron-core ``TransformerConfig`` a trainer would use for transformers config ``hf``
+    (``overrides``: fields to set differently, e.g. to build a variant that must be refused)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     mt = getattr(hf, "model_type", None)
@@ -105,20 +149,25 @@ def megatron_config(hf: Any, par: MegatronParallel, dtype: torch.dtype = torch.f
             **moe,
         )
     heads = hf.num_attention_heads
-    return TransformerConfig(
+    if mt in _MLA:
+        config_cls, attention = _mla_fields(hf)
+    else:
+        config_cls, attention = TransformerConfig, dict(
+            num_query_groups=getattr(hf, "num_key_value_heads", None) or heads,
+            kv_channels=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            add_qkv_bias=mt.startswith("qwen2") or bool(getattr(hf, "attention_bias", False)),
+            qk_layernorm=mt.startswith("qwen3"),
+        )
+    return config_cls(
         num_layers=hf.num_hidden_layers,
         hidden_size=hf.hidden_size,
         num_attention_heads=heads,
-        num_query_groups=getattr(hf, "num_key_value_heads", None) or heads,
-        kv_channels=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
         ffn_hidden_size=hf.intermediate_size,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         normalization="RMSNorm",
         layernorm_epsilon=hf.rms_norm_eps,
         add_bias_linear=False,
-        add_qkv_bias=mt.startswith("qwen2") or bool(getattr(hf, "attention_bias", False)),
-        qk_layernorm=mt.startswith("qwen3"),
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
         virtual_pipeline_model_parallel_size=par.vpp,
@@ -127,8 +176,101 @@ def megatron_config(hf: Any, par: MegatronParallel, dtype: torch.dtype = torch.f
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        **extra,
+        **{**attention, **extra, **(overrides or {})},
     )
+
+
+def _mla_fields(hf: Any) -> tuple[type, dict[str, Any]]:
+    """``MLATransformerConfig`` and its attention fields for a DeepseekV3 config: rope ``"rope"``
+    unless HF scales it with yarn (then megatron's yarn with HF's factors)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    q_lora = getattr(hf, "q_lora_rank", None) or None
+    if q_lora is None and importlib.util.find_spec("megatron.core.transformer.mla_qk_norm_config"):
+        raise ValueError(
+            "model_type='deepseek_v3' with q_lora_rank=None: this megatron-core's MLA "
+            "(QKNormConfigResolver) builds linear_q_proj only as TE's fused norm+linear, a q norm "
+            "DeepseekV3 does not have, so no local-spec model matches it; set q_lora_rank"
+        )
+    rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    kw: dict[str, Any] = dict(
+        q_lora_rank=q_lora,
+        kv_lora_rank=hf.kv_lora_rank,
+        qk_head_dim=hf.qk_nope_head_dim,
+        qk_pos_emb_head_dim=hf.qk_rope_head_dim,
+        v_head_dim=hf.v_head_dim,
+        qk_layernorm=True,  # DeepseekV3's q_a_layernorm / kv_a_layernorm
+        rotary_base=_rope_base(hf),
+        rope_type="rope",
+        rotary_interleaved=False,
+        apply_rope_fusion=False,
+        transformer_impl="local",
+    )
+    if (rope.get("rope_type") or rope.get("type")) == "yarn":
+        kw.update(
+            rope_type="yarn",
+            rotary_scaling_factor=rope["factor"],
+            original_max_position_embeddings=rope.get("original_max_position_embeddings", 4096),
+            beta_fast=rope.get("beta_fast", 32),
+            beta_slow=rope.get("beta_slow", 1),
+            mscale=rope.get("mscale", 1.0),
+            mscale_all_dim=rope.get("mscale_all_dim", 0.0),
+        )
+    return MLATransformerConfig, kw
+
+
+class MLACoreAttention(torch.nn.Module):
+    """Causal softmax attention for megatron's ``MLASelfAttention`` where only TE provides one.
+
+    Takes megatron's ``[s, b, heads, d]`` query/key (q/k head dim ``qk_head_dim +
+    qk_pos_emb_head_dim``) and value (``v_head_dim``) and returns ``[s, b, heads * v_head_dim]``,
+    scaled by MLA's ``softmax_scale``. No parameters: it never changes what ``MegatronSource``
+    exports. ``attention_mask`` follows megatron (True = masked); None means causal.
+    """
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 softmax_scale: float | None = None, **_: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.softmax_scale = softmax_scale
+        self.dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
+                attention_bias: Any = None, packed_seq_params: Any = None, **_: Any) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise NotImplementedError("MLACoreAttention does not take packed sequences")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        mask = None if attention_mask is None else ~attention_mask.bool()
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
+        out = out.permute(2, 0, 1, 3)
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def _mla_spec(spec: Any) -> Any:
+    """``spec`` (a block spec or one layer spec) with ``MLACoreAttention`` as core attention."""
+    for layer in getattr(spec, "layer_specs", None) or [spec]:
+        layer.submodules.self_attention.submodules.core_attention = MLACoreAttention
+    return spec
+
+
+@contextlib.contextmanager
+def _mla_without_te() -> Iterator[None]:
+    """megatron-core 0.16 without TE: its ``isinstance(linear_proj, TELinear)`` gets a class."""
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    saved = getattr(mla, "TELinear", None)
+    if isinstance(saved, type) or not hasattr(mla, "TELinear"):
+        yield
+        return
+    mla.TELinear = type("TELinearUnavailable", (), {})
+    try:
+        yield
+    finally:
+        mla.TELinear = saved
 
 
 @contextlib.contextmanager
@@ -155,11 +297,21 @@ def _rope_base(hf: Any) -> int:
 
 
 def build_megatron_gpt(
-    hf: Any, par: MegatronParallel, *, dtype: torch.dtype = torch.float32, seed: int = 0
+    hf: Any,
+    par: MegatronParallel,
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    overrides: dict[str, Any] | None = None,
+    spec_hook: Callable[[Any], Any] | None = None,
 ) -> list[torch.nn.Module]:
     """Initialize megatron's parallel state for ``par`` over the default process group (gloo is
     fine) and build this rank's ``GPTModel`` chunk(s) for ``hf``: one per virtual-pipeline stage,
-    in order. The caller owns ``parallel_state`` afterwards (``destroy_model_parallel``)."""
+    in order. The caller owns ``parallel_state`` afterwards (``destroy_model_parallel``).
+
+    ``overrides`` sets ``TransformerConfig`` fields; ``spec_hook(spec) -> spec`` edits the layer
+    spec before the build (both for tests that need a variant megatron-core can build but a
+    trainer config of ``hf`` would not)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -167,7 +319,7 @@ def build_megatron_gpt(
         get_gpt_layer_local_spec,
     )
 
-    mcfg = megatron_config(hf, par, dtype)
+    mcfg = megatron_config(hf, par, dtype, overrides)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
@@ -180,7 +332,8 @@ def build_megatron_gpt(
     multiple = VOCAB_DIVISIBLE_BY * par.tp
     vocab = int(math.ceil(hf.vocab_size / multiple) * multiple)
     chunks: list[torch.nn.Module] = []
-    with _cpu_construction():
+    mla = bool(getattr(mcfg, "multi_latent_attention", False))
+    with _cpu_construction(), (_mla_without_te() if mla else contextlib.nullcontext()):
         for v in range(par.vpp or 1):
             vp = v if par.vpp else None
             if mcfg.num_moe_experts:
@@ -188,7 +341,13 @@ def build_megatron_gpt(
                     mcfg, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp
                 )
             else:
-                spec = get_gpt_layer_local_spec(qk_layernorm=mcfg.qk_layernorm, normalization="RMSNorm")
+                spec = get_gpt_layer_local_spec(
+                    qk_layernorm=mcfg.qk_layernorm, multi_latent_attention=mla, normalization="RMSNorm"
+                )
+            if mla:
+                spec = _mla_spec(spec)
+            if spec_hook is not None:
+                spec = spec_hook(spec)
             chunks.append(
                 GPTModel(
                     mcfg,

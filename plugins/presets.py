@@ -2,7 +2,8 @@
 random init, no downloads.
 
 Each preset keeps its family's structure (GQA, tied or untied embeddings, Qwen3's q/k norms,
-Qwen2's qkv biases) at a size that trains in milliseconds on one CPU core.
+Qwen2's qkv biases, DeepSeek-V3's multi-head latent attention) at a size that trains in
+milliseconds on one CPU core.
 """
 
 from __future__ import annotations
@@ -29,6 +30,30 @@ _COMMON = dict(
     max_position_embeddings=128,
 )
 
+_DEEPSEEK_V3: dict[str, Any] = dict(
+    model_type="deepseek_v3",
+    tie_word_embeddings=False,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=128,
+    q_lora_rank=32,
+    kv_lora_rank=24,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": dict(model_type="llama", tie_word_embeddings=False, **_COMMON),
     "tiny-qwen2": dict(model_type="qwen2", tie_word_embeddings=True, **_COMMON),
@@ -45,6 +70,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         model_type="mixtral", tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
         **_COMMON,
     ),
+    # DeepSeek-V3 / Kimi-K2 structure: MLA with a q low-rank projection, layer 0 dense (first-k),
+    # layer 1 MoE with a shared expert, sigmoid group-limited routing (2 groups, 1 picked) and
+    # e_score_correction_bias. Every MLA size differs, and each divides tp=2 (heads, q_lora_rank,
+    # kv_lora_rank + qk_rope_head_dim) so --tp 2 shards every projection.
+    "tiny-deepseek-v3": dict(_DEEPSEEK_V3),
+    # The same without q_lora_rank (DeepSeek-V2-Lite style): one q_proj instead of q_a/q_b.
+    "tiny-deepseek-v3-no-q-lora": dict(_DEEPSEEK_V3, q_lora_rank=None),
 }
 
 
@@ -92,7 +124,8 @@ def load_config(
             raise UserError(f"--hidden {hidden} must be a positive multiple of the {heads} attention heads")
         config.hidden_size = hidden
         config.intermediate_size = 2 * hidden
-        if getattr(config, "head_dim", None) is not None and config.model_type != "qwen3":
+        # qwen3 keeps its own head_dim; DeepSeek-V3's head_dim is the rope dim (qk_rope_head_dim).
+        if getattr(config, "head_dim", None) is not None and config.model_type not in ("qwen3", "deepseek_v3"):
             config.head_dim = hidden // heads
     if layers is not None:
         if layers <= 0:

@@ -13,6 +13,12 @@ pieces as ``Shard(dim)`` without gathering. The fused layouts:
 * ``linear_fc1`` with a gated linear unit: the full tensor is ``[gate; up]`` but TP rank ``r`` holds
   ``[gate_r; up_r]``: each shard must be split in two before concatenating. Concatenating the
   shards and then chunking is wrong for tp > 1.
+* Stacked rows (``stack``, ``stack_column``): one Megatron weight whose rows are several HF tensors
+  of *different* sizes, e.g. megatron-core 0.19's fused MLA ``linear_qkv_down_proj`` =
+  ``[q_a_proj; kv_a_proj_with_mqa]``. Duplicated over TP (``stack``: every rank holds the whole
+  ``[A; B]``) or column-parallel (``stack_column``: TP rank ``r`` holds ``[A_r; B_r]``, each HF
+  tensor chunked separately, which is how megatron's own ``sharded_state_dict`` cuts it) -- the
+  GLU rule with unequal parts, so again a per-shard split before concatenating.
 * Vocabulary-parallel embedding / output layer: rows are padded to ``padded_vocab`` (a multiple of
   ``make_vocab_size_divisible_by * tp``) and split evenly; HF keeps ``vocab_size`` rows. Shard ``r``
   holds HF rows ``[r*padded/tp, (r+1)*padded/tp) & [0, vocab_size)``; whether that is a
@@ -29,7 +35,9 @@ __all__ = [
     "chunk_rows",
     "split_qkv",
     "split_glu",
+    "split_stack",
     "local_split",
+    "shard_shape",
     "concat_shards",
     "vocab_rows",
     "vocab_is_chunked",
@@ -44,6 +52,8 @@ KIND_DIM: dict[str, int | None] = {
     "row": 1,
     "qkv": 0,
     "glu": 0,
+    "stack": None,
+    "stack_column": 0,
     "vocab": 0,
 }
 
@@ -116,12 +126,40 @@ def split_glu(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gate.contiguous(), up.contiguous()
 
 
-def local_split(kind: str, shard: torch.Tensor, *, heads_per_group: int = 0, head_dim: int = 0):
-    """This TP shard's piece of each HF tensor the Megatron parameter fuses, in HF order."""
+def split_stack(t: torch.Tensor, *, rows: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """Split a stacked weight (whole, or one ``stack_column`` TP shard) into its HF tensors.
+
+    ``rows`` are the HF tensors' *full* row counts. A shard holding ``1/n`` of the rows holds
+    ``rows[i] / n`` rows of each, in order (``[A_r; B_r]``); ``n`` is read off the shard, so one
+    function serves the whole tensor (n = 1) and every TP shard. Outputs are contiguous row views.
+    """
+    total, n = sum(rows), t.shape[0]
+    if not total or any(r * n % total for r in rows):
+        raise ValueError(
+            f"stacked weight has {t.shape[0]} rows, not a whole 1/n share of each of the stacked "
+            f"tensors' rows {list(rows)}"
+        )
+    return tuple(p.contiguous() for p in torch.split(t, [r * n // total for r in rows], dim=0))
+
+
+def local_split(
+    kind: str,
+    shard: torch.Tensor,
+    *,
+    heads_per_group: int = 0,
+    head_dim: int = 0,
+    stack_rows: tuple[int, ...] = (),
+):
+    """This TP shard's piece of each HF tensor the Megatron parameter fuses, in HF order.
+
+    ``stack_rows``: the full row counts of the HF tensors a ``stack`` / ``stack_column`` kind holds.
+    """
     if kind == "qkv":
         return split_qkv(shard, heads_per_group=heads_per_group, head_dim=head_dim)
     if kind == "glu":
         return split_glu(shard)
+    if kind in ("stack", "stack_column"):
+        return split_stack(shard, rows=stack_rows)
     if kind not in KIND_DIM:
         raise ValueError(f"unknown layout kind {kind!r}")
     return (shard.contiguous(),)
@@ -137,7 +175,7 @@ def concat_shards(kind: str, shards: list[torch.Tensor], **geometry: int) -> tup
     if dim is None:
         if len(shards) != 1:
             raise ValueError(f"a replicated parameter takes one shard, got {len(shards)}")
-        return (shards[0].contiguous(),)
+        return tuple(local_split(kind, shards[0], **geometry))
     if len(shards) == 1:
         # tp=1: the local split is already the HF tensors (views where the layout allows, e.g.
         # gate/up halves): a torch.cat of one tensor would copy every byte for nothing.
@@ -148,6 +186,27 @@ def concat_shards(kind: str, shards: list[torch.Tensor], **geometry: int) -> tup
         return split_qkv(torch.cat(shards, dim=0), **geometry)
     pieces = [local_split(kind, s, **geometry) for s in shards]
     return tuple(torch.cat([p[i] for p in pieces], dim=dim) for i in range(len(pieces[0])))
+
+
+def shard_shape(kind: str, full: tuple[tuple[int, ...], ...], tp: int) -> tuple[int, ...]:
+    """The Megatron parameter's shape on one TP rank, from the full HF shapes it fuses (HF order).
+
+    The fused tensor stacks its HF tensors along dim 0 (q/k/v, gate/up, stacked rows); a
+    replicated kind keeps every row on every rank, dim 0 (column) and dim 1 (row) kinds hold
+    ``1/tp`` of it. Vocabulary kinds are padded first and are not computed here.
+    """
+    if kind == "vocab":
+        raise ValueError("vocabulary shards depend on the padded vocabulary, not on the HF shapes")
+    rows = sum(s[0] for s in full)
+    rest = tuple(full[0][1:])
+    dim = KIND_DIM[kind]
+    if dim is None:
+        return (rows, *rest)
+    if dim == 0:
+        return (rows // tp, *rest)
+    if len(full) != 1:
+        raise ValueError(f"a row-parallel ({kind}) parameter holds one HF tensor, got {len(full)}")
+    return (rows, rest[0] // tp, *rest[1:])
 
 
 def vocab_rows(vocab_size: int, padded_vocab: int, tp: int, tp_rank: int) -> tuple[int, int]:

@@ -25,6 +25,11 @@ Invariants:
   verifies that all ranks hold the same metadata before any byte moves.
 * Tied embeddings export ``model.embed_tokens.weight`` only (from the first stage); the last
   stage's ``output_layer.weight`` copy under PP is never read.
+* Multi-head latent attention (``multi_latent_attention``, DeepSeek-V3 / Kimi-K2) exports as
+  transformers DeepseekV3 attention (``sources/megatron_mla.py``: what was verified, what raises).
+  The down projections' TP layout differs between Megatron's specs, so every unit's kind is read
+  from its module; the first pass also has every rank agree on the plan's TP layout (kind and
+  shard shape of every unit), so a stage built with another spec raises before any transfer.
 * MoE layers (``num_moe_experts``; dense and MoE layers may mix, e.g. first-k dense): the plan holds a
   MoE layer's attention units and its pre-MLP norm; right after them, ``MegatronMoEExporter``
   (``sources/megatron_experts.py``) streams the router, its expert bias, the routed experts
@@ -48,12 +53,13 @@ from vllm.distributed.weight_transfer.base import ParamMeta, Replicate, Shard, W
 
 from .check import DEFAULT_TIMEOUT_S, check_stream, local_shape, verify_metadata_agreement
 from .errors import UnmappedParameterError
-from .families import family_for
+from .families import DENSE_MLP, Entry, Family, family_for
 from .groups import wait_p2p
 from .layout import KIND_DIM, concat_shards, local_split, vocab_is_chunked, vocab_rows
 from .logs import get_logger
 from .megatron_local import LocalStep, local_step, mark_precast, nbytes, precast
 from .megatron_experts import MegatronMoEExporter, expert_format, megatron_moe_suffixes
+from .megatron_mla import mla_geometry, resolve_kinds
 from .megatron_plan import Geometry, Unit, build_plan, mlp_kind
 from .megatron_topology import Topology, megatron_topology
 from .megatron_walk import Bound, model_chunks, walk_chunks
@@ -68,15 +74,25 @@ Mode = Literal["full", "local"]
 
 
 def _hf_geometry(
-    hf_config: Any, mcfg: Any, chunk: torch.nn.Module, tp: int, rank: int, has_dense: bool = True
+    hf_config: Any,
+    mcfg: Any,
+    chunk: torch.nn.Module,
+    tp: int,
+    rank: int,
+    has_dense: bool = True,
+    family: Family | None = None,
 ) -> Geometry:
     """Read the shapes from ``hf_config``; raise naming every field Megatron disagrees with.
 
     ``intermediate_size`` is compared only when some layer has a dense MLP: an all-MoE model never
     builds ``ffn_hidden_size`` (Mixtral's ``intermediate_size`` is the expert size, which the MoE
-    exporter checks against ``moe_ffn_hidden_size``)."""
+    exporter checks against ``moe_ffn_hidden_size``). MLA attention is checked by
+    ``megatron_mla.mla_geometry`` instead of query groups / ``kv_channels``."""
+    mla = mla_geometry(
+        hf_config, mcfg, family_is_mla=family is not None and family.attention == "mla", rank=rank
+    )
     heads = hf_config.num_attention_heads
-    groups = getattr(hf_config, "num_key_value_heads", None) or heads
+    groups = heads if mla else getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     g = Geometry(
         hidden=hf_config.hidden_size,
@@ -89,12 +105,16 @@ def _hf_geometry(
         layers=hf_config.num_hidden_layers,
         tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
         tp=tp,
+        mla=mla,
     )
+    attention = [] if mla else [
+        ("num_key_value_heads", g.groups, "num_query_groups", mcfg.num_query_groups or mcfg.num_attention_heads),
+        ("head_dim", g.head_dim, "kv_channels", mcfg.kv_channels),
+    ]
     checks = [
         ("hidden_size", g.hidden, "hidden_size", mcfg.hidden_size),
         ("num_attention_heads", g.heads, "num_attention_heads", mcfg.num_attention_heads),
-        ("num_key_value_heads", g.groups, "num_query_groups", mcfg.num_query_groups or mcfg.num_attention_heads),
-        ("head_dim", g.head_dim, "kv_channels", mcfg.kv_channels),
+        *attention,
         *([("intermediate_size", g.ffn, "ffn_hidden_size", mcfg.ffn_hidden_size)] if has_dense else []),
         ("num_hidden_layers", g.layers, "num_layers", mcfg.num_layers),
         ("tie_word_embeddings", g.tied, "share_embeddings_and_output_weights",
@@ -105,7 +125,8 @@ def _hf_geometry(
     if g.vocab > g.padded_vocab:
         bad.append(f"hf_config.vocab_size={g.vocab} exceeds Megatron's padded vocabulary {g.padded_vocab}")
     if g.groups % tp:
-        bad.append(f"num_key_value_heads={g.groups} is not divisible by tp={tp}")
+        what = "num_attention_heads" if mla else "num_key_value_heads"
+        bad.append(f"{what}={g.groups} is not divisible by tp={tp}")
     if bad:
         raise ValueError(f"rank {rank}: MegatronSource: the model does not match hf_config: " + "; ".join(bad))
     return g
@@ -129,8 +150,8 @@ class MegatronSource(WeightSource):
         timeout_s: bound on the first pass's cross-rank metadata agreement.
 
     Raises at construction (on every rank, before any byte moves): ``UnmappedParameterError`` for an
-    unknown architecture (or DeepSeek MLA attention), a Megatron parameter the checkpoint has no name
-    for, or MoE settings ``hf_config`` disagrees with; ``ValueError`` when the model and
+    unknown architecture, an MLA variant DeepseekV3 cannot express (``megatron_mla``), a Megatron
+    parameter the checkpoint has no name for, or MoE settings ``hf_config`` disagrees with; ``ValueError`` when the model and
     ``hf_config`` disagree on a shape; ``NotImplementedError`` for ``mode="local"`` with MoE layers.
     """
 
@@ -174,9 +195,10 @@ class MegatronSource(WeightSource):
                 f"{self.moe_layers} (num_moe_experts={mcfg.num_moe_experts}); use mode='full'"
             )
         has_dense = len(self.moe_layers) < mcfg.num_layers
-        self.geometry = _hf_geometry(hf_config, mcfg, chunks[0], self._topo.tp, rank, has_dense)
+        self.geometry = _hf_geometry(hf_config, mcfg, chunks[0], self._topo.tp, rank, has_dense, self.family)
         self.dtype: torch.dtype = dtype or mcfg.params_dtype
         bound, unmapped, layer_names = walk_chunks(chunks)
+        attention = self._attention(hf_config, bound, layer_names) if self.geometry.mla else None
         self._moe: MegatronMoEExporter | None = None
         if self.moe_layers:
             try:
@@ -195,6 +217,7 @@ class MegatronSource(WeightSource):
                 pp=self._topo.pp,
                 vpp=self._topo.vpp,
                 local_layer_names=layer_names,
+                attention=attention,
             )
         except UnmappedParameterError as e:
             raise UnmappedParameterError(f"rank {rank}: {e}") from e
@@ -217,6 +240,29 @@ class MegatronSource(WeightSource):
         self._precast: list[LocalStep] = [s for s in local if s is not None and s.precast]
 
     # ---- construction -----------------------------------------------------------------------
+
+    def _attention(self, hf_config: Any, bound: dict[tuple, Bound], layer_names: dict[int, list[str]]) -> dict[str, Entry]:
+        """MLA attention entries with each kind read from this rank's modules (``resolve_kinds``).
+
+        Every local layer must declare the same split for a tensor; a fused ``linear_qkv_down_proj``
+        (megatron-core 0.17+) replaces the two down projections."""
+        rank = self._topo.rank
+        dims: dict[str, set] = {}
+        for key, b in bound.items():
+            if key[0] == "layer":
+                dims.setdefault(key[2], set()).add(b.tp_dim)
+        mixed = {k: sorted(v, key=str) for k, v in dims.items() if len(v) > 1}
+        if mixed:
+            raise UnmappedParameterError(
+                f"rank {rank}: Megatron layers on this rank split the same tensor differently over TP: {mixed}"
+            )
+        fused = any("self_attention.linear_qkv_down_proj.weight" in names for names in layer_names.values())
+        try:
+            keys = self.family.layer_keys(hf_config, fused_down=fused)
+        except UnmappedParameterError as e:
+            raise UnmappedParameterError(f"rank {rank}: {e}") from e
+        entries = {k: e for k, e in keys.items() if k not in DENSE_MLP}
+        return resolve_kinds(entries, {k: next(iter(v)) for k, v in dims.items()}, rank=rank)
 
     def _bind(self, bound: dict[tuple, Bound], unmapped: list[str]) -> dict[tuple, Bound]:
         """Every plan unit of this stage gets its local parameter; anything left over is an error."""
@@ -326,9 +372,25 @@ class MegatronSource(WeightSource):
         r = self._topo.rank
         return [m for m in self.metadata if m.owners is None or r in m.owners]
 
+    @cached_property
+    def _layout_metas(self) -> list[ParamMeta]:
+        """Every unit's Megatron-side layout (kind, TP-shard shape, holders) as entries the
+        cross-rank agreement can digest: kinds read from modules (MLA) must agree across stages."""
+        out = []
+        for unit in self.plan:
+            dim = KIND_DIM[unit.kind]
+            out.append(ParamMeta(
+                f"[megatron {unit.kind} shard] {unit.names[0]}", self.dtype, unit.shard_shape,
+                owners=self._topo.stage_ranks(unit.stage), placements=(Replicate() if dim is None else Shard(dim),),
+            ))
+        return out
+
     def _start(self) -> None:
         if not self._agreed:
-            verify_metadata_agreement(self.metadata, timeout_s=self.timeout_s, what="MegatronSource metadata")
+            verify_metadata_agreement(
+                self.metadata + self._layout_metas, timeout_s=self.timeout_s,
+                what="MegatronSource metadata and TP layout",
+            )
             self._agreed = True
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -376,13 +438,16 @@ class MegatronSource(WeightSource):
             stats.hold(piece.numel() * piece.element_size())
         return piece
 
-    def _geometry_kw(self) -> dict[str, int]:
-        return {"heads_per_group": self.geometry.heads_per_group, "head_dim": self.geometry.head_dim}
+    def _geometry_kw(self, unit: Unit) -> dict[str, Any]:
+        kw: dict[str, Any] = {"heads_per_group": self.geometry.heads_per_group, "head_dim": self.geometry.head_dim}
+        if unit.kind in ("stack", "stack_column"):
+            kw["stack_rows"] = tuple(s[0] for s in unit.shapes)
+        return kw
 
     def _senders(self, unit: Unit) -> tuple[int, ...]:
         """Global ranks whose piece of ``unit`` the gatherer needs, in TP order (empty pieces dropped)."""
         ranks = self._topo.stage_ranks(unit.stage)
-        if unit.kind == "replicated":
+        if KIND_DIM[unit.kind] is None:  # every TP rank holds all of it (norms, duplicated linears)
             return ranks[:1]
         if unit.kind == "vocab":
             return tuple(r for t, r in enumerate(ranks) if self._piece_rows(unit, t) > 0)
@@ -402,7 +467,7 @@ class MegatronSource(WeightSource):
             piece_shape=self._piece_shape(unit, 0),
             out_shapes=unit.shapes,
             dtype=self.dtype,
-            **self._geometry_kw(),
+            **self._geometry_kw(unit),
         )
 
     def _gather_to(self, unit: Unit, dst: int, stats: PassStats) -> list[torch.Tensor] | None:
@@ -481,7 +546,7 @@ class MegatronSource(WeightSource):
                 elif dense:
                     pieces = self._gather_to(unit, 0, stats)
                     if pieces is not None:
-                        outs = concat_shards(unit.kind, pieces, **self._geometry_kw())
+                        outs = concat_shards(unit.kind, pieces, **self._geometry_kw(unit))
                         # Outputs that are views of a received piece are already held; count the copies.
                         have = {p.untyped_storage().data_ptr() for p in pieces}
                         stats.hold(sum(nbytes(o.shape, o.dtype) for o in outs if o.untyped_storage().data_ptr() not in have))
@@ -517,7 +582,7 @@ class MegatronSource(WeightSource):
                         continue
                     outs = concat_shards(unit.kind, pieces)
                 else:
-                    outs = local_split(unit.kind, self._piece(unit, stats), **self._geometry_kw())
+                    outs = local_split(unit.kind, self._piece(unit, stats), **self._geometry_kw(unit))
                 for name, out in zip(unit.names, outs):
                     stats.yielded(out.numel() * out.element_size())
                     yield name, out

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from .layout import split_glu, split_qkv
+from .layout import split_glu, split_qkv, split_stack
 
 __all__ = ["LocalStep", "local_step", "mark_precast", "precast", "PRECAST_MAX_NUMEL", "PRECAST_CAP_BYTES"]
 
@@ -69,6 +69,7 @@ def local_step(
     dtype: torch.dtype,
     heads_per_group: int,
     head_dim: int,
+    stack_rows: tuple[int, ...] = (),
 ) -> LocalStep:
     """The step for a unit of layout ``kind`` whose whole tensor is ``param`` (``piece_shape`` after
     the vocabulary trim to ``rows``), yielding ``out_shapes`` in ``dtype``."""
@@ -78,6 +79,8 @@ def local_step(
         split, copied = partial(split_qkv, heads_per_group=heads_per_group, head_dim=head_dim), piece
     elif kind == "glu":
         split, copied = split_glu, 0
+    elif kind in ("stack", "stack_column"):
+        split, copied = partial(split_stack, rows=tuple(stack_rows)), 0
     else:
         split, copied = _whole, 0
     return LocalStep(param, rows, split, cast + copied, tuple(nbytes(s, dtype) for s in out_shapes))

@@ -9,6 +9,8 @@ the source then checks them against each local layer's ``layer_number``.
 
 A plan is a list of ``Unit``: one Megatron parameter, exported as one or more HF tensors (QKV -> q,
 k, v; GLU fc1 -> gate, up). Units come in HF order: embedding, layers 0..L-1, final norm, lm_head.
+A unit's TP-shard shape follows from its full HF shapes and its layout kind (``layout.shard_shape``);
+MLA attention shapes come from ``megatron_mla`` and its kinds from the modules (``resolve_kinds``).
 
 The MLP half of each layer comes from a handler chosen by ``mlp_kind`` (``register_mlp_handler``),
 so MoE layers can be added without touching the rest: a MoE layer's plan holds its attention units and
@@ -22,7 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import UnmappedParameterError
-from .families import ATTENTION, DENSE_MLP, GLOBAL, HF_LAYER_PREFIX, Entry, Family
+from .families import DENSE_MLP, GLOBAL, HF_LAYER_PREFIX, Entry, Family
+from .layout import shard_shape
+from .megatron_mla import MLAGeometry, mla_full_shapes
 
 __all__ = [
     "Geometry",
@@ -48,6 +52,7 @@ class Geometry:
     layers: int
     tied: bool
     tp: int
+    mla: MLAGeometry | None = None  # multi-head latent attention sizes (None: fused linear_qkv)
 
     @property
     def heads_per_group(self) -> int:
@@ -67,26 +72,30 @@ class Unit:
     shard_shape: tuple[int, ...]  # the Megatron parameter's shape on each TP rank
 
 
-def _shapes(suffix: str, g: Geometry) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
-    """(full HF shapes, Megatron TP-shard shape) of one layer-relative Megatron parameter."""
-    h, d, tp = g.hidden, g.head_dim, g.tp
+def _shapes(suffix: str, g: Geometry) -> tuple[tuple[int, ...], ...]:
+    """Full HF shapes of one layer-relative Megatron parameter, in HF order."""
+    if g.mla is not None:
+        mla = mla_full_shapes(suffix, g.mla)
+        if mla is not None:
+            return mla
+    h, d = g.hidden, g.head_dim
     q, kv = g.heads * d, g.groups * d
     if suffix == "self_attention.linear_qkv.weight":
-        return ((q, h), (kv, h), (kv, h)), ((q + 2 * kv) // tp, h)
+        return ((q, h), (kv, h), (kv, h))
     if suffix == "self_attention.linear_qkv.bias":
-        return ((q,), (kv,), (kv,)), ((q + 2 * kv) // tp,)
+        return ((q,), (kv,), (kv,))
     if suffix == "self_attention.linear_proj.weight":
-        return ((h, q),), (h, q // tp)
+        return ((h, q),)
     if suffix in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
-        return ((d,),), (d,)
+        return ((d,),)
     if suffix == "mlp.linear_fc1.weight":
-        return ((g.ffn, h), (g.ffn, h)), (2 * g.ffn // tp, h)
+        return ((g.ffn, h), (g.ffn, h))
     if suffix == "mlp.linear_fc1.bias":
-        return ((g.ffn,), (g.ffn,)), (2 * g.ffn // tp,)
+        return ((g.ffn,), (g.ffn,))
     if suffix == "mlp.linear_fc2.weight":
-        return ((h, g.ffn),), (h, g.ffn // tp)
+        return ((h, g.ffn),)
     # norms and row-parallel biases: replicated, hidden-sized
-    return ((h,),), (h,)
+    return ((h,),)
 
 
 # ---- MLP handlers -------------------------------------------------------------------------------
@@ -168,8 +177,12 @@ def build_plan(
     pp: int,
     vpp: int,
     local_layer_names: dict[int, list[str]] | None = None,
+    attention: dict[str, Entry] | None = None,
 ) -> list[Unit]:
-    """Every unit of the export, in HF order. Pure: no tensors, no communication."""
+    """Every unit of the export, in HF order. Pure: no tensors, no communication.
+
+    ``attention``: the layer-relative attention entries (default: the family's table for
+    ``hf_config``); ``MegatronSource`` passes MLA entries with kinds resolved from the modules."""
     g = geometry
     local_layer_names = local_layer_names or {}
     placement = layer_placement(mcfg, pp, vpp)
@@ -183,7 +196,8 @@ def build_plan(
         return Unit((role,), stage, chunk, entry.kind, entry.hf, (full,), shard)
 
     units.append(global_unit("embedding.word_embeddings.weight", 0, 0))
-    attention = {k: e for k, e in family.layer_keys(hf_config).items() if k in ATTENTION}
+    if attention is None:
+        attention = {k: e for k, e in family.layer_keys(hf_config).items() if k not in DENSE_MLP}
     for layer, (stage, chunk, _) in enumerate(placement):
         kind = mlp_kind(mcfg, layer)
         handler = _MLP_HANDLERS.get(kind)
@@ -192,7 +206,8 @@ def build_plan(
         mlp = handler(family, hf_config, mcfg, layer, local_layer_names.get(layer, []))
         prefix = HF_LAYER_PREFIX.format(layer)
         for suffix, entry in {**attention, **mlp}.items():
-            full, shard = _shapes(suffix, g)
+            full = _shapes(suffix, g)
+            shard = shard_shape(entry.kind, full, g.tp)
             units.append(
                 Unit(
                     ("layer", layer, suffix),

@@ -5,6 +5,13 @@ Invariant: every parameter of every local model chunk is either bound to exactly
 reported as unmapped -- nothing is dropped silently. The global layer is read from the layer
 module's own 1-based ``layer_number`` (Megatron already applied the PP/VPP offset), not recomputed.
 TE fused-norm names bind to the same key as their local-spec names.
+
+Each bound parameter also carries the dim along which Megatron's own module splits it over TP
+(``tp_split_dim``): megatron-core's ``ColumnParallelLinear`` / ``RowParallelLinear`` tag their
+weights ``tensor_model_parallel`` + ``partition_dim`` (what ``sharded_state_dict`` shards by);
+Transformer-Engine linears declare ``parallel_mode`` (``"column"`` / ``"row"``, or ``None`` for
+megatron's ``"duplicated"`` ``TELinear``, which every TP rank holds whole). Layouts that differ
+between specs -- MLA's down projections -- are read from here instead of being assumed.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ import torch
 
 from .families import GLOBAL, canonical_suffix
 
-__all__ = ["Bound", "model_chunks", "walk_chunks"]
+__all__ = ["Bound", "model_chunks", "tp_split_dim", "walk_chunks"]
+
+_ABSENT = object()
 
 
 @dataclass(frozen=True)
@@ -26,6 +35,30 @@ class Bound:
     param: torch.Tensor
     name: str  # Megatron name inside its chunk, for messages
     chunk: int
+    tp_dim: int | None = None  # dim TP ranks hold different pieces of (None: every rank holds it whole)
+
+
+def tp_split_dim(module: torch.nn.Module, attr: str, param: torch.Tensor) -> int | None:
+    """The dim along which ``module.<attr>`` is split over TP ranks, as Megatron's module declares it.
+
+    TE modules: ``parallel_mode`` ("column" -> 0, "row" -> 1 for matrices; ``None`` = duplicated);
+    their fused ``layer_norm_*`` and a row-parallel bias are replicated. Megatron-core's own layers:
+    the ``tensor_model_parallel`` / ``partition_dim`` attributes they set on their parameters.
+    """
+    if attr.startswith("layer_norm_"):
+        return None
+    mode = getattr(module, "parallel_mode", _ABSENT)
+    if mode is not _ABSENT and not isinstance(mode, str | type(None)):
+        mode = _ABSENT  # not TE's attribute (e.g. a mock): fall back to the parameter's tags
+    if mode is not _ABSENT:
+        if mode == "column":
+            return 0
+        if mode == "row" and param.dim() > 1:
+            return 1
+        return None
+    if getattr(param, "tensor_model_parallel", False):
+        return int(getattr(param, "partition_dim", 0))
+    return None
 
 
 def _unwrap(module: Any) -> torch.nn.Module:
@@ -64,7 +97,7 @@ def walk_chunks(
     layer_names: dict[int, list[str]] = {}
     for v, chunk in enumerate(chunks):
         layers = getattr(chunk.decoder, "layers", [])
-        for name, param in chunk.named_parameters():
+        for name, param, tp_dim in _parameters(chunk):
             key: tuple | None = None
             if name in GLOBAL:
                 key = (GLOBAL[name][0],)
@@ -78,5 +111,16 @@ def walk_chunks(
             if key is None or key in bound:
                 unmapped.append(f"chunk{v}:{name}")
                 continue
-            bound[key] = Bound(param, name, v)
+            bound[key] = Bound(param, name, v, tp_dim)
     return bound, unmapped, layer_names
+
+
+def _parameters(chunk: torch.nn.Module):
+    """``(name, param, tp_dim)`` in ``named_parameters()`` order (shared parameters once)."""
+    owner: dict[int, tuple[torch.nn.Module, str]] = {}
+    for mod_name, mod in chunk.named_modules():
+        for attr, p in mod.named_parameters(recurse=False):
+            owner.setdefault(id(p), (mod, attr))
+    for name, param in chunk.named_parameters():
+        mod, attr = owner[id(param)]
+        yield name, param, tp_split_dim(mod, attr, param)
