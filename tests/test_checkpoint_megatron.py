@@ -1,6 +1,6 @@
-"""Checkpoints written from Megatron-core by ``save_safetensors`` (dense TP2 / PP2 / PP2xVPP2, MoE EP2
-per-expert and fused), read back by ``SafetensorsSource`` through the loopback backend, and a failure
-injected on rank 1 mid-export.
+"""Checkpoints written from Megatron-core by ``save_safetensors`` (dense TP2 / PP2 / PP2xVPP2; MoE EP2,
+per-expert and fused), read back by ``SafetensorsSource`` through the loopback backend,
+and failures injected on rank 1 of a PP2 export.
 
 Oracles nobody here wrote:
 
@@ -14,7 +14,8 @@ Oracles nobody here wrote:
   what it loaded; its own per-expert -> fused conversion for the fused MoE folder;
 * the loopback receiver's SHA-256 of what it loaded (the vLLM ``/weight_checker`` digests).
 
-Two gloo worlds of 2 ranks (dense, MoE), each running many checks; the parent asserts on the folders.
+Two gloo worlds of 2 ranks (dense, MoE), each running many exports; the parent process reads
+the folders and asserts. The loopback receiver runs in a process of its own.
 """
 
 from __future__ import annotations
@@ -47,13 +48,15 @@ DENSE = {
 }
 VPP = ("qwen3", 1, 2, 2, 4)  # family, tp, pp, vpp, layers: random Megatron init, dcp oracle
 MOE = dict(layers=2, experts=4, hidden=16, moe_ffn=12, shared=None)
-#: MoE parallel layouts, one 4-rank world: EP2 (x DP2), and TP2 x EP2 with expert TP 1.
-MOE_PHASES = {"ep2": dict(ep=2), "tp2_ep2": dict(tp=2, ep=2, etp=1)}
+#: MoE parallel layouts exported in one world of MOE_RANKS ranks. TP2 x EP2 (``dict(tp=2, ep=2,
+#: etp=1)``, 4 ranks) passes too, but its world doubles this file's MoE cost on a 2-core box.
+MOE_PHASES = {"ep2": dict(ep=2)}
+MOE_RANKS = 2
 IDS = [[1, 5, 9, 200, 17], [7, 3, 249, 0, 42]]
 
 
 def _report(r) -> dict:
-    return dataclasses.asdict(r) if dataclasses.is_dataclass(r) else dict(vars(r))
+    return dataclasses.asdict(r)  # SaveReport, picklable without the package's classes
 
 
 def _params(model) -> dict[str, torch.Tensor]:
@@ -157,9 +160,11 @@ def _dense_world(rank, world_size, *, tmp, url, port):
     fresh = _params(flat)
     mw.dcp_load(flat, f"{tmp}/vpp-dcp")
     if rank == 0:
-        facts["vpp_dcp"] = _params(flat)
-        facts["vpp_dcp_loaded"] = sum(not torch.equal(fresh[n], t) for n, t in facts["vpp_dcp"].items())
-        # the folder's tensors, imported into a TP1 model by the documented layout (test importer)
+        ref = _params(flat)
+        facts["vpp_dcp_n"] = len(ref)
+        facts["vpp_dcp_loaded"] = sum(not torch.equal(fresh[n], t) for n, t in ref.items())
+        # the folder's tensors, written into a TP1 model by the documented layout (test importer),
+        # must be exactly what Megatron's resharding put there; vocab padding rows are not exported
         from safetensors.torch import load_file
 
         folder = {}
@@ -168,7 +173,12 @@ def _dense_world(rank, world_size, *, tmp, url, port):
                 folder.update(load_file(f"{tmp}/vpp/{f}"))
         back = mw.megatron_model(cfg)
         mw.import_hf(back, folder, cfg)
-        facts["vpp_imported"] = _params(back)
+        got = _params(back)
+        for n in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            got[n], ref[n] = got[n][: cfg.vocab_size], ref[n][: cfg.vocab_size]
+        facts["vpp_vs_dcp"] = sorted(set(got) ^ set(ref)) + [
+            n for n in ref if n in got and not torch.equal(got[n], ref[n])
+        ]
 
     # -- PP2 (llama, tied): export, SafetensorsSource -> loopback, injected failures ------------------
     family, tied, tp, pp, _, layers = DENSE["pp2"]
@@ -379,12 +389,8 @@ def test_vpp_folder_equals_megatron_dist_checkpointing_reshard(dense, tmp_path):
     got = _folder(path)
     want = _save_pretrained(mw.hf_model(cfg), tmp_path / "oracle", LIMIT)
     assert _diff(got, want, values=False) == []
-    ref, back = facts[0]["vpp_dcp"], facts[0]["vpp_imported"]
-    assert facts[0]["vpp_dcp_loaded"] == len(ref)  # the load replaced every tensor: not vacuous
-    vocab_rows = {"embedding.word_embeddings.weight", "output_layer.weight"}  # padding is not exported
-    bad = [n for n in ref if not torch.equal(back[n][: cfg.vocab_size] if n in vocab_rows else back[n],
-                                             ref[n][: cfg.vocab_size] if n in vocab_rows else ref[n])]
-    assert sorted(back) == sorted(ref) and bad == []
+    assert facts[0]["vpp_vs_dcp"] == []
+    assert facts[0]["vpp_dcp_loaded"] == facts[0]["vpp_dcp_n"] > 0  # the load replaced every tensor
     _check_report(facts[0]["vpp"], got, path)
     _check_loadable(path, got, tmp_path / "resaved", LIMIT)
 
@@ -414,10 +420,12 @@ def test_failure_on_rank1_leaves_no_folder_and_every_rank_raises(dense):
     facts, tmp = dense["facts"], dense["tmp"]
     for case in ("fail_after", "fail_mid"):
         errs = {r: facts[r][case] for r in (0, 1)}
-        assert all(e is not None for e in errs.values()), (case, errs)
+        assert all(e is not None and e.startswith("CheckpointError") for e in errs.values()), (case, errs)
+        assert all(str(tmp / case) in e for e in errs.values()), (case, errs)  # names the folder
         assert "injected failure on rank 1" in errs[1], errs[1]
         assert "rank 1" in errs[0], (case, errs[0])  # rank 0 says who failed (or whom it waited for)
         assert not os.path.exists(tmp / case), case
+    assert "injected failure on rank 1 after its sends" in facts[0]["fail_after"]  # quotes rank 1's error
     assert facts[1]["fail_mid_sends"] == 3
     assert facts[0]["fail_mid_s"] < 20 + 30  # within the source's timeout_s (20 s) plus slack
     # nothing else beside them either: no staging folder left behind
@@ -458,7 +466,7 @@ def moe(tmp_path_factory):
     from moe_megatron import load_full_checkpoint
 
     tmp = tmp_path_factory.mktemp("moe")
-    facts = run_world(_moe_world, 4, timeout=500, tmp=str(tmp))
+    facts = run_world(_moe_world, MOE_RANKS, timeout=500, tmp=str(tmp))
     return dict(tmp=tmp, facts=facts, ck={p: load_full_checkpoint(str(tmp / p / "megatron")) for p in MOE_PHASES})
 
 
@@ -487,7 +495,7 @@ def _expected_moe_model(ck, hf) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("phase", list(MOE_PHASES))
 def test_moe_per_expert_folder_equals_megatron_checkpoint(moe, phase, tmp_path):
-    """qwen3-MoE at EP2 and TP2xEP2, per-expert: names, dtypes, shapes, the split and the index are
+    """qwen3-MoE at EP2, per-expert: names, dtypes, shapes, the split and the index are
     save_pretrained's for the same config; every tensor is Megatron's own (dist_checkpointing saved
     sharded, assembled full by torch's DCP reader) under its HF name, q/k/v through the per-group
     fused layout; from_pretrained loads it whole and save_pretrained writes the same tensors back."""
@@ -537,8 +545,9 @@ def test_moe_fused_folder_is_the_refusion_of_per_expert(moe, phase):
     mapping = RoutedExperts.build_expert_params_mapping("gate_proj", "down_proj", "up_proj", E, include_fused=True)
     for i in range(hf.num_hidden_layers):
         spec = HFMoENames(hf).layer(i).experts
-        gate_up = torch.stack([torch.cat([expected[spec.expert_name(e, "gate")], expected[spec.expert_name(e, "up")]]) for e in range(E)])
-        down = torch.stack([expected[spec.expert_name(e, "down")] for e in range(E)])
+        piece = lambda e, kind: expected[spec.expert_name(e, kind)]  # noqa: E731
+        gate_up = torch.stack([torch.cat([piece(e, "gate"), piece(e, "up")]) for e in range(E)])
+        down = torch.stack([piece(e, "down") for e in range(E)])
         assert torch.equal(f[spec.fused_gate_up], gate_up) and torch.equal(f[spec.fused_down], down), i
         for name, shards in ((spec.fused_gate_up, [(0, "w1"), (1, "w3")]), (spec.fused_down, [(0, "w2")])):
             hits = [(e, sid) for _, w, e, sid in mapping if w in name and "." not in w.split("experts.", 1)[1]]
