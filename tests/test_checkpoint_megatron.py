@@ -106,6 +106,13 @@ class _FailingIsend:
         return self.real(*a, **k)
 
 
+def _no_space(fd, offset, length):
+    """``os.posix_fallocate`` on a full disk."""
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+
 def _imported(family: str, tied: bool, tp: int, pp: int, layers: int, tmp: str):
     """HF model (seed 0) -> save_pretrained -> this rank's Megatron shards (test importer)."""
     cfg = mw.hf_config(family, tied=tied, layers=layers)
@@ -192,14 +199,22 @@ def _dense_world(rank, world_size, *, tmp, url, port):
     engine = WeightTransferTrainerFactory.trainer_init(info, client=ReceiverClient(url), source=reader)
     engine.send_weights()
     facts["loopback_tensors"] = engine.last_send.tensors
+    src = MegatronSource(model, hf_config=cfg, timeout_s=20)  # the failures below wait 20 s at most
+    # rank 0's disk cannot hold the checkpoint: the writer's up-front reservation fails (ENOSPC)
+    real_fallocate = os.posix_fallocate
+    if rank == 0:
+        os.posix_fallocate = _no_space
+    try:
+        facts["disk_full"] = errors_of(save, src, "disk_full", config=cfg)
+    finally:
+        os.posix_fallocate = real_fallocate
     # rank 1 fails after every send completed: rank 0 has all the bytes and must still not commit
-    src = MegatronSource(model, hf_config=cfg, timeout_s=20)
     facts["fail_after"] = errors_of(save, _fail_after_sends(src), "fail_after", config=cfg)
     # rank 1 fails at its 3rd send (mid-export); the process group is spent after this: last step
     if rank == 1:
         dist.isend = _FailingIsend(after=3)
     t0 = time.monotonic()
-    facts["fail_mid"] = errors_of(save, MegatronSource(model, hf_config=cfg, timeout_s=20), "fail_mid", config=cfg)
+    facts["fail_mid"] = errors_of(save, src, "fail_mid", config=cfg)
     facts["fail_mid_s"] = time.monotonic() - t0
     if rank == 1:
         facts["fail_mid_sends"] = dist.isend.calls
@@ -414,9 +429,10 @@ def test_safetensors_source_of_megatron_folder_through_loopback(dense):
     assert torch.equal(rec["logits"], _logits(model).float())
 
 
-def test_failure_on_rank1_leaves_no_folder_and_every_rank_raises(dense):
+def test_failure_on_any_rank_leaves_no_folder_and_every_rank_raises(dense):
     """PP2: rank 1 fails after its sends (rank 0 holds every byte) or at its 3rd send (rank 0 waits on
-    it): no folder under the path, nothing left beside it, and both ranks raise."""
+    it), or rank 0's disk is full: no folder under the path, nothing left beside it, both ranks raise
+    CheckpointError naming the folder and the cause."""
     facts, tmp = dense["facts"], dense["tmp"]
     for case in ("fail_after", "fail_mid"):
         errs = {r: facts[r][case] for r in (0, 1)}
@@ -426,6 +442,11 @@ def test_failure_on_rank1_leaves_no_folder_and_every_rank_raises(dense):
         assert "rank 1" in errs[0], (case, errs[0])  # rank 0 says who failed (or whom it waited for)
         assert not os.path.exists(tmp / case), case
     assert "injected failure on rank 1 after its sends" in facts[0]["fail_after"]  # quotes rank 1's error
+    # a full disk on the writer: both ranks raise before any tensor moves, quoting ENOSPC
+    for r in (0, 1):
+        err = facts[r]["disk_full"]
+        assert err is not None and err.startswith("CheckpointError") and "No space left" in err, (r, err)
+    assert not os.path.exists(tmp / "disk_full")
     assert facts[1]["fail_mid_sends"] == 3
     assert facts[0]["fail_mid_s"] < 20 + 30  # within the source's timeout_s (20 s) plus slack
     # nothing else beside them either: no staging folder left behind
