@@ -16,9 +16,9 @@ gloo ranks, against oracles we did not write:
 * ``weightsync check`` (one torchrun launch) exits 0 with every name and shape of
   ``save_pretrained``.
 
-Both MLA variants: with ``q_lora_rank`` (DeepSeek-V3) and without it (DeepSeek-V2-Lite style
-``q_proj``). Sizes make every MLA dimension differ, so a transposed or mis-split tensor cannot pass
-a shape check by accident.
+Both MLA variants of ``tests/mla_models`` (the ``tiny-deepseek-v3`` presets): with ``q_lora_rank``
+(DeepSeek-V3) and without it (DeepSeek-V2-Lite style ``q_proj``). Every MLA dimension differs, so a
+transposed or mis-split tensor cannot pass a shape check by accident.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import os
 import re
-import tempfile
 from typing import Any
 
 import pytest
@@ -36,13 +35,7 @@ from worlds import free_port, run_world
 
 pytestmark = pytest.mark.slow
 
-#: Every MLA dimension distinct: q_b_proj [H*(nope+rope), q_lora], kv_a_proj_with_mqa
-#: [kv_lora+rope, hidden], kv_b_proj [H*(nope+v), kv_lora], o_proj [hidden, H*v].
-MLA_SIZES = dict(q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5)
-VARIANTS: dict[str, dict[str, Any]] = {
-    "q_lora": dict(MLA_SIZES),
-    "no_q_lora": dict(MLA_SIZES, q_lora_rank=None),
-}
+VARIANTS = ("q_lora", "no_q_lora")
 SEED = 3
 RECEIVER_SEED = 11
 IDS = [[3, 17, 42, 5, 60, 1, 33, 8], [9, 9, 27, 50, 2, 44, 13, 61]]
@@ -53,9 +46,18 @@ KEPT_FP32 = re.compile(r"\.mlp\.gate\.(weight|e_score_correction_bias)$")
 
 
 def _model(variant: str, seed: int = SEED) -> torch.nn.Module:
+    """The variant's preset (``mla_models``), every parameter and buffer random (``moe_models``)."""
+    from mla_models import VARIANTS as PRESET_OF
     from moe_models import tiny_model
 
-    return tiny_model("deepseek_v3", seed=seed, **VARIANTS[variant])
+    from weightsync.plugins.presets import PRESETS
+
+    fields = {k: v for k, v in PRESETS[PRESET_OF[variant]].items() if k != "model_type"}
+    return tiny_model("deepseek_v3", seed=seed, **fields)
+
+
+def _moe_layers(config) -> list[int]:
+    return list(range(config.first_k_dense_replace, config.num_hidden_layers))
 
 
 def _world(rank: int, world_size: int, *, ports: dict[str, int], urls: dict[str, str]) -> bytes:
@@ -155,19 +157,23 @@ def _dtype_shape(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple
     return {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()}
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_fp32_export_equals_save_pretrained(world, variant):
     from moe_models import saved_state_dict
     from test_fsdp import assert_same_tensors
 
     res, _, _ = world
-    saved = saved_state_dict(_model(variant))
+    ref = _model(variant)
+    saved = saved_state_dict(ref)
+    last = _moe_layers(ref.config)[-1]
     attn = {n.split("self_attn.")[1] for n in saved if ".layers.1.self_attn." in n}
-    q = {"q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"} if variant == "q_lora" else {"q_proj.weight"}
+    q = {"q_proj.weight"}
+    if variant == "q_lora":
+        q = {"q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"}
     assert attn == q | {"kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"}
     assert "model.layers.0.mlp.gate_proj.weight" in saved  # first_k_dense_replace=1: a dense layer
-    assert "model.layers.2.mlp.shared_experts.up_proj.weight" in saved
-    assert "model.layers.2.mlp.gate.e_score_correction_bias" in saved
+    assert f"model.layers.{last}.mlp.shared_experts.up_proj.weight" in saved
+    assert f"model.layers.{last}.mlp.gate.e_score_correction_bias" in saved
     for rank, facts in res.items():
         f = facts[variant]
         assert_same_tensors(f["fp32"], saved, f"rank {rank} {variant} fp32")
@@ -179,7 +185,7 @@ def test_fp32_export_equals_save_pretrained(world, variant):
 
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_bf16_wire_equals_save_pretrained_in_bf16(world, variant):
     """bf16 on the wire: transformers' own bf16 cast, byte for byte, except the router weight and
     the score-correction bias, which travel in fp32 (their fp32 checkpoint bytes); metadata
@@ -191,7 +197,7 @@ def test_bf16_wire_equals_save_pretrained_in_bf16(world, variant):
     fp32 = saved_state_dict(ref)
     bf16 = saved_state_dict(copy.deepcopy(ref).to(torch.bfloat16))
     kept = sorted(n for n in fp32 if KEPT_FP32.search(n))
-    assert kept == [f"model.layers.{i}.mlp.gate.{leaf}" for i in (1, 2)
+    assert kept == [f"model.layers.{i}.mlp.gate.{leaf}" for i in _moe_layers(ref.config)
                     for leaf in ("e_score_correction_bias", "weight")]
     want = {n: (fp32[n] if n in kept else bf16[n]) for n in fp32}
     for rank, facts in res.items():
@@ -208,7 +214,7 @@ def test_bf16_wire_equals_save_pretrained_in_bf16(world, variant):
     assert res[1][variant]["nccl_nonsender_tensors"] == len(want)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_export_loads_with_from_pretrained_and_gives_the_same_logits(world, variant, tmp_path):
     """The per-expert export written as a checkpoint is one transformers loads strictly (its own
     per-expert -> fused conversion), and the loaded model computes the trainer's logits."""
@@ -228,7 +234,7 @@ def test_export_loads_with_from_pretrained_and_gives_the_same_logits(world, vari
     assert not torch.allclose(_logits(_from_pretrained(str(tmp_path / "bad"))[0]), want, atol=1e-3)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_loopback_received_model_reloads_with_the_trainer_logits(world, variant, tmp_path):
     """FSDPSource (fused experts on the wire) -> loopback engine -> a transformers DeepSeek-V3
     receiver of another init; the receiver's ``save_pretrained`` re-loaded by ``from_pretrained``
@@ -256,17 +262,10 @@ def test_check_cli_deepseek_v3_fsdp_two_ranks():
     ``save_pretrained``."""
     from test_demo_cli import _listed, _run, _saved
 
-    from weightsync.plugins.presets import PRESETS, build_model, load_config
+    from weightsync.plugins.presets import build_model, load_config
 
-    with tempfile.TemporaryDirectory() as d:
-        if "tiny-deepseek-v3" in PRESETS:
-            args, config = ["--model", "tiny-deepseek-v3"], load_config("tiny-deepseek-v3")
-        else:  # the preset is added with MegatronSource's MLA support; the same check via --config
-            config = _model("q_lora").config
-            config.save_pretrained(d)
-            args = ["--config", os.path.join(d, "config.json")]
-        saved = _saved(build_model(config))
-        r = _run("check", *args, "--nproc", "2", "--show", "1000")
+    saved = _saved(build_model(load_config("tiny-deepseek-v3")))
+    r = _run("check", "--model", "tiny-deepseek-v3", "--nproc", "2", "--show", "1000")
     out = r.stdout
     assert r.returncode == 0, (out, r.stderr[-3000:])
     assert out.strip().endswith("PASS") and "layout fsdp x2" in out

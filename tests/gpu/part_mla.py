@@ -162,8 +162,8 @@ def run_variant(variant: str, device: str, facts: Facts) -> None:
                     per_layer == mla_tensors_per_layer(list(layout))
                     and all(v == expected for v in per_layer.values())
                     and sorted(per_layer) == list(range(cfg.num_hidden_layers)), per_layer)
-        facts.number(f"{tag} MLA tensors per layer",
-                     f"{len(expected)} x {len(per_layer)} layers ({', '.join(n.removesuffix('.weight') for n in expected)})")
+        leaves = ", ".join(n.removesuffix(".weight") for n in expected)
+        facts.number(f"{tag} MLA tensors per layer", f"{len(expected)} x {len(per_layer)} layers ({leaves})")
         bias = {n: t for n, t in exported.items() if n.endswith("e_score_correction_bias")}
         router_bias = {int(n.split(".")[2]): b.detach().cpu() for n, b in model.named_buffers()
                        if n.endswith("router.expert_bias")}
