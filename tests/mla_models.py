@@ -55,6 +55,90 @@ def fused_down_spec(spec: Any) -> Any:
     return spec
 
 
+# ---- Transformer-Engine spec names without TE (construction-only test doubles) ---------------------
+
+
+class DuplicatedLinear(torch.nn.Module):
+    """Stand-in for megatron's ``TELinear(parallel_mode="duplicated")`` (the TE spec's MLA down
+    projections): the whole ``[out, in]`` weight on every TP rank, ``parallel_mode`` None as TE
+    stores it, and megatron's duplicated ``sharded_state_dict`` (replicated over TP)."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any, init_method: Any, bias: bool = False,
+                 parallel_mode: str | None = None, **_: Any) -> None:
+        super().__init__()
+        assert parallel_mode == "duplicated" and not bias, (parallel_mode, bias)
+        self.parallel_mode = None
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        init_method(self.weight)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        raise NotImplementedError("test double: names and TP layout only")
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> Any:
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, None, sharded_offsets,
+            tp_group=ps.get_tensor_model_parallel_group(), dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )
+
+
+def _norm_linear_class() -> type:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    class LayerNormColumnParallelLinear(ColumnParallelLinear):
+        """Stand-in for ``TELayerNormColumnParallelLinear``: megatron's column-parallel weight plus
+        the fused norm's ``layer_norm_weight`` (replicated; not in the TP axis map, as in TE)."""
+
+        def __init__(self, input_size: int, output_size: int, *, config: Any, **kw: Any) -> None:
+            super().__init__(input_size, output_size, config=config, **kw)
+            self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
+
+        def forward(self, x: torch.Tensor) -> Any:
+            raise NotImplementedError("test double: names and TP layout only")
+
+    return LayerNormColumnParallelLinear
+
+
+def te_like_spec(spec: Any) -> Any:
+    """``spec``'s MLA with the TE spec's module layout (megatron-core 0.16 ``gpt_layer_specs``):
+    duplicated down projections, the latent norms fused into the up projections. Build inside
+    ``te_like_build()``, which lets megatron's MLA recognise the duplicated linear as ``TELinear``."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    norm_linear = _norm_linear_class()
+    for layer in getattr(spec, "layer_specs", None) or [spec]:
+        sub = layer.submodules.self_attention.submodules
+        sub.linear_q_down_proj = sub.linear_kv_down_proj = DuplicatedLinear
+        sub.linear_q_up_proj = sub.linear_kv_up_proj = norm_linear
+        sub.q_layernorm = sub.kv_layernorm = IdentityOp
+    return spec
+
+
+@contextlib.contextmanager
+def te_like_build() -> Iterator[None]:
+    """megatron's MLA passes ``parallel_mode="duplicated"`` to a down projection that *is*
+    ``TELinear``; during the build, ``DuplicatedLinear`` is that class."""
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    saved = mla.TELinear
+    mla.TELinear = DuplicatedLinear
+    try:
+        yield
+    finally:
+        mla.TELinear = saved
+
+
+def te_like_unsupported() -> str | None:
+    """megatron-core 0.17+ only fuses latent norms into TE's own class (QKNormConfigResolver)."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron.core.transformer.mla_qk_norm_config"):
+        return "megatron-core >= 0.17 accepts fused latent norms only from Transformer Engine itself"
+    return None
+
+
 def has_fused_down() -> bool:
     """Whether this megatron-core has ``FusedMLASelfAttention`` (0.17+)."""
     try:

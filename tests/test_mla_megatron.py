@@ -12,13 +12,15 @@ nobody here wrote:
   order swapped) that move the logits far beyond the tolerance;
 * MLA variants that cannot be mapped raise at construction on every rank, naming the field.
 
-Layouts: TP2, TP2 without q_lora_rank, EP2 (bf16 wire), PP2 x VPP2, a dense MLA in ``mode="local"``
-and, where megatron-core has it (0.17+), the fused ``linear_qkv_down_proj`` at TP2 (2 ranks);
-TP2 x EP2 and PP2 x EP2 (4 ranks).
+Layouts: TP2, TP2 without q_lora_rank, EP2 (bf16 wire), PP2 x VPP2, a dense MLA in ``mode="local"``,
+the TE spec's names and duplicated down projections at TP2 (TE is not installed: construction-only
+doubles of its two classes, megatron-core 0.16 only) and, where megatron-core has it (0.17+), the
+fused ``linear_qkv_down_proj`` at TP2 (2 ranks); TP2 x EP2 and PP2 x EP2 (4 ranks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tempfile
@@ -42,6 +44,8 @@ _ATTN = {
     "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
     "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
     "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",  # TE spec
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",  # TE spec
     "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
@@ -98,7 +102,7 @@ def _world(rank, world_size, *, root, layouts):
         name, variant = lay["name"], lay["variant"]
         why = mm.unsupported(variant) or (
             "megatron-core has no FusedMLASelfAttention (0.17+)" if lay.get("fused") and not mm.has_fused_down() else None
-        )
+        ) or (mm.te_like_unsupported() if lay.get("te") else None)
         if why:
             facts[name] = {"skip": why}
             continue
@@ -108,7 +112,9 @@ def _world(rank, world_size, *, root, layouts):
             chunks = mm.build_megatron(hf, par, overrides=lay["refuse"])
             facts[name] = {"error": errors_of(lambda: MegatronSource(chunks[0], hf_config=hf))}
             continue
-        chunks = mm.build_megatron(hf, par, spec_hook=mm.fused_down_spec if lay.get("fused") else None)
+        hook = mm.fused_down_spec if lay.get("fused") else mm.te_like_spec if lay.get("te") else None
+        with mm.te_like_build() if lay.get("te") else contextlib.nullcontext():
+            chunks = mm.build_megatron(hf, par, spec_hook=hook)
         model = chunks if par.vpp else chunks[0]
         os.makedirs(f"{root}/{name}", exist_ok=True)
         dcp_save(model, f"{root}/{name}")
@@ -116,6 +122,7 @@ def _world(rank, world_size, *, root, layouts):
         dtype = lay.get("dtype")
         src = MegatronSource(model, hf_config=hf, dtype=dtype)
         f: dict = {"meta": [(m.name, tuple(m.shape), str(m.dtype), m.owners) for m in src.metadata]}
+        f["kinds"] = {u.key[2]: u.kind for u in src.plan if u.key[0] == "layer"}
         f["layer_names"] = sorted({n.split(".", 3)[3] for c in chunks for n, _ in c.named_parameters()
                                    if n.startswith("decoder.layers.")})
         got = {n: t.clone() for n, t in src.iter_full()}
@@ -272,6 +279,8 @@ TWO_RANKS = [
     dict(name="pp2_vpp2", variant="q_lora", pp=2, vpp=2, hf=dict(num_hidden_layers=4)),
     dict(name="dense_tp2_local", variant="q_lora", tp=2, local=True, hf=dict(first_k_dense_replace=2)),
     dict(name="fused_down_tp2", variant="q_lora", tp=2, fused=True),
+    dict(name="fused_down_pp2", variant="q_lora", pp=2, fused=True),  # TP1: rank 0's local-step split
+    dict(name="te_names_tp2", variant="q_lora", tp=2, te=True),
     dict(name="no_latent_norms", variant="q_lora", tp=2, refuse={"qk_layernorm": False}),
 ]
 
@@ -310,6 +319,16 @@ def test_two_ranks_export_equals_save_pretrained_and_megatron_checkpoint(two_ran
     assert down in r0["layer_names"]
     q = "self_attention.linear_q_up_proj.weight" if lay["variant"] == "q_lora" else "self_attention.linear_q_proj.weight"
     assert q in r0["layer_names"]
+    # the down projections' TP layout as their modules declare it: column (local spec), duplicated (TE)
+    want_kind = {"fused": "stack_column", "te": "replicated"}
+    down_kind = next((k for flag, k in want_kind.items() if lay.get(flag)), "column")
+    assert r0["kinds"][down] == down_kind
+    assert r0["kinds"]["self_attention.linear_kv_up_proj.weight"] == "column"
+    assert r0["kinds"]["self_attention.linear_proj.weight"] == "row"
+    if lay.get("te"):  # TE names: latent norms fused into the up projections, no separate norm modules
+        assert "self_attention.linear_kv_up_proj.layer_norm_weight" in r0["layer_names"]
+        assert "self_attention.linear_q_up_proj.layer_norm_weight" in r0["layer_names"]
+        assert not any(n.endswith("q_layernorm.weight") or n.endswith("kv_layernorm.weight") for n in r0["layer_names"])
 
 
 def test_two_ranks_unmappable_variants_raise_on_every_rank(two_ranks):
@@ -355,3 +374,40 @@ def test_forward_logits_megatron_vs_transformers_from_export():
         # the controls show the check can fail: rope pairs and per-head kv order matter
         assert f["rope_ctrl"] > 10 * TOL and f["kvb_ctrl"] > 10 * TOL, (variant, f)
     assert "diff" in res["q_lora"]
+
+
+def test_te_and_local_mla_names_map_to_the_same_checkpoint_names():
+    """Names alone (no world): the TE spec's fused-norm names and megatron-core 0.17+'s fused down
+    projection map to the checkpoint names their local-spec counterparts map to."""
+    import mla_models as mm
+
+    from weightsync.sources.families import megatron_to_hf
+
+    cfg = mm.hf_config("q_lora")
+    pre = "decoder.layers.0.self_attention."
+    for te, local in (("linear_q_up_proj.layer_norm_weight", "q_layernorm.weight"),
+                      ("linear_kv_up_proj.layer_norm_weight", "kv_layernorm.weight")):
+        assert megatron_to_hf(pre + te, hf_config=cfg) == megatron_to_hf(pre + local, hf_config=cfg)
+    assert megatron_to_hf(pre + "kv_layernorm.weight", hf_config=cfg) == ("model.layers.0.self_attn.kv_a_layernorm.weight",)
+    assert megatron_to_hf(pre + "linear_qkv_down_proj.weight", hf_config=cfg) == (
+        "model.layers.0.self_attn.q_a_proj.weight", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+    )
+    assert megatron_to_hf(pre + "linear_qkv_down_proj.layer_norm_weight", hf_config=cfg) == (
+        "model.layers.0.input_layernorm.weight",
+    )
+
+
+def test_sparse_attention_variant_is_refused_by_name():
+    """DeepSeek-V3.2's sparse attention (megatron ``experimental_attention_variant="dsa"``) adds an
+    indexer DeepseekV3 has no tensors for: refused before any size is read."""
+    from types import SimpleNamespace
+
+    import mla_models as mm
+
+    from weightsync.sources.errors import UnmappedParameterError
+    from weightsync.sources.megatron_mla import mla_geometry
+
+    mcfg = SimpleNamespace(multi_latent_attention=True, qk_layernorm=True, rotary_interleaved=False,
+                           experimental_attention_variant="dsa")
+    with pytest.raises(UnmappedParameterError, match="rank 3: .*experimental_attention_variant='dsa'"):
+        mla_geometry(mm.hf_config("q_lora"), mcfg, family_is_mla=True, rank=3)
