@@ -151,8 +151,9 @@ class MegatronSource(WeightSource):
 
     Raises at construction (on every rank, before any byte moves): ``UnmappedParameterError`` for an
     unknown architecture, an MLA variant DeepseekV3 cannot express (``megatron_mla``), a Megatron
-    parameter the checkpoint has no name for, or MoE settings ``hf_config`` disagrees with; ``ValueError`` when the model and
-    ``hf_config`` disagree on a shape; ``NotImplementedError`` for ``mode="local"`` with MoE layers.
+    parameter the checkpoint has no name for, or MoE settings ``hf_config`` disagrees with;
+    ``ValueError`` when the model and ``hf_config`` disagree on a shape; ``NotImplementedError``
+    for ``mode="local"`` with MoE layers.
     """
 
     def __init__(
@@ -241,7 +242,9 @@ class MegatronSource(WeightSource):
 
     # ---- construction -----------------------------------------------------------------------
 
-    def _attention(self, hf_config: Any, bound: dict[tuple, Bound], layer_names: dict[int, list[str]]) -> dict[str, Entry]:
+    def _attention(
+        self, hf_config: Any, bound: dict[tuple, Bound], layer_names: dict[int, list[str]]
+    ) -> dict[str, Entry]:
         """MLA attention entries with each kind read from this rank's modules (``resolve_kinds``).
 
         Every local layer must declare the same split for a tensor; a fused ``linear_qkv_down_proj``

@@ -212,7 +212,8 @@ def resolve_kinds(entries: dict[str, Entry], tp_dims: dict[str, int | None], *, 
             continue
         dim = tp_dims[suffix]
         if dim not in allowed:
-            bad.append(f"{suffix} is split over TP along dim {dim}; DeepseekV3 export expects {sorted(allowed, key=str)}")
+            want = sorted(allowed, key=str)
+            bad.append(f"{suffix} is split over TP along dim {dim}; DeepseekV3 export expects one of {want}")
             continue
         out[suffix] = Entry(allowed[dim], entry.hf)
     if bad:

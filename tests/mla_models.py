@@ -218,7 +218,8 @@ def hf_logits(hf: Any, exported: dict[str, torch.Tensor], ids: torch.Tensor, dev
 
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
-        save_file({n: t.detach().to("cpu").contiguous() for n, t in exported.items()}, os.path.join(d, "model.safetensors"))
+        tensors = {n: t.detach().to("cpu").contiguous() for n, t in exported.items()}
+        save_file(tensors, os.path.join(d, "model.safetensors"))
         model, info = AutoModelForCausalLM.from_pretrained(
             d, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
         )

@@ -100,8 +100,9 @@ def _world(rank, world_size, *, root, layouts):
     facts: dict = {}
     for lay in layouts:
         name, variant = lay["name"], lay["variant"]
+        no_fused = lay.get("fused") and not mm.has_fused_down()
         why = mm.unsupported(variant) or (
-            "megatron-core has no FusedMLASelfAttention (0.17+)" if lay.get("fused") and not mm.has_fused_down() else None
+            "megatron-core has no FusedMLASelfAttention (0.17+)" if no_fused else None
         ) or (mm.te_like_unsupported() if lay.get("te") else None)
         if why:
             facts[name] = {"skip": why}
@@ -136,7 +137,9 @@ def _world(rank, world_size, *, root, layouts):
             f["local_error"] = errors_of(lambda: MegatronSource(model, hf_config=hf, mode="local"))
         if lay.get("refusals"):
             f["refusals"] = _refusals(model, variant)
-        f["unchanged"] = all(torch.equal(p, before[(v, n)]) for v, c in enumerate(chunks) for n, p in c.named_parameters())
+        f["unchanged"] = all(
+            torch.equal(p, before[(v, n)]) for v, c in enumerate(chunks) for n, p in c.named_parameters()
+        )
         if rank == 0:
             f["got"] = got
         else:
@@ -159,14 +162,16 @@ def _forward_world(rank, world_size):
             out[variant] = {"skip": mm.unsupported(variant)}
             continue
         hf = mm.hf_config(variant)
-        chunks = mm.build_megatron(hf, MegatronParallel(), seed=5)
+        # init std 0.1 (megatron's default is 0.02): sharper attention, so the rope rows matter
+        chunks = mm.build_megatron(hf, MegatronParallel(), seed=5, overrides={"init_method_std": 0.1})
         exported = {n: t.clone() for n, t in MegatronSource(chunks[0], hf_config=hf).iter_full()}
         ids = torch.randint(0, hf.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
         ref = mm.megatron_logits(chunks, ids, hf.vocab_size)
         f = {"shape": tuple(ref.shape), "scale": ref.abs().max().item()}
         f["diff"] = (mm.hf_logits(hf, exported, ids) - ref).abs().max().item()
         # Negative controls: HF's other rope convention; kv_b_proj rows [v, k_nope] per head.
-        f["rope_ctrl"] = (mm.hf_logits(mm.hf_config(variant, rope_interleave=False), exported, ids) - ref).abs().max().item()
+        other_rope = mm.hf_config(variant, rope_interleave=False)
+        f["rope_ctrl"] = (mm.hf_logits(other_rope, exported, ids) - ref).abs().max().item()
         kvb = {n: t for n, t in exported.items()}
         for n in [n for n in kvb if n.endswith("kv_b_proj.weight")]:
             per = hf.qk_nope_head_dim + hf.v_head_dim
@@ -315,9 +320,9 @@ def test_two_ranks_export_equals_save_pretrained_and_megatron_checkpoint(two_ran
     if lay["name"] == "tp2":  # at TP2 the head-split projections really arrive from rank 1
         assert r0["stats"]["bytes_received"] > 0
     # the Megatron model really had the attention this layout names
-    down = "self_attention.linear_qkv_down_proj.weight" if lay.get("fused") else "self_attention.linear_kv_down_proj.weight"
+    down = "self_attention." + ("linear_qkv_down_proj.weight" if lay.get("fused") else "linear_kv_down_proj.weight")
     assert down in r0["layer_names"]
-    q = "self_attention.linear_q_up_proj.weight" if lay["variant"] == "q_lora" else "self_attention.linear_q_proj.weight"
+    q = "self_attention." + ("linear_q_up_proj.weight" if lay["variant"] == "q_lora" else "linear_q_proj.weight")
     assert q in r0["layer_names"]
     # the down projections' TP layout as their modules declare it: column (local spec), duplicated (TE)
     want_kind = {"fused": "stack_column", "te": "replicated"}
@@ -372,7 +377,7 @@ def test_forward_logits_megatron_vs_transformers_from_export():
             continue
         assert f["diff"] <= TOL, (variant, f)
         # the controls show the check can fail: rope pairs and per-head kv order matter
-        assert f["rope_ctrl"] > 10 * TOL and f["kvb_ctrl"] > 10 * TOL, (variant, f)
+        assert f["rope_ctrl"] > 100 * TOL and f["kvb_ctrl"] > 100 * TOL, (variant, f)
     assert "diff" in res["q_lora"]
 
 
@@ -388,7 +393,8 @@ def test_te_and_local_mla_names_map_to_the_same_checkpoint_names():
     for te, local in (("linear_q_up_proj.layer_norm_weight", "q_layernorm.weight"),
                       ("linear_kv_up_proj.layer_norm_weight", "kv_layernorm.weight")):
         assert megatron_to_hf(pre + te, hf_config=cfg) == megatron_to_hf(pre + local, hf_config=cfg)
-    assert megatron_to_hf(pre + "kv_layernorm.weight", hf_config=cfg) == ("model.layers.0.self_attn.kv_a_layernorm.weight",)
+    kv_norm = megatron_to_hf(pre + "kv_layernorm.weight", hf_config=cfg)
+    assert kv_norm == ("model.layers.0.self_attn.kv_a_layernorm.weight",)
     assert megatron_to_hf(pre + "linear_qkv_down_proj.weight", hf_config=cfg) == (
         "model.layers.0.self_attn.q_a_proj.weight", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
     )
