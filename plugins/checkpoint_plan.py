@@ -51,6 +51,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta
 
 from weightsync.sources.errors import CheckpointError
 from weightsync.sources.logs import get_logger
+from weightsync.sources.safetensors_source import INDEX_FILE, MAX_HEADER_BYTES, SAFETENSORS_DTYPES, SINGLE_FILE
 
 __all__ = [
     "SINGLE_FILE",
@@ -66,21 +67,8 @@ __all__ = [
 
 logger = get_logger(__name__)
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-#: safetensors refuses headers above this size (``MAX_HEADER_SIZE``).
-_MAX_HEADER = 100_000_000
-
-#: torch dtype -> safetensors dtype string, as ``safetensors.torch`` names them.
-_ST_NAMES: dict[torch.dtype, str] = {
-    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.uint16: "U16",
-    torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32", torch.uint32: "U32",
-    torch.float32: "F32", torch.complex64: "C64", torch.float64: "F64", torch.int64: "I64",
-    torch.uint64: "U64", torch.float8_e5m2: "F8_E5M2", torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-}
-if hasattr(torch, "float8_e8m0fnu"):
-    _ST_NAMES[torch.float8_e8m0fnu] = "F8_E8M0"
+#: torch dtype -> safetensors dtype string (the inverse of the reader's table: one table for both).
+_ST_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in SAFETENSORS_DTYPES.items()}
 
 #: safetensors' ``Dtype`` enum order (ascending); ``serialize`` sorts tensors by it, descending.
 #: Pinned against ``safetensors.torch.save_file`` for every dtype above by tests/test_checkpoint.py.
@@ -336,10 +324,10 @@ def plan_checkpoint(
     for k, names in enumerate(shards):
         fname = SINGLE_FILE if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
         header, ordered, offsets = _header(names, by_name, st_dtypes, user_metadata or {})
-        if len(header) - 8 > _MAX_HEADER:
+        if len(header) - 8 > MAX_HEADER_BYTES:
             raise CheckpointError(
                 f"rank {rank}: the header of {fname} would be {len(header) - 8} bytes, above "
-                f"safetensors' limit of {_MAX_HEADER}: lower max_shard_bytes"
+                f"safetensors' limit of {MAX_HEADER_BYTES}: lower max_shard_bytes"
             )
         data = sum(b - a for a, b in offsets.values())
         files.append(PlannedFile(fname, header, len(header) + data, tuple(ordered)))
