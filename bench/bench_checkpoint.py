@@ -27,6 +27,7 @@ The first rep also checks that the two folders are byte-identical.
 
     python bench/bench_checkpoint.py
     python bench/bench_checkpoint.py --hidden 2048 --layers 8 --max-shard-mb 500 --reps 3
+    python bench/bench_checkpoint.py --device cuda --world 1 --hidden 2048 --layers 16   # GPU host
 """
 
 from __future__ import annotations
@@ -115,11 +116,15 @@ def _worker(rank, world, args):
 
     limit = int(args.max_shard_mb * 10**6)
     model = _model(args)
-    ref = copy.deepcopy(model) if rank == 0 else None
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if args.device == "cuda":  # one rank, the module on the GPU: every tensor takes the host-copy path
+        model = model.to("cuda")
+        ref = model
+    else:
+        ref = copy.deepcopy(model) if rank == 0 else None
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     src = FSDPSource(model)
     _drain(src)  # warm-up (the first pass also agrees on metadata)
     root = args.dir
@@ -177,8 +182,15 @@ def main() -> None:
     ap.add_argument("--max-shard-mb", type=float, default=200.0)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="cuda: one rank, the unsharded model on the GPU (FSDPSource yields GPU tensors, the writer "
+        "copies one at a time to host; save_pretrained writes the same GPU model)",
+    )
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder under /tmp)")
     args = ap.parse_args()
+    if args.device == "cuda" and args.world != 1:
+        ap.error("--device cuda runs one rank (--world 1)")
     # Allocations >= 128 KiB are mmap-ed and unmapped on free (glibc's dynamic threshold off), so RSS
     # follows live tensor memory instead of what the allocator keeps: the ranks inherit this.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
@@ -194,7 +206,8 @@ def main() -> None:
     print(
         f"checkpoint of a Qwen3 hidden {args.hidden} x {args.layers} layers, vocab {args.vocab} (fp32): "
         f"{r['tensors']} tensors, {mb:.1f} MB in {rep['num_shards']} shard(s) <= {args.max_shard_mb:g} MB "
-        f"(largest {rep['largest_shard_bytes'] / 1e6:.1f} MB); FSDP2 over {args.world} gloo ranks (CPU); "
+        f"(largest {rep['largest_shard_bytes'] / 1e6:.1f} MB); "
+        f"{'one rank, model on cuda' if args.device == 'cuda' else f'FSDP2 over {args.world} gloo ranks (CPU)'}; "
         f"median of {args.reps}; folders byte-identical: {r['identical']}"
     )
     print(f"{'variant':<44} {'s':>8} {'MB/s':>8} {'vs save_pretrained':>19}")
