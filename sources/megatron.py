@@ -184,6 +184,9 @@ class MegatronSource(WeightSource):
                 f"{self._topo.vpp}; pass every virtual-pipeline chunk of this rank, in order"
             )
         mcfg = chunks[0].config
+        #: the transformers config the names and shapes come from (``save_safetensors`` writes it as
+        #: config.json and takes transformers' shard order from it).
+        self.hf_config = hf_config
         try:
             self.family = family_for(hf_config)
         except UnmappedParameterError as e:

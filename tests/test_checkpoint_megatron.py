@@ -142,7 +142,7 @@ def _dense_world(rank, world_size, *, tmp, url, port):
     family, tied, tp, pp, _, layers = DENSE["tp2"]
     cfg, model = _imported(family, tied, tp, pp, layers, tmp)
     before = _params(model)
-    facts["tp2"] = save(MegatronSource(model, hf_config=cfg), "tp2", config=cfg)
+    facts["tp2"] = save(MegatronSource(model, hf_config=cfg), "tp2")  # config.json + split order from source.hf_config
     src16 = MegatronSource(model, hf_config=cfg, dtype=torch.bfloat16)
     facts["tp2_bf16"] = save(src16, "tp2_bf16", config=cfg)
     facts["tp2_nonempty"] = errors_of(save, src16, "tp2", config=cfg)  # tp2 holds a checkpoint
@@ -191,7 +191,7 @@ def _dense_world(rank, world_size, *, tmp, url, port):
     family, tied, tp, pp, _, layers = DENSE["pp2"]
     cfg, model = _imported(family, tied, tp, pp, layers, tmp)
     before = _params(model)
-    facts["pp2"] = save(MegatronSource(model, hf_config=cfg), "pp2", config=cfg)
+    facts["pp2"] = save(MegatronSource(model, hf_config=cfg), "pp2")  # config from source.hf_config
     facts["pp2_unchanged"] = _unchanged(model, before)
     reader = SafetensorsSource(f"{tmp}/pp2")
     facts["reader_meta"] = [(m.name, str(m.dtype), tuple(m.shape), m.owners) for m in reader.metadata]
