@@ -23,7 +23,8 @@ streams each tensor into its planned place as it arrives. What it guarantees:
   disk, a peer that never arrives -- removes the staging folder, leaves ``path`` as it was, and raises
   ``CheckpointError`` (chained to the cause) on every rank. Every wait is bounded by the source's
   ``timeout_s`` (default 300 s; pass ``checked(source, timeout_s=...)`` to change it) and hears a
-  peer's failure at once through a ``groups.Board``.
+  peer's failure at once through a ``groups.Board``. The one window left: a non-writer that loses the
+  writer during the final confirmation (after the rename) raises saying the commit was not confirmed.
 * **Target rules.** ``path`` existing and non-empty raises on every rank before any collective byte
   moves unless ``overwrite=True`` (then the old folder stays intact until the new one replaces it).
 
@@ -45,7 +46,7 @@ from torch import nn
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from weightsync.sources.check import DEFAULT_TIMEOUT_S, checked, verify_metadata_agreement
-from weightsync.sources.errors import CheckpointError
+from weightsync.sources.errors import CheckpointError, PeerFailedError
 from weightsync.sources.groups import Board, active_board, group_ranks, next_tag
 from weightsync.sources.logs import get_logger
 from weightsync.sources.naming import hf_root
@@ -199,6 +200,7 @@ def save_safetensors(
     ranks = group_ranks(None) if multi else (0,)
     staged: StagedFolder | None = None
     writer = -1
+    committing = False
     try:
         user = _validate_args(max_shard_bytes, metadata, rank)
         stream_source = checked(source, timeout_s=timeout_s)
@@ -224,6 +226,7 @@ def save_safetensors(
             files += _write_metadata_files(staged, plan, cfg, model, meta)
         if multi:
             board.exchange("done", ranks=ranks, timeout_s=timeout_s, what=f"the checkpoint completion check ({path})")
+        committing = True
         if staged is not None:
             staged.commit()
             staged = None
@@ -237,14 +240,17 @@ def save_safetensors(
     except BaseException as e:
         if staged is not None:
             staged.discard()
-        if board is not None and not isinstance(e, KeyboardInterrupt):
+        if board is not None:
             board.fail(f"rank {rank}: {type(e).__name__}: {e}")
         if isinstance(e, (CheckpointError, KeyboardInterrupt, SystemExit)):
             raise
-        raise CheckpointError(
-            f"rank {rank}: checkpoint {path} was not written (nothing left there; writer rank "
-            f"{writer if writer >= 0 else '?'}): {type(e).__name__}: {e}"
-        ) from e
+        who = f"writer rank {writer}" if writer >= 0 else "before a writer was chosen"
+        outcome = (
+            f"the commit of {path} by {who} was not confirmed to this rank (it may be in place)"
+            if committing and rank != writer and not isinstance(e, PeerFailedError)
+            else f"checkpoint {path} was not written ({path} is as it was; {who})"
+        )
+        raise CheckpointError(f"rank {rank}: {outcome}: {type(e).__name__}: {e}") from e
     peak_s, existed_s, *files = verdict.split("|")
     return SaveReport(
         path=path,
