@@ -22,8 +22,11 @@ streams each tensor into its planned place as it arrives. What it guarantees:
   into place (``checkpoint_files``). Any failure on any rank -- a source raising mid-stream, a full
   disk, a peer that never arrives -- removes the staging folder, leaves ``path`` as it was, and raises
   ``CheckpointError`` (chained to the cause) on every rank. Every wait is bounded by the source's
-  ``timeout_s`` (default 300 s; pass ``checked(source, timeout_s=...)`` to change it) and hears a
-  peer's failure at once through a ``groups.Board``. The one window left: a non-writer that loses the
+  ``timeout_s`` (default 300 s; pass ``checked(source, timeout_s=...)`` to change it). The
+  control exchanges and collective waits (FSDP gathers) hear a peer's failure at once through a
+  ``groups.Board``; a gloo point-to-point wait (``MegatronSource``'s PP/EP gathers) cannot be
+  polled without breaking the pair, so it hears it when the peer's process exits or at
+  ``timeout_s`` (on NCCL: NCCL's own timeout). The one window left: a non-writer that loses the
   writer during the final confirmation (after the rename) raises saying the commit was not confirmed.
 * **Target rules.** ``path`` existing and non-empty raises on every rank before any collective byte
   moves unless ``overwrite=True`` (then the old folder stays intact until the new one replaces it).
