@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from worlds import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -30,11 +31,14 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_example_runs_under_torchrun(name):
     args, patterns = CASES[name]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           os.path.join(ROOT, "examples", f"{name}.py"), *args]
+    # a free rendezvous port: torchrun's default 29500 collides with any other torchrun on the host
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), os.path.join(ROOT, "examples", f"{name}.py"), *args]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=500,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    # the error lines first: a traceback tail alone hides which rank raised what
+    errors = [line for line in r.stderr.splitlines() if re.search(r"\w+(Error|Exception)\b", line)]
+    assert r.returncode == 0, (errors[-20:], r.stdout[-2000:], r.stderr[-3000:])
     for pat in patterns:
         assert re.search(pat, r.stdout), (pat, r.stdout[-3000:])
 
