@@ -56,13 +56,25 @@ def _accelerate_fsdp_on_cpu() -> None:
 
 
 
-def _hf_trainer_world(rank: int, world_size: int, url: str, port: int, out_dir: str) -> dict:
+def _trainer_args(out_dir: str, max_steps: int):
+    """accelerate FSDP2 (on CPU through ``_accelerate_fsdp_on_cpu``), logging every optimizer step."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=max_steps,
+        learning_rate=5e-2, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+        dataloader_num_workers=0, seed=0,
+        fsdp="full_shard", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+    )
+
+
+def _hf_trainer_world(rank: int, world_size: int, url: str, port: int, out_dir: str, json_url: str = "") -> dict:
     """A real ``Trainer.train()`` (accelerate FSDP2, 2 CPU ranks) whose ``WeightSyncCallback`` syncs
     through weightsync's ``loopback`` backend into the receiver process at ``url``. After each sync
     every rank runs the trainer's own (sharded) forward on the probe batch and rank 0 asks the
     receiver for its forward on the same batch; both come back for the parent to compare."""
     from torch.utils.data import Dataset
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
 
     from weightsync.plugins.accelerate import source_from_accelerator
     from weightsync.plugins.driver import WeightSync
@@ -80,12 +92,7 @@ def _hf_trainer_world(rank: int, world_size: int, url: str, port: int, out_dir: 
             ids = torch.randint(0, _CFG["vocab_size"], (8,), generator=g)
             return {"input_ids": ids, "labels": ids.clone()}
 
-    args = TrainingArguments(
-        output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=5,
-        learning_rate=5e-2, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-        dataloader_num_workers=0, seed=0,
-        fsdp="full_shard", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
-    )
+    args = _trainer_args(out_dir, max_steps=5)
     _accelerate_fsdp_on_cpu()
     trainer = Trainer(model=_llama(), args=args, train_dataset=Tokens())
     seen: dict = {"trainer": {}, "receiver": {}, "receiver_version": {}, "sharded": None, "engine": None}
@@ -131,6 +138,7 @@ def _hf_trainer_world(rank: int, world_size: int, url: str, port: int, out_dir: 
     trainer.add_callback(sync_cb)
     trainer.add_callback(Probe())
     trainer.train()
+    log_runs = _hf_log_runs(rank, out_dir, json_url) if json_url else None
     logged = [
         {k: v for k, v in e.items() if k.startswith("weightsync/") or k == "step"}
         for e in trainer.state.log_history
@@ -144,7 +152,71 @@ def _hf_trainer_world(rank: int, world_size: int, url: str, port: int, out_dir: 
         "engine": seen["engine"],
         "logged": logged,
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+        "loss_steps": [e["step"] for e in trainer.state.log_history if "loss" in e],
+        "log_runs": log_runs,
     }
+
+
+def _hf_log_runs(rank: int, out_dir: str, url: str) -> dict:
+    """The Trainer's own logs stay intact around the syncs: ``logging_steps=1`` with ``every=1`` and
+    ``every=2``, in a Trainer whose ``log()`` flushes pending metrics of its own into its next entry
+    (TRL's ``GRPOTrainer`` pattern: ``reward`` here, the step's value). Returns, per ``every``, the
+    ``state.log_history`` and what every callback's ``on_log`` received (the ``report_to``
+    integrations' view)."""
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainerCallback
+
+    import json_engine  # noqa: F401
+    from json_engine import JSONTrainerInitInfo
+
+    from weightsync.plugins.accelerate import source_from_accelerator
+    from weightsync.plugins.driver import WeightSync
+    from weightsync.plugins.http import VLLMHTTPClient
+    from weightsync.plugins.transformers import WeightSyncCallback
+
+    class Tokens(Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> dict:
+            ids = torch.randint(0, _CFG["vocab_size"], (8,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids.clone()}
+
+    class GRPOLike(Trainer):
+        """Keeps per-step metrics and merges them into the next ``log()`` call, then clears them."""
+
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            self.pending: list[float] = []
+
+        def training_step(self, *a, **kw):
+            self.pending.append(float(self.state.global_step + 1))  # the optimizer step being trained
+            return super().training_step(*a, **kw)
+
+        def log(self, logs, start_time=None):
+            if self.pending:
+                logs = {**logs, "reward": sum(self.pending) / len(self.pending)}
+                self.pending.clear()
+            super().log(logs, start_time)
+
+    out: dict = {}
+    for every in (1, 2):
+        trainer = GRPOLike(model=_llama(), args=_trainer_args(out_dir, max_steps=4), train_dataset=Tokens())
+        seen: list[dict] = []
+
+        class Recorder(TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kw):
+                seen.append({**logs, "at": state.global_step})
+
+        def build(model, every=every, trainer=trainer):
+            source = source_from_accelerator(trainer.accelerator, model)
+            return WeightSync(source, JSONTrainerInitInfo(rank=rank), VLLMHTTPClient(url), every=every)
+
+        trainer.add_callback(WeightSyncCallback(build, trainer=trainer))
+        trainer.add_callback(Recorder())
+        trainer.train()
+        out[every] = {"history": list(trainer.state.log_history), "on_log": seen}
+    return out
 
 
 def test_hf_trainer_fsdp2_callback(tmp_path):
@@ -152,16 +224,16 @@ def test_hf_trainer_fsdp2_callback(tmp_path):
     to loopback; the receiver's logits equal the trainer's after each sync."""
     import functools
 
-    from worlds import free_port
 
     from weightsync.plugins.loopback_server import start_receiver_process
 
     # The receiver starts from another init (seed 123): every value it ends with came over the wire.
     client, handle = start_receiver_process(functools.partial(_llama, 123))
-    with handle:
+    with handle, DevServer() as server:
         before, _ = client.logits(_PROBE)
         out = run_world(
-            _hf_trainer_world, 2, timeout=400, url=handle.url, port=free_port(), out_dir=str(tmp_path)
+            _hf_trainer_world, 2, timeout=400, url=handle.url, port=0, out_dir=str(tmp_path),
+            json_url=server.url,
         )
         calls = [c["path"] for c in client.calls()]
         state = client.state()
@@ -175,6 +247,9 @@ def test_hf_trainer_fsdp2_callback(tmp_path):
     assert all(e["weightsync/bytes"] == 4 * n_params for e in r0["logged"])  # fp32 on the wire
     assert sorted(r0["trainer_logits"], key=int) == sorted(r1["trainer_logits"], key=int) == ["0", "2", "4"]
     assert r0["losses"][0] != r0["losses"][-1]  # it trained
+    # logging_steps=1: the Trainer's own loss line for every step, once, the sync steps included
+    assert r0["loss_steps"] == r1["loss_steps"] == [1, 2, 3, 4, 5]
+    _assert_logs_intact(out)
     # What the receiver saw, in order: the engine's init (built at the first sync), then per sync
     # pause / the 4-phase update / resume. (/weight_info: the probe's own version reads, dropped.)
     one = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
@@ -190,6 +265,26 @@ def test_hf_trainer_fsdp2_callback(tmp_path):
         assert torch.equal(got, want), (version, float((got - want).abs().max()))
         assert not torch.allclose(got, previous)  # the receiver's weights did change at this sync
         previous = got
+
+
+def _assert_logs_intact(out: dict) -> None:
+    """Issue 16: the sync report must reach the Trainer's loggers without suppressing or stealing any
+    of the Trainer's own entries (``_hf_log_runs``: 4 steps, ``logging_steps=1``)."""
+    for rank, r in out.items():
+        for every, syncs in ((1, [0, 1, 2, 3, 4]), (2, [0, 2, 4])):
+            history, on_log = r["log_runs"][every]["history"], r["log_runs"][every]["on_log"]
+            where = f"rank {rank}, every={every}"
+            own = [e for e in history if "loss" in e]
+            # every step's loss exactly once, each with the Trainer's pending metric of that step
+            assert [e["step"] for e in own] == [1, 2, 3, 4], (where, history)
+            assert all(e["reward"] == e["step"] for e in own), (where, own)
+            assert all(not any(k.startswith("weightsync/") for k in e) for e in own), (where, own)
+            ws = [e for e in history if "weightsync/bytes" in e]
+            assert [e["step"] for e in ws] == syncs, (where, history)
+            assert all("loss" not in e and "reward" not in e for e in ws), (where, ws)
+            # what the report_to integrations see: the same entries, through on_log
+            assert [e["at"] for e in on_log if "loss" in e] == [1, 2, 3, 4], (where, on_log)
+            assert [e["at"] for e in on_log if "weightsync/bytes" in e] == syncs, (where, on_log)
 
 
 # ---- Lightning (DDP, 2 ranks) --------------------------------------------------------------------
