@@ -19,7 +19,9 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 CASES = {
     # script and arguments -> patterns its stdout must contain
     "accelerate_fsdp2": (["--steps", "2"], [r"step 1: loss [\d.]+, synced", r"step 2: loss [\d.]+, synced"]),
-    "hf_trainer": (["--steps", "2", "--every", "2"], [r"synced at steps \[0, 2\]", r"weight_version: \{'http[^']+': '2'\}"]),
+    # every=1: the Trainer's own loss line for each step survives the sync at that step (issue 16)
+    "hf_trainer": (["--steps", "2", "--every", "1"], [r"synced at steps \[0, 1, 2\]", r"weight_version: \{'http[^']+': '2'\}",
+                                                     r"(?s)\{'loss': '[\d.]+'.*\{'loss': '[\d.]+'"]),
     "megatron_loop": (["--pp", "2", "--vpp", "2", "--steps", "2"], [r"weight_version: \{'http[^']+': '2'\}"]),
     "async_loop": (["--steps", "4", "--every", "2"], [r"rollouts saw policy versions \['0', '2', '4'\]"]),
     # the merged LoRA weights must reproduce the trainer's LoRA forward on a plain receiver model
