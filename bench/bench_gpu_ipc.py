@@ -68,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from weightsync.sources import FSDPSource
 
-        port = os.environ.get("MASTER_PORT") or str(29800 + os.getpid() % 100)
-        dist.init_process_group("nccl" if not args.dry_run else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+        dist.init_process_group("nccl" if not args.dry_run else "gloo", store=dist.HashStore(),  # 1 rank
                                 rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
         cfg = tiny_config("qwen3") if args.dry_run else bench_config()
         client = start_receiver(mode, device, timeout_s=300)

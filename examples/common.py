@@ -43,9 +43,11 @@ def init_process_group() -> tuple[int, int]:
 
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
+        timeout = datetime.timedelta(seconds=600)
+        if "RANK" not in os.environ:  # plain `python example.py`: one rank, an in-process store
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return dist.get_rank(), dist.get_world_size()
@@ -78,7 +80,8 @@ class Target:
             if rank == 0:
                 _, self.handle = start_receiver_process(receiver_model)
                 url = [self.handle.url]
-        url, port = _share((url, port or (free_port() if rank == 0 else 0)))
+        # loopback: port 0 lets the sender bind a free port itself; vLLM's NCCL needs a concrete one
+        url, port = _share((url, port or (free_port() if rank == 0 and args.vllm_url else 0)))
         self.client = VLLMHTTPClient(url, api_key=args.api_key)
         if args.vllm_url:
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,12 +47,6 @@ class DemoResult:
     @property
     def ok(self) -> bool:
         return self.syncs > 0 and self.verified == self.syncs
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _shard(model: torch.nn.Module) -> torch.nn.Module:
@@ -122,7 +115,7 @@ def run_demo(
     handle = None
     if rank == 0:
         _, handle = start_receiver_process(functools.partial(build_model, config, 1))
-        where = (handle.url, _free_port())
+        where = (handle.url, 0)  # the loopback sender binds a free port and tells the receiver
     else:
         where = None
     url, port = _share(where)
@@ -201,10 +194,7 @@ def init_cpu_process_group() -> None:
     if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     else:
+        # one rank: an in-process store, no port to pick
         dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{_free_port()}",
-            rank=0,
-            world_size=1,
-            timeout=datetime.timedelta(seconds=300),
+            "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=300)
         )

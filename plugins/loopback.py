@@ -54,8 +54,10 @@ from .loopback_wire import (
     DEFAULT_TIMEOUT_S,
     LoopbackWorkerInitInfo,
     byte_view,
-    open_transport_group,
+    join_transport_group,
+    open_transport_store,
     plan_chunks,
+    validate_wire_fields,
     wait_work,
 )
 
@@ -78,7 +80,8 @@ class LoopbackTrainerInitInfo(TrainerInitInfo):
     """Trainer-side init info for the loopback backend.
 
     ``master_address``/``master_port``: where the sender (trainer rank 0) hosts the transport
-    group's ``TCPStore``; ``world_size``: 1 sender + the number of receivers. ``packed`` batches
+    group's ``TCPStore`` (``master_port=0``: the sender binds a free port and tells the receivers,
+    the race-free choice); ``world_size``: 1 sender + the number of receivers. ``packed`` batches
     parameters into flat byte buffers of ``packed_buffer_size_bytes``; ``checksums`` ships a
     checksum per parameter after the stream. ``timeout_s`` bounds the rendezvous and every transport op.
     The sender forwards the wire fields to the receivers at ``trainer_init`` so they cannot
@@ -95,10 +98,12 @@ class LoopbackTrainerInitInfo(TrainerInitInfo):
     checksums: bool = True
     timeout_s: float = DEFAULT_TIMEOUT_S
 
-    def worker_init_info(self) -> LoopbackWorkerInitInfo:
+    def worker_init_info(self, master_port: int | None = None) -> LoopbackWorkerInitInfo:
+        """What the receivers are told; ``master_port``: the port the sender's store is bound to
+        (differs from ``self.master_port`` when that is 0)."""
         return LoopbackWorkerInitInfo(
             master_address=self.master_address,
-            master_port=self.master_port,
+            master_port=self.master_port if master_port is None else master_port,
             world_size=self.world_size,
             rank_offset=1,
             packed=self.packed,
@@ -245,19 +250,24 @@ class LoopbackTrainerWeightTransferEngine(TrainerWeightTransferEngine[LoopbackTr
                     "but the loopback backend has a single sender, rank 0: every parameter's "
                     "owners must start at rank 0"
                 )
-        worker_info = init_info.worker_init_info()  # validates ports, sizes, timeout
+        validate_wire_fields(init_info, port_zero_ok=True)  # every rank, before anything moves
         engine = cls(client=client, source=source, init_info=init_info)
         if not engine.is_sender:
             return engine
-        payload = {k: v for k, v in vars(worker_info).items()}
+        # Bind first (port 0: a free one, never released before use), then tell the receivers the
+        # bound port while the group forms: no window in which another process can take it.
+        engine._store = open_transport_store(
+            init_info.master_address,
+            init_info.master_port,
+            rank=0,
+            world_size=init_info.world_size,
+            timeout_s=init_info.timeout_s,
+        )
+        payload = dict(vars(init_info.worker_init_info(master_port=engine._store.port)))
 
         def open_endpoint() -> None:
-            engine._store, engine._group = open_transport_group(
-                init_info.master_address,
-                init_info.master_port,
-                0,
-                init_info.world_size,
-                init_info.timeout_s,
+            engine._group = join_transport_group(
+                engine._store, rank=0, world_size=init_info.world_size, timeout_s=init_info.timeout_s
             )
 
         _run_concurrently(
@@ -268,7 +278,7 @@ class LoopbackTrainerWeightTransferEngine(TrainerWeightTransferEngine[LoopbackTr
         logger.info(
             "loopback sender joined the transport at %s:%d (world %d, packed=%s, checksums=%s)",
             init_info.master_address,
-            init_info.master_port,
+            engine._store.port,
             init_info.world_size,
             init_info.packed,
             init_info.checksums,

@@ -14,12 +14,17 @@ status; ``?clear=1`` empties it), ``GET /_state``, ``GET /_checksums``, ``POST /
 ``POST /_shutdown``. Errors answer ``{"error": "..."}`` with 400 for bad input and 500 otherwise.
 
 Invariant: every request runs on its own thread (``ThreadingHTTPServer``), so ``update_weights`` --
-which blocks in the transport while the trainer broadcasts -- never blocks the other routes.
+which blocks in the transport while the trainer broadcasts -- never blocks the other routes. An
+answer to a request that asked for ``Connection: close`` says ``Connection: close`` too: a pooling
+HTTP/1.1 client (requests, which vLLM's client and ours use) would otherwise reuse a socket this
+server is closing, and lose its next call to a race (``RemoteDisconnected``) whenever the machine
+is busy. ``tests/test_receiver_http.py`` hammers every route to prove it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import multiprocessing as mp
 import os
@@ -44,6 +49,13 @@ __all__ = ["ReceiverServer", "ReceiverClient", "ReceiverHandle", "start_receiver
 logger = get_logger(__name__)
 
 
+class _Server(ThreadingHTTPServer):
+    #: Room for bursts of concurrent clients (a trainer fans out to every engine at once); the
+    #: stdlib's default listen backlog is 5.
+    request_queue_size = 128
+    daemon_threads = True
+
+
 class ReceiverServer:
     """Serves one ``LoopbackReceiver`` over HTTP on ``host:port`` (port 0: a free one)."""
 
@@ -51,8 +63,7 @@ class ReceiverServer:
         self.receiver = receiver
         self.calls: list[dict[str, Any]] = []
         self._calls_lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
-        self.httpd.daemon_threads = True
+        self.httpd = _Server((host, port), _make_handler(self))
         self._thread: threading.Thread | None = None
 
     @property
@@ -139,8 +150,7 @@ class ReceiverServer:
                 "logits": logits.reshape(-1).tolist(),
             }
         if method == "POST" and path == "/_shutdown":
-            threading.Thread(target=self.httpd.shutdown, daemon=True).start()
-            return 200, {"message": "shutting down"}
+            return 200, {"message": "shutting down"}  # the handler shuts down once it has answered
         return 404, {"error": f"no route {method} {path}"}
 
 
@@ -201,8 +211,19 @@ def _make_handler(server: ReceiverServer) -> type[BaseHTTPRequestHandler]:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                # The client asked for "Connection: close" (vLLM's clients and ours do): say so in the
+                # answer. Without it an HTTP/1.1 client (requests/urllib3) takes the connection as
+                # reusable and sends its next call on a socket this server is closing -- under load
+                # that call dies as "RemoteDisconnected" (the drop seen in CI).
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
+            if method == "POST" and parsed.path == "/_shutdown" and status == 200:
+                # Only now: serve_forever returns and the process may exit, so an earlier shutdown
+                # could kill this answer mid-write (the caller saw "RemoteDisconnected").
+                self.wfile.flush()
+                threading.Thread(target=server.httpd.shutdown, daemon=True).start()
 
         def do_GET(self) -> None:  # noqa: N802
             self._handle("GET")
@@ -243,6 +264,10 @@ class ReceiverClient:
             raise WeightSyncError(f"receiver {method} /{path.lstrip('/')} -> {e.code}: {msg}") from None
         except urllib.error.URLError as e:
             raise WeightSyncError(f"receiver at {self.base_url} unreachable: {e.reason}") from None
+        except (http.client.HTTPException, OSError) as e:  # dropped mid-call, timed out, reset
+            raise WeightSyncError(
+                f"receiver {method} /{path.lstrip('/')} at {self.base_url} failed: {type(e).__name__}: {e}"
+            ) from e
 
     # the VLLMWeightSyncClient protocol
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -363,14 +388,18 @@ def start_receiver_process(
     port: int = 0,
     start_timeout_s: float = 120.0,
     client_timeout_s: float = 300.0,
+    mp_context: Any = None,
 ) -> tuple[ReceiverClient, ReceiverHandle]:
-    """Spawn a process that builds ``model_factory()`` (picklable: a module-level function or a
+    """Start a process that builds ``model_factory()`` (picklable: a module-level function or a
     ``functools.partial`` of one) and serves it as a ``LoopbackReceiver`` over HTTP.
 
     Returns ``(client, handle)`` once the server accepts requests. The process exits when the
-    parent does, on ``handle.stop()``, or on ``POST /_shutdown``.
+    parent does, on ``handle.stop()``, or on ``POST /_shutdown``. ``mp_context``: the
+    ``multiprocessing`` context to start it from (default ``spawn``: safe whatever the parent has
+    initialised, and pays the imports again; a ``forkserver`` context with torch preloaded starts
+    it in milliseconds).
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp_context if mp_context is not None else mp.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe(duplex=False)
     proc = ctx.Process(
         target=_receiver_main,

@@ -23,13 +23,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.sources.errors import SyncTimeoutError
+from weightsync.sources.errors import SyncTimeoutError, WeightSyncError
 
 __all__ = [
     "LoopbackWorkerInitInfo",
     "DEFAULT_PACKED_BUFFER_SIZE_BYTES",
     "DEFAULT_TIMEOUT_S",
     "open_transport_group",
+    "validate_wire_fields",
+    "open_transport_store",
+    "join_transport_group",
     "byte_view",
     "nbytes_of",
     "plan_chunks",
@@ -59,24 +62,82 @@ class LoopbackWorkerInitInfo:
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
-            raise ValueError(f"init_info.master_port must be a TCP port, got {self.master_port!r}")
-        if not isinstance(self.world_size, int) or self.world_size < 2:
-            raise ValueError(
-                f"init_info.world_size must be >= 2 (one sender plus at least one receiver), "
-                f"got {self.world_size!r}"
-            )
-        if not 1 <= self.rank_offset < self.world_size:
-            raise ValueError(
-                f"init_info.rank_offset must be in [1, world_size={self.world_size}), "
-                f"got {self.rank_offset!r}"
-            )
-        if self.packed_buffer_size_bytes <= 0:
-            raise ValueError(
-                f"init_info.packed_buffer_size_bytes must be > 0, got {self.packed_buffer_size_bytes}"
-            )
-        if self.timeout_s <= 0:
-            raise ValueError(f"init_info.timeout_s must be > 0, got {self.timeout_s}")
+        validate_wire_fields(self, port_zero_ok=False)
+
+
+def validate_wire_fields(info: Any, *, port_zero_ok: bool) -> None:
+    """The checks both init infos share. ``port_zero_ok``: the trainer side may ask for port 0
+    (the sender binds a free one); what a receiver is told is always the bound port."""
+    lowest = 0 if port_zero_ok else 1
+    if not isinstance(info.master_port, int) or not lowest <= info.master_port < 65536:
+        hint = " (0: the sender binds a free port)" if port_zero_ok else ""
+        raise ValueError(f"init_info.master_port must be a TCP port{hint}, got {info.master_port!r}")
+    rank_offset = getattr(info, "rank_offset", 1)
+    if not isinstance(info.world_size, int) or info.world_size < 2:
+        raise ValueError(
+            f"init_info.world_size must be >= 2 (one sender plus at least one receiver), "
+            f"got {info.world_size!r}"
+        )
+    if not 1 <= rank_offset < info.world_size:
+        raise ValueError(
+            f"init_info.rank_offset must be in [1, world_size={info.world_size}), "
+            f"got {rank_offset!r}"
+        )
+    if info.packed_buffer_size_bytes <= 0:
+        raise ValueError(
+            f"init_info.packed_buffer_size_bytes must be > 0, got {info.packed_buffer_size_bytes}"
+        )
+    if info.timeout_s <= 0:
+        raise ValueError(f"init_info.timeout_s must be > 0, got {info.timeout_s}")
+
+
+def open_transport_store(
+    master_address: str, master_port: int, *, rank: int, world_size: int, timeout_s: float
+) -> Any:
+    """The transport group's ``TCPStore``: hosted by group rank 0, joined by the others.
+
+    On rank 0, ``master_port=0`` binds a free port chosen by the kernel (read it back as
+    ``store.port`` and hand *that* to the receivers): the port is never released between being
+    picked and being bound, so two groups opened at once can never race for it. A fixed port that
+    is taken raises ``WeightSyncError`` naming it instead of waiting out the timeout.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        return dist.TCPStore(
+            master_address,
+            master_port,
+            world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    except (RuntimeError, dist.DistStoreError) as e:  # type: ignore[attr-defined]
+        if rank == 0 and "EADDRINUSE" in str(e):
+            raise WeightSyncError(
+                f"loopback transport: {master_address}:{master_port} is already in use; pass "
+                "master_port=0 to let the sender bind a free port and tell the receivers"
+            ) from e
+        raise SyncTimeoutError(
+            f"loopback transport: group rank {rank} of {world_size} could not reach the store at "
+            f"{master_address}:{master_port} within {timeout_s:.0f}s: {e}"
+        ) from e
+
+
+def join_transport_group(store: Any, *, rank: int, world_size: int, timeout_s: float) -> Any:
+    """The private gloo group over ``store``. Blocks until all ``world_size`` members joined, at
+    most ``timeout_s``; a member that never comes raises ``SyncTimeoutError``."""
+    try:
+        return dist.ProcessGroupGloo(
+            dist.PrefixStore("weightsync/loopback", store),
+            rank,
+            world_size,
+            datetime.timedelta(seconds=timeout_s),
+        )
+    except (RuntimeError, dist.DistStoreError) as e:  # type: ignore[attr-defined]
+        raise SyncTimeoutError(
+            f"loopback transport: group rank {rank} of {world_size} could not form the group at "
+            f"{store.host}:{store.port} within {timeout_s:.0f}s: {e}"
+        ) from e
 
 
 def open_transport_group(
@@ -87,25 +148,10 @@ def open_transport_group(
     Blocks until all ``world_size`` members joined, at most ``timeout_s``; a member that never comes
     raises ``SyncTimeoutError`` naming the address instead of waiting forever.
     """
-    timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        store = dist.TCPStore(
-            master_address,
-            master_port,
-            world_size,
-            is_master=rank == 0,
-            timeout=timeout,
-            wait_for_workers=False,
-        )
-        group = dist.ProcessGroupGloo(
-            dist.PrefixStore("weightsync/loopback", store), rank, world_size, timeout
-        )
-    except (RuntimeError, dist.DistStoreError) as e:  # type: ignore[attr-defined]
-        raise SyncTimeoutError(
-            f"loopback transport: group rank {rank} of {world_size} could not form the group at "
-            f"{master_address}:{master_port} within {timeout_s:.0f}s: {e}"
-        ) from e
-    return store, group
+    store = open_transport_store(
+        master_address, master_port, rank=rank, world_size=world_size, timeout_s=timeout_s
+    )
+    return store, join_transport_group(store, rank=rank, world_size=world_size, timeout_s=timeout_s)
 
 
 def wait_work(work: Any, what: str, *, rank: int, abort: Any = None, poll_s: float = 0.005) -> None:

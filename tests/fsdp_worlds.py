@@ -588,7 +588,8 @@ def cuda_streams_rank(rank: int, world_size: int, port: int, queue) -> None:
     try:
         torch.cuda.set_device(rank)
         dist.init_process_group(
-            "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            "nccl", store=dist.TCPStore("127.0.0.1", port, world_size, is_master=False),  # parent hosts it
+            rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=120), device_id=torch.device("cuda", rank),
         )
         from torch.distributed.device_mesh import init_device_mesh

@@ -311,15 +311,16 @@ class _Renamed(WeightSource):
 def test_end_to_end_receiver_http_and_unmapped_failures_raise_on_every_rank_then_recover():
     from weightsync.plugins.loopback_server import ReceiverClient, ReceiverServer
     from weightsync.plugins.presets import build_model, load_config
-    from worlds import free_port
+    from worlds import dead_port
 
     receiver = _faulty_receiver(build_model(load_config("tiny-qwen3"), seed=1))
     server = ReceiverServer(receiver).start()
     try:
-        out = run_world(
-            world_e2e, 2, timeout=240, url=server.url, dead_url=f"http://127.0.0.1:{free_port()}",
-            ports=[free_port() for _ in range(4)],
-        )
+        with dead_port() as dead:
+            out = run_world(
+                world_e2e, 2, timeout=240, url=server.url, dead_url=f"http://127.0.0.1:{dead}",
+                ports=[0] * 4,  # 0: each loopback sender binds a free port itself
+            )
         received = ReceiverClient(server.url).weight_checksums()
     finally:
         server.stop()

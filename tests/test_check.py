@@ -6,6 +6,7 @@ NCCL library lacks symbols, exactly the too-old-NCCL path; an engine built by vL
 from __future__ import annotations
 
 import hashlib
+import socket
 import threading
 from functools import cached_property
 
@@ -16,7 +17,6 @@ from vllm.distributed.weight_transfer.base import ParamMeta, Shard, WeightSource
 from weightsync.sources import MetadataMismatchError, SilentTransportError, checked
 from weightsync.sources.check import check_stream, local_shape
 from weightsync.sources.integrity import IntegrityError, checksum, compare_checksums
-from worlds import free_port
 
 
 def _metas():
@@ -125,10 +125,17 @@ def _vllm_disabled_communicators(library_path: str):
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
     from vllm.distributed.utils import StatelessProcessGroup
 
-    port, out = free_port(), {}
+    out = {}
+    # rank 0's store listens on a socket bound to port 0 before rank 1 hears the port: no race
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
 
     def make(r):
-        pg = StatelessProcessGroup.create(host="127.0.0.1", port=port, rank=r, world_size=2)
+        pg = StatelessProcessGroup.create(
+            host="127.0.0.1", port=port, rank=r, world_size=2, listen_socket=listener if r == 0 else None
+        )
         out[r] = PyNcclCommunicator(pg, device="cpu", library_path=library_path)
 
     threads = [threading.Thread(target=make, args=(r,), daemon=True) for r in (0, 1)]

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import megatron_worlds as mw
-from worlds import errors_of, free_port, run_world
+from worlds import CONTEXT, errors_of, run_world
 
 pytestmark = pytest.mark.slow
 
@@ -231,10 +231,10 @@ def dense(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("dense")
     family, tied, *_ = DENSE["pp2"]
-    client, handle = start_receiver_process(functools.partial(_receiver, family, tied))
+    client, handle = start_receiver_process(functools.partial(_receiver, family, tied), mp_context=CONTEXT)
     with handle:
         before = client.weight_digests()
-        facts = run_world(_dense_world, 2, timeout=500, tmp=str(tmp), url=handle.url, port=free_port())
+        facts = run_world(_dense_world, 2, timeout=500, tmp=str(tmp), url=handle.url, port=0)
         receiver = dict(before=before, after=client.weight_digests(), logits=client.logits(IDS)[0])
     return dict(tmp=tmp, facts=facts, receiver=receiver)
 

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-from worlds import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +32,10 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_example_runs_under_torchrun(name):
     args, patterns = CASES[name]
-    # a free rendezvous port: torchrun's default 29500 collides with any other torchrun on the host
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), os.path.join(ROOT, "examples", f"{name}.py"), *args]
+    # --standalone: torchrun's rendezvous binds port 0 itself (its default 29500 collides with any
+    # other torchrun on the host; a port picked here and bound there would be a race)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "examples", f"{name}.py"), *args]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=500,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     # the error lines first: a traceback tail alone hides which rank raised what

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fsdp_worlds import FAMILIES, load_oracle, unpack, world_families, world_hsdp, world_wrappers
-from worlds import run_world
+from worlds import CONTEXT, run_world
 
 pytestmark = pytest.mark.slow
 
@@ -244,16 +244,14 @@ def test_loopback_engine_end_to_end(tmp_path):
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
     from fsdp_worlds import receiver_model, world_loopback
-    from worlds import free_port
-
     from weightsync.plugins.loopback_server import start_receiver_process
 
-    client, handle = start_receiver_process(functools.partial(receiver_model))
+    client, handle = start_receiver_process(functools.partial(receiver_model), mp_context=CONTEXT)
     with handle:
         before = client.weight_digests()
         results = unpack(
             run_world(
-                world_loopback, 2, timeout=420, oracle_dir=str(tmp_path), port=free_port(), url=handle.url
+                world_loopback, 2, timeout=420, oracle_dir=str(tmp_path), port=0, url=handle.url
             )
         )
         after = client.weight_digests()
@@ -274,12 +272,13 @@ def test_cuda_side_streams_and_real_cpu_offload():
     import multiprocessing as mp
 
     from fsdp_worlds import cuda_streams_rank
-    from worlds import free_port
+    import torch.distributed as dist
 
     world = min(2, torch.cuda.device_count())
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)  # port 0: no race
+    port = store.port
     procs = [ctx.Process(target=cuda_streams_rank, args=(r, world, port, queue)) for r in range(world)]
     for p in procs:
         p.start()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vllm_devserver import DevServer
-from worlds import run_world
+from worlds import CONTEXT, run_world
 
 pytestmark = pytest.mark.slow
 
@@ -228,7 +228,7 @@ def test_hf_trainer_fsdp2_callback(tmp_path):
     from weightsync.plugins.loopback_server import start_receiver_process
 
     # The receiver starts from another init (seed 123): every value it ends with came over the wire.
-    client, handle = start_receiver_process(functools.partial(_llama, 123))
+    client, handle = start_receiver_process(functools.partial(_llama, 123), mp_context=CONTEXT)
     with handle, DevServer() as server:
         before, _ = client.logits(_PROBE)
         out = run_world(

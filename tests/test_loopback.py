@@ -16,7 +16,7 @@ import hashlib
 import pytest
 import torch
 
-from worlds import errors_of, free_port, run_world
+from worlds import CONTEXT, errors_of, run_world
 
 from weightsync.plugins.loopback_server import ReceiverClient, start_receiver_process
 from weightsync.plugins.presets import build_model, load_config
@@ -138,10 +138,10 @@ def _sync_world(rank: int, world_size: int, url: str, ports: list[int]) -> dict:
 
 
 def test_sync_end_to_end_both_clients():
-    client, handle = start_receiver_process(functools.partial(_receiver_model))
+    client, handle = start_receiver_process(functools.partial(_receiver_model), mp_context=CONTEXT)
     with handle:
         before_digests = client.weight_digests()
-        ports = [free_port() for _ in range(3)]
+        ports = [0] * 3  # 0: each sender binds a free port itself
         res = run_world(_sync_world, 2, timeout=300, url=handle.url, ports=ports)
         calls = client.calls()
         state = client.state()
@@ -290,9 +290,9 @@ def _bad_world(rank: int, world_size: int, url: str, ports: list[int]) -> dict:
 
 
 def test_bad_input_and_corruption_raise_on_every_rank():
-    client, handle = start_receiver_process(functools.partial(_receiver_model))
+    client, handle = start_receiver_process(functools.partial(_receiver_model), mp_context=CONTEXT)
     with handle:
-        ports = [free_port() for _ in range(6)]
+        ports = [0] * 6
         res = run_world(_bad_world, 2, timeout=300, url=handle.url, ports=ports)
         calls = client.calls()
         state = client.state()
@@ -366,7 +366,7 @@ def test_receiver_load_failure_mid_stream_then_same_engine_recovers():
 
     server = ReceiverServer(Faulty(_receiver_model())).start()
     try:
-        res = run_world(_recover_world, 2, timeout=300, url=server.url, port=free_port())
+        res = run_world(_recover_world, 2, timeout=300, url=server.url, port=0)
         client = ReceiverClient(server.url)
         digests = client.weight_digests()
         version = client.weight_version()

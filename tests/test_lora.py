@@ -49,7 +49,7 @@ from fsdp_worlds import (
     to_cpu,
     unpack,
 )
-from worlds import free_port, run_world
+from worlds import CONTEXT, run_world
 
 pytestmark = pytest.mark.slow
 
@@ -505,10 +505,10 @@ def test_unsupported_adapters_raise_on_every_rank():
 def test_loopback_end_to_end_logits_equal_peft_merged_model():
     from weightsync.plugins.loopback_server import start_receiver_process
 
-    client, handle = start_receiver_process(functools.partial(receiver_model))
+    client, handle = start_receiver_process(functools.partial(receiver_model), mp_context=CONTEXT)
     with handle:
         before = client.weight_digests()
-        res = unpack(run_world(world_loopback, 2, timeout=420, port=free_port(), url=handle.url))
+        res = unpack(run_world(world_loopback, 2, timeout=420, port=0, url=handle.url))
         after = client.weight_digests()
     assert before != after
     assert res[0]["logits_equal"], res[0]["logits_maxdiff"]

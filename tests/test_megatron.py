@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import megatron_worlds as mw
-from worlds import run_world
+from worlds import CONTEXT, run_world
 
 pytestmark = pytest.mark.slow
 
@@ -387,12 +387,11 @@ def test_loopback_engine_delivers_megatron_tp2_pp2(tmp_path):
     from weightsync.plugins.loopback_server import start_receiver_process
 
     family = "qwen3"
-    client, handle = start_receiver_process(functools.partial(_hf_receiver, family))
+    client, handle = start_receiver_process(functools.partial(_hf_receiver, family), mp_context=CONTEXT)
     with handle:
         before = client.weight_digests()
-        from worlds import free_port
 
-        f = run_world(_rank_loopback, 4, timeout=400, url=handle.url, port=free_port(), family=family, tmp=str(tmp_path))
+        f = run_world(_rank_loopback, 4, timeout=400, url=handle.url, port=0, family=family, tmp=str(tmp_path))
         after = client.weight_digests()
         ids = [[1, 5, 9, 200], [7, 3, 249, 0]]
         rlogits, _ = client.logits(ids)

@@ -16,7 +16,6 @@ import sys
 
 import pytest
 
-from worlds import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +30,7 @@ def test_mla_oracle_part_dry_run_megatron_forward_equals_transformers_from_expor
 
     row = run_all._run_part(
         "oracle_mla", [sys.executable, os.path.join(HERE, "gpu", "part_mla.py"), "--dry-run"],
-        900, str(tmp_path / "oracle_mla.json"), free_port(),
+        900, str(tmp_path / "oracle_mla.json"),
     )
     doc = row["result"] or {}
     checks = {c["name"]: c for c in doc.get("checks", [])}

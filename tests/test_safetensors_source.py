@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from fsdp_worlds import Untouchable, drive_vllm_nccl, pack, unpack
-from worlds import errors_of, free_port, run_world
+from worlds import CONTEXT, errors_of, run_world
 
 from weightsync.plugins.loopback_server import ReceiverClient, start_receiver_process
 from weightsync.plugins.presets import build_model, load_config
@@ -227,10 +227,10 @@ def _receiver_model() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def world(folders) -> dict[str, Any]:
-    client, handle = start_receiver_process(functools.partial(_receiver_model))
+    client, handle = start_receiver_process(functools.partial(_receiver_model), mp_context=CONTEXT)
     with handle:
         before, _ = client.logits(IDS)
-        res = unpack(run_world(_world, 2, timeout=400, folders=folders, url=handle.url, port=free_port()))
+        res = unpack(run_world(_world, 2, timeout=400, folders=folders, url=handle.url, port=0))
         after, after_sha = client.logits(IDS)
         digests = client.weight_digests()
         calls = client.calls()

@@ -1,26 +1,65 @@
-"""Multi-rank test worlds on CPU: N spawned processes joined by a gloo process group.
+"""Multi-rank test worlds on CPU: N processes joined by a gloo process group.
 
-Starting a world costs seconds (torch, vLLM, megatron-core imports), so a test runs many checks per
-world: ``fn(rank, world_size, **kwargs)`` is one module-level function that does all of them and
-returns a picklable result per rank. A rank that raises or does not finish within ``timeout`` makes
-``run_world`` raise with every rank's outcome, and every child is killed: a hang is a failure with a
-message, never a stuck CI job.
+A test runs many checks per world: ``fn(rank, world_size, **kwargs)`` is one module-level function
+that does all of them and returns a picklable result per rank. A rank that raises or does not finish
+within ``timeout`` makes ``run_world`` raise with every rank's outcome, and every child is killed: a
+hang is a failure with a message, never a stuck CI job.
+
+Start-up: importing torch, transformers, megatron-core, vLLM and weightsync costs ~10 s of CPU per
+process, which used to be paid by every rank of every world (and every loopback receiver). Ranks
+now come from one ``forkserver`` per pytest process (``CONTEXT``) that has those modules imported
+once; each rank is a fork of it, single-threaded, with no process group, no CUDA and no megatron
+parallel state initialised -- so every world still starts from a clean slate, in milliseconds.
+
+Rendezvous: the parent binds the world's ``TCPStore`` on port 0 and passes the bound port to the
+ranks, so no port is ever picked by one process and bound later by another (no EADDRINUSE race).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
 import socket
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 
-def free_port() -> int:
+#: Imported once in the forkserver; every rank and test receiver is forked from it. A module that
+#: is missing here (megatron-core on a lean install) is skipped by the forkserver, not an error.
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "accelerate",
+    "peft",
+    "safetensors.torch",
+    "megatron.core",
+    "vllm.distributed.weight_transfer",
+    "weightsync.sources",
+    "weightsync.plugins",
+    "weightsync.plugins.loopback",
+    "weightsync.plugins.loopback_server",
+    "worlds",
+    "fsdp_worlds",
+    "megatron_worlds",
+    "moe_models",
+    "mla_models",
+    "moe_megatron",
+]
+
+CONTEXT = mp.get_context("forkserver")
+CONTEXT.set_forkserver_preload(PRELOAD)
+
+
+@contextlib.contextmanager
+def dead_port() -> Iterator[int]:
+    """A local port that refuses connections for as long as the block runs: bound, never listening,
+    so no other process can take it meanwhile (a dead peer's address without a race)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 class WorldError(AssertionError):
@@ -30,6 +69,7 @@ class WorldError(AssertionError):
 
 
 def _child(fn, rank, world_size, port, kwargs, queue, pg_timeout_s):
+    """One rank: join the parent's store at ``port``, run ``fn``, report through ``queue``."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -44,13 +84,9 @@ def _child(fn, rank, world_size, port, kwargs, queue, pg_timeout_s):
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=pg_timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         result = fn(rank, world_size, **kwargs)
         queue.put((rank, "ok", result))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -80,9 +116,16 @@ def run_world(
     ``("error", text)`` instead of raising, so a bad-input test can assert that *every* rank raised
     a named error (and none hung).
     """
-    ctx = mp.get_context("spawn")
+    import torch.distributed as dist
+
+    ctx = CONTEXT
     queue = ctx.Queue()
-    port = free_port()
+    # The parent hosts the world's store, bound on port 0: the port is taken before anyone hears it.
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=pg_timeout_s),
+    )
+    port = store.port
     procs = [
         ctx.Process(target=_child, args=(fn, r, world_size, port, kwargs, queue, pg_timeout_s))
         for r in range(world_size)
@@ -113,6 +156,7 @@ def run_world(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        del store
     missing = [r for r in range(world_size) if r not in outcomes]
     if expect_errors:
         if missing:

@@ -17,7 +17,6 @@ from 0) so a swapped or dropped tensor changes the logits.
 from __future__ import annotations
 
 import datetime
-import os
 from typing import Any
 
 import torch
@@ -56,10 +55,10 @@ def megatron_version() -> str:
 def init_parallel(device: str) -> None:
     """A 1-rank default process group (nccl on CUDA, gloo on CPU) and TP1/PP1 Megatron state."""
     if not dist.is_initialized():
-        port = os.environ.get("MASTER_PORT") or str(29500 + os.getpid() % 1000)
+        # one rank: an in-process store, so parallel parts never race for a port
         dist.init_process_group(
             "nccl" if device.startswith("cuda") else "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=dist.HashStore(),
             rank=0,
             world_size=1,
             timeout=datetime.timedelta(seconds=120),

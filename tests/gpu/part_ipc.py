@@ -57,10 +57,10 @@ def _init_dist(device: str) -> None:
 
     if dist.is_initialized():
         return
-    port = os.environ.get("MASTER_PORT") or str(29700 + os.getpid() % 200)
+    # one rank: an in-process store, so parallel parts never race for a port
     dist.init_process_group(
         "nccl" if device.startswith("cuda") else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        store=dist.HashStore(),
         rank=0,
         world_size=1,
         timeout=datetime.timedelta(seconds=120),

@@ -85,8 +85,9 @@ def env_report(json_path: str | None) -> int:
     return facts.finish(json_path)
 
 
-def _run_part(name: str, argv: list[str], timeout: float, json_path: str, port: int) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _run_part(name: str, argv: list[str], timeout: float, json_path: str) -> dict:
+    # every part is one rank on an in-process store (HashStore): no port to pick, none to race for
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     print(f"===== {name}: {' '.join(argv[1:])} (timeout {timeout:.0f}s) =====", flush=True)
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv + ["--json", json_path], cwd=ROOT,
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     rows: list[dict] = []
     tmp = tempfile.mkdtemp(prefix="ws-gpu-")
-    for i, (name, script, extra, timeout) in enumerate(PARTS):
+    for name, script, extra, timeout in PARTS:
         if only and name not in only:
             continue
         left = args.budget - (time.perf_counter() - t_start)
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run and name != "env":
             argv_.append("--dry-run")
         rows.append(_run_part(name, argv_, min(timeout * (3 if args.dry_run else 1), left),
-                              os.path.join(tmp, f"{name}.json"), 29400 + 17 * i))
+                              os.path.join(tmp, f"{name}.json")))
         print(f"===== {name}: {rows[-1]['status']} in {rows[-1]['seconds']}s =====", flush=True)
     total = time.perf_counter() - t_start
     summary = _summary(rows, args.dry_run, total)
