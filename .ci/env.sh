@@ -4,7 +4,9 @@
 # The venv lives OUTSIDE the clone, keyed on the dependency spec (.ci/requirements.txt, pyproject's
 # dependency table and the Python version), so a warm run reuses it and any spec change builds a new
 # one. A cold build (vllm 0.33 + megatron-core + torch, ~10 GB) takes a few minutes. weightsync itself
-# is installed editable on top, without dependencies, every time (cheap).
+# is installed editable on top, without dependencies, every time (cheap). A cold build prints one
+# line per stage to stderr with the elapsed seconds, and a heartbeat every 20 s naming pip's latest
+# step (its full output goes to $WEIGHTSYNC_CACHE/build-<key>.log); a warm run prints nothing.
 #   WEIGHTSYNC_CACHE   where venvs are kept (default: ~/.cache/weightsync)
 #   WEIGHTSYNC_PYTHON  interpreter to build the venv from (default: python3)
 set -euo pipefail
@@ -14,18 +16,52 @@ _ws_key=$( { cat "$_ws_root/.ci/requirements.txt"; sed -n '/^dependencies/,/^]/p
 _ws_cache=${WEIGHTSYNC_CACHE:-$HOME/.cache/weightsync}
 WEIGHTSYNC_VENV="$_ws_cache/venv-$_ws_key"
 mkdir -p "$_ws_cache"
+_ws_t0=$SECONDS
+_ws_say() { echo "weightsync: [$(( SECONDS - _ws_t0 ))s] $*" >&2; }
+# _ws_step LABEL CMD...: run CMD with its output in $_ws_log; a heartbeat line every 20 s naming pip's
+# latest "Collecting / Downloading / Installing ..." line; on failure, the log's tail and a non-zero status.
+_ws_step() {
+  local label=$1; shift
+  _ws_say "$label"
+  echo "== $label" >> "$_ws_log"
+  (
+    "$@" >> "$_ws_log" 2>&1 &
+    pid=$!
+    trap 'kill "$pid" 2>/dev/null; exit 130' INT TERM  # a background job ignores Ctrl-C: stop it here
+    n=0
+    while kill -0 "$pid" 2>/dev/null; do
+      sleep 1
+      n=$((n + 1))
+      if [ $((n % 20)) -eq 0 ]; then
+        last=$(grep -E '^ *(Collecting|Downloading|Building|Installing|Successfully)' "$_ws_log" | tail -n 1 | sed 's/^ *//' | cut -c1-110 || true)
+        _ws_say "  ... still ${label%% *}${last:+: $last}"
+      fi
+    done
+    wait "$pid"
+  ) || { tail -n 25 "$_ws_log" >&2; _ws_say "FAILED: $label (full log: $_ws_log)"; return 1; }
+}
 if [ ! -f "$WEIGHTSYNC_VENV/.complete" ]; then
-  echo "weightsync: building environment $WEIGHTSYNC_VENV (cold: a few minutes)" >&2
+  _ws_log="$_ws_cache/build-$_ws_key.log"
+  : > "$_ws_log"
+  _ws_say "building environment $WEIGHTSYNC_VENV (cold: a few minutes, ~10 GB; log: $_ws_log)"
   rm -rf "$WEIGHTSYNC_VENV"
-  "$_ws_py" -m venv "$WEIGHTSYNC_VENV"
-  "$WEIGHTSYNC_VENV/bin/python" -m pip install -q --upgrade pip >&2
-  "$WEIGHTSYNC_VENV/bin/python" -m pip install -q -r "$_ws_root/.ci/requirements.txt" >&2
+  _ws_step "creating venv" "$_ws_py" -m venv "$WEIGHTSYNC_VENV" || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
+  _ws_step "upgrading pip" "$WEIGHTSYNC_VENV/bin/python" -m pip install --upgrade pip \
+    || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
+  _ws_step "installing .ci/requirements.txt (vllm, megatron-core, torch, ...)" \
+    "$WEIGHTSYNC_VENV/bin/python" -m pip install --progress-bar off -r "$_ws_root/.ci/requirements.txt" \
+    || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
   touch "$WEIGHTSYNC_VENV/.complete"
+  _ws_cold=1
 fi
 # shellcheck disable=SC1091
 source "$WEIGHTSYNC_VENV/bin/activate"
+[ -z "${_ws_cold:-}" ] || _ws_say "installing weightsync (editable, no dependencies)"
 python -m pip install -q --no-deps --no-build-isolation -e "$_ws_root" > "$WEIGHTSYNC_VENV/editable.log" 2>&1 \
-  || { cat "$WEIGHTSYNC_VENV/editable.log" >&2; echo "weightsync: editable install failed" >&2; return 1 2>/dev/null || exit 1; }
+  || { cat "$WEIGHTSYNC_VENV/editable.log" >&2; echo "weightsync: editable install failed" >&2; set +euo pipefail; return 1 2>/dev/null || exit 1; }
+[ -z "${_ws_cold:-}" ] || _ws_say "environment ready"
+unset _ws_cold
+unset -f _ws_say _ws_step
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TOKENIZERS_PARALLELISM=false
 set +euo pipefail
