@@ -29,6 +29,7 @@ from .errors import (
     UnsupportedAdapterError,
     AdapterStateError,
     CheckpointError,
+    ExchangeError,
     WeightSyncError,
 )
 
@@ -58,6 +59,7 @@ __all__ = [
     "UnsupportedAdapterError",
     "AdapterStateError",
     "CheckpointError",
+    "ExchangeError",
 ]
 
 

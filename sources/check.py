@@ -5,7 +5,8 @@ engine and every non-sender rank check nothing, so a divergent rank either hangs
 collective or ships garbage. The guarantees here:
 
 * ``check_stream``: each ``(name, tensor)`` a rank yields is exactly the next entry of
-  ``owned_names(rank)`` -- same name, wire dtype, full shape, contiguous -- and the count matches.
+  ``owned_names(rank)`` -- same name, wire dtype, full shape (``iter_local``: also contiguous, see
+  ``check_stream``) -- and the count matches.
   The error names the rank, the index, the declared and the actual parameter. It costs one
   comparison per tensor (about 1-3 us), never synchronizes the device, and holds no tensor longer
   than its consumer does.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import re
 from collections.abc import Iterable, Iterator
 from functools import cached_property
 from typing import Any
@@ -97,14 +99,28 @@ def check_stream(
     rank: int,
     what: str = "iter_full",
     local_shapes: list[tuple[int, ...]] | None = None,
+    contiguous: bool | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``pairs`` unchanged, raising ``MetadataMismatchError`` at the first divergence.
 
     ``expected`` is the metadata this rank must yield, in order (``owned_names(rank)``).
     ``local_shapes``, when given, replaces the full shape for each entry (``iter_local`` pieces).
-    The checks are on the host: name, dtype, shape, contiguity, count. Contiguity is required because
-    both of vLLM's sending paths read ``numel`` elements from ``data_ptr()``.
+    The checks are on the host: name, dtype, shape, count, and -- where an engine ships the tensor
+    as it is -- contiguity.
+
+    ``contiguous`` (default: ``what == "iter_local"``) requires contiguous tensors. Only
+    ``iter_local`` needs it: its consumer, vLLM 0.33's ``nccl_m2n`` trainer engine
+    (``m2n_trainer.py``), hands each shard unchanged to ``nccl.m2n.reshard``, which sends from the
+    shard's memory, so a strided view would ship the wrong bytes. Every ``iter_full`` consumer
+    linearizes what it gets, so a non-contiguous full tensor is a valid stream there and is accepted
+    (vLLM's ``ModuleSource`` yields such tensors): the NCCL engine sends ``tensor.contiguous()``
+    (unpacked) or packs through ``pack_tensors`` (``.contiguous().view(-1)``), the IPC engine shares
+    ``tensor.detach().contiguous()``, ``sharded_rdt`` exports ``tensor.contiguous()`` or copies small
+    tensors into a contiguous ring slot, weightsync's loopback flattens with ``reshape(-1)`` and the
+    checkpoint writer copies a non-contiguous tensor once.
     """
+    if contiguous is None:
+        contiguous = what == "iter_local"
     i = 0
     for name, tensor in pairs:
         if i >= len(expected):
@@ -128,11 +144,12 @@ def check_stream(
                 f"rank {rank}: {what} disagrees with metadata at index {i} ({', '.join(which)}): "
                 f"declared {_fmt(m.name, m.dtype, shape)}, got {_fmt(name, tensor.dtype, tensor.shape)}"
             )
-        if not tensor.is_contiguous():
+        if contiguous and not tensor.is_contiguous():
             raise MetadataMismatchError(
                 f"rank {rank}: {what} yielded a non-contiguous tensor at index {i} "
                 f"({_fmt(name, tensor.dtype, tensor.shape)}, strides {tuple(tensor.stride())}); "
-                "vLLM's engines send numel elements from data_ptr(), so it would ship wrong bytes"
+                f"the {what} consumer (vLLM's nccl_m2n) sends the piece's memory as it is, so it "
+                "would ship wrong bytes: yield .contiguous() pieces"
             )
         i += 1
         yield name, tensor
@@ -182,16 +199,38 @@ def verify_metadata_agreement(
     digest = f"{metadata_digest(metadata)}:{len(metadata)}"
     digests = board.exchange(
         digest, ranks=ranks, timeout_s=timeout_s,
-        what=f"the cross-rank {what} agreement (before the first collective)",
+        what=f"the cross-rank {what} agreement (before the first collective)", parse=_parse_digest,
     )
     if all(d == digest for d in digests.values()):
         return
     entries = board.exchange(
         repr([meta_entry(m) for m in metadata]), ranks=ranks, timeout_s=timeout_s,
-        what=f"the exchange of differing {what}",
+        what=f"the exchange of differing {what}", parse=_parse_entries,
     )
-    everyone = [ast.literal_eval(entries[r]) for r in ranks]
+    everyone = [entries[r] for r in ranks]
     raise CrossRankMismatchError(_first_difference(rank, ranks, everyone, what))
+
+
+def _parse_digest(text: str) -> str:
+    """``<sha256 hex>:<entry count>``, as ``verify_metadata_agreement`` posts it."""
+    if not re.fullmatch(r"[0-9a-f]{64}:\d+", text):
+        raise ValueError("not a '<sha256>:<count>' metadata digest")
+    return text
+
+
+def _parse_entries(text: str) -> list:
+    """The ``repr`` of a list of ``meta_entry`` tuples (plain literals only: ``ast.literal_eval``)."""
+    entries = ast.literal_eval(text)
+    if not isinstance(entries, list) or not all(isinstance(e, tuple) for e in entries):
+        raise ValueError("not a list of metadata entries")
+    return entries
+
+
+def _parse_count(text: str) -> int:
+    count = int(text)
+    if count < 0:
+        raise ValueError("a negative tensor count")
+    return count
 
 
 def _first_difference(rank: int, ranks: tuple[int, ...], everyone: list[Any], what: str) -> str:
@@ -374,13 +413,13 @@ class CheckedSource(WeightSource):
         ranks = group_ranks(None)
         counts = board.exchange(
             str(count), ranks=ranks, timeout_s=self.timeout_s,
-            what=f"the end-of-pass check of {what} (this rank yielded {count} tensors)",
+            what=f"the end-of-pass check of {what} (this rank yielded {count} tensors)", parse=_parse_count,
         )
         for r, c in counts.items():
             want = _owned_count(metadata, r)
-            if int(c) != want:
+            if c != want:
                 raise CrossRankMismatchError(
-                    f"rank {self.rank}: rank {r} finished {what} after {int(c)} tensors but "
+                    f"rank {self.rank}: rank {r} finished {what} after {c} tensors but "
                     f"metadata declares {want} for it"
                 )
 

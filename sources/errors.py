@@ -20,6 +20,7 @@ __all__ = [
     "UnsupportedAdapterError",
     "AdapterStateError",
     "CheckpointError",
+    "ExchangeError",
 ]
 
 
@@ -75,3 +76,9 @@ class CheckpointError(WeightSyncError, ValueError):
     """A checkpoint folder cannot be read or written as asked (a missing or empty path, a truncated
     shard, a header that disagrees with the index, an unsupported dtype, a target that exists): the
     message names the file, the tensor and the rank."""
+
+
+class ExchangeError(WeightSyncError, ValueError):
+    """A value another rank posted in a cross-rank exchange on the store cannot be read (a store that
+    returned garbage, a peer running another weightsync): the message names the exchange, the rank
+    whose value it was and what was read."""

@@ -29,12 +29,12 @@ from __future__ import annotations
 import datetime
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
-from .errors import PeerFailedError, SyncTimeoutError, WeightSyncError  # noqa: F401 (re-export)
+from .errors import ExchangeError, PeerFailedError, SyncTimeoutError, WeightSyncError  # noqa: F401 (re-export)
 from .logs import get_logger
 
 __all__ = [
@@ -168,14 +168,18 @@ class Board:
         ranks: Sequence[int],
         what: str,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-    ) -> dict[int, str]:
-        """Every rank of ``ranks`` posts ``value``; return ``{rank: value}`` once all have.
+        parse: Callable[[str], Any] | None = None,
+    ) -> dict[int, Any]:
+        """Every rank of ``ranks`` posts ``value``; return ``{rank: value}`` once all have
+        (``{rank: parse(value)}`` with ``parse``).
 
         Runs on the store, not on a process group: nothing to pair up, nothing left pending when a
         rank gives up, so a failed pass leaves no group misaligned and no group has to be built at
         a moment a late rank might miss. Fast path: one set, one check, one multi-get. Slow path:
         the same polling as ``wait_bounded`` (board after ``_QUIET_S``, ``SyncTimeoutError`` naming
         the absent ranks after ``timeout_s``, posted on the board so a straggler learns why).
+        A value that is not text, or that ``parse`` rejects, raises ``ExchangeError`` naming
+        ``what`` and the rank it came from (also posted on the board), never the parser's own error.
         """
         step = self.next_step()
         keys = [f"x/{step}/{r}" for r in ranks]
@@ -203,7 +207,21 @@ class Board:
                     raise SyncTimeoutError(message)
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
-        return {r: v.decode() for r, v in zip(ranks, self._store.multi_get(keys))}
+        out: dict[int, Any] = {}
+        for r, raw in zip(ranks, self._store.multi_get(keys)):
+            try:
+                text = raw.decode()
+                out[r] = text if parse is None else parse(text)
+            except Exception as e:  # noqa: BLE001 - any parser's error becomes one named error
+                message = (
+                    f"rank {self.rank}: {what}: the value of rank {r} read from the store is "
+                    f"unreadable ({type(e).__name__}: {e}); read {bytes(raw[:120])!r}"
+                    f"{'...' if len(raw) > 120 else ''}. The store returned garbage, or that rank runs "
+                    "another weightsync version."
+                )
+                self.fail(message)
+                raise ExchangeError(message) from e
+        return out
 
     def mark_waiting(self, step: int, what: str) -> None:
         self._store.set(f"wait/{step}/{self.rank}", what)

@@ -52,6 +52,9 @@ class ToySource(WeightSource):
             pairs = self.misbehave(pairs)
         return pairs
 
+    def iter_local(self):  # no placements: every rank's piece is the whole tensor
+        yield from self._pairs()
+
     def iter_full(self):
         if not self.gather:
             yield from self._pairs()
@@ -78,8 +81,42 @@ def _outcome(fn):
     return {"type": None, "msg": "", "s": time.monotonic() - t0}
 
 
-def _drain(source):
-    return [(n, t.clone()) for n, t in source.iter_full()]
+def _drain(source, what="iter_full"):
+    return [(n, t.clone()) for n, t in getattr(source, what)()]
+
+
+class _GarbledStore:
+    """The default store as one rank reads it, except that the given keys read as ``garble`` says:
+    a store that returns garbage for what a peer posted."""
+
+    def __init__(self, store, garble: dict) -> None:
+        self._store, self._garble = store, garble
+
+    def multi_get(self, keys):
+        return [self._garble.get(k, v) for k, v in zip(keys, self._store.multi_get(keys))]
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def _garbled_pass(source, garble: dict, *, on_rank: int):
+    """Drain ``source`` once; on ``on_rank`` the pass's board reads rank values through
+    ``_GarbledStore`` (board exchange ``x/<step>/<rank>`` keys)."""
+    from weightsync.sources import groups
+
+    init = groups.Board.__init__
+
+    def garbled_init(self, tag, **kw):
+        init(self, tag, **kw)
+        if tag.startswith("pass/"):
+            self._store = _GarbledStore(self._store, garble)
+
+    if dist.get_rank() == on_rank:
+        groups.Board.__init__ = garbled_init
+    try:
+        return _outcome(lambda: _drain(source))
+    finally:
+        groups.Board.__init__ = init
 
 
 def _snapshot(model):
@@ -96,8 +133,11 @@ SCENARIOS = {
     "missing": lambda p: [p[0], *p[2:]],
     "dtype": lambda p: [p[0], (p[1][0], p[1][1].to(torch.float64)), *p[2:]],
     "shape": lambda p: [p[0], (p[1][0], p[1][1][:-1]), *p[2:]],
-    "non_contiguous": lambda p: [*p[:4], (p[4][0], p[4][1].t())],  # 4x4: same shape, transposed view
+    # 4x4: same shape, transposed view; refused where the engine ships it as is (iter_local, nccl_m2n)
+    "non_contiguous": lambda p: [*p[:4], (p[4][0], p[4][1].t())],
 }
+#: drained through iter_local, not iter_full
+LOCAL = {"non_contiguous"}
 
 
 def world_stream_cases(rank, world_size):
@@ -109,11 +149,30 @@ def world_stream_cases(rank, world_size):
         before = _snapshot(model)
         src = checked(ToySource(model, misbehave=bad), timeout_s=TIMEOUT_S)
         meta_before = list(src.metadata)
-        facts[case] = _outcome(lambda: _drain(src))
+        facts[case] = _outcome(lambda: _drain(src, "iter_local" if case in LOCAL else "iter_full"))
         facts[case]["unmutated"] = _same(before, _snapshot(model)) and src.metadata == meta_before
         # the next sync after the error works, on the same model, same process groups
         good = checked(ToySource(model), timeout_s=TIMEOUT_S)
         facts[case]["next_ok"] = [n for n, _ in _drain(good)] == [n for n, _ in model.named_parameters()]
+
+    # every iter_full consumer linearizes: a non-contiguous full tensor is a valid stream (vLLM's
+    # ModuleSource yields them), passed through as is
+    src = checked(ToySource(model, misbehave=SCENARIOS["non_contiguous"]), timeout_s=TIMEOUT_S)
+    got: list = []
+    facts["non_contiguous_full"] = _outcome(lambda: got.extend(_drain(src)))
+    want = [(n, p.detach()) for n, p in model.named_parameters()]
+    facts["non_contiguous_full"]["values_ok"] = [n for n, _ in got] == [n for n, _ in want] and all(
+        torch.equal(a, b if rank == 0 or n != "2.weight" else b.t()) for (n, a), (_, b) in zip(got, want)
+    )
+
+    # a store that returns garbage for a peer's post in the metadata agreement: rank 0 reads rank 1's
+    # digest as bytes that are not text, then (a differing digest) rank 1's entries as a broken literal
+    for case, garble in (
+        ("garbage_digest", {"x/1/1": b"\xff\xfe digest"}),
+        ("garbage_entries", {"x/1/1": ("f" * 64 + ":5").encode(), "x/2/1": b"[('0.weight', 'float32', (8, 8"}),
+    ):
+        facts[case] = _garbled_pass(checked(ToySource(model), timeout_s=TIMEOUT_S), garble, on_rank=0)
+        facts[case]["next_ok"] = len(_drain(checked(ToySource(model), timeout_s=TIMEOUT_S))) == 5
 
     # a rank with another model config: caught before any gather
     other = _model(hidden=8 if rank == 0 else 6)
@@ -157,6 +216,23 @@ def test_stream_and_rank_divergence_raise_named_errors_on_every_rank():
     assert "dtype" in out[1]["dtype"]["msg"] and "float64" in out[1]["dtype"]["msg"]
     assert "shape" in out[1]["shape"]["msg"] and "(7,)" in out[1]["shape"]["msg"]
     assert "non-contiguous" in out[1]["non_contiguous"]["msg"] and "'2.weight'" in out[1]["non_contiguous"]["msg"]
+    assert "iter_local" in out[1]["non_contiguous"]["msg"]
+    for r in (0, 1):
+        full = out[r]["non_contiguous_full"]
+        assert full["type"] is None and full["values_ok"], (r, full)
+
+    for case, exchange, why in (
+        ("garbage_digest", "the cross-rank metadata agreement", "UnicodeDecodeError"),
+        ("garbage_entries", "the exchange of differing metadata", "SyntaxError"),
+    ):
+        garbled, peer = out[0][case], out[1][case]
+        assert garbled["type"] == "ExchangeError", (case, garbled)  # a weightsync error, not the parser's
+        assert garbled["msg"].startswith("rank 0:") and exchange in garbled["msg"], (case, garbled)
+        assert "value of rank 1" in garbled["msg"] and why in garbled["msg"], (case, garbled)
+        # the peer hears it (or, out of step, fails its own exchange by name): never a timeout
+        assert peer["type"] in ("PeerFailedError", "ExchangeError"), (case, peer)
+        for r in (0, 1):
+            assert out[r][case]["s"] < 5 and out[r][case]["next_ok"], (case, r, out[r][case])
 
     for r in (0, 1):
         cfg = out[r]["config"]

@@ -44,9 +44,8 @@ def _pairs():
         (lambda p: p[:2], ["stopped after 2", "declares 3", "'c.weight'"]),
         (lambda p: [p[0], ("b.weight", p[1][1].float()), p[2]], ["index 1", "dtype", "bfloat16", "float32"]),
         (lambda p: [p[0], p[1], ("c.weight", torch.zeros(3, 4))], ["index 2", "shape", "(3, 3)", "(3, 4)"]),
-        (lambda p: [p[0], p[1], ("c.weight", torch.zeros(3, 3).t())], ["non-contiguous", "index 2", "strides"]),
     ],
-    ids=["order", "extra", "missing", "stops-early", "dtype", "shape", "non-contiguous"],
+    ids=["order", "extra", "missing", "stops-early", "dtype", "shape"],
 )
 def test_stream_check_names_rank_index_declared_and_actual(mutate, needles):
     with pytest.raises(MetadataMismatchError) as e:
@@ -55,6 +54,44 @@ def test_stream_check_names_rank_index_declared_and_actual(mutate, needles):
     assert msg.startswith("rank 3:")
     for n in needles:
         assert n in msg, (n, msg)
+
+
+def test_stream_check_requires_contiguity_only_where_the_engine_ships_the_tensor_as_is():
+    """``iter_local`` pieces go to vLLM's ``nccl_m2n``, which sends them as they are: a strided view
+    is refused there, naming it. Every ``iter_full`` consumer linearizes, so the same stream passes
+    unchanged (the very tensor objects) under ``iter_full``."""
+    pairs = [_pairs()[0], _pairs()[1], ("c.weight", torch.arange(9.0).reshape(3, 3).t())]
+    with pytest.raises(MetadataMismatchError) as e:
+        list(check_stream(iter(pairs), _metas(), rank=3, what="iter_local", local_shapes=[(4, 3), (3,), (3, 3)]))
+    for needle in ("rank 3:", "iter_local", "non-contiguous", "index 2", "'c.weight'", "strides (1, 3)", "nccl_m2n"):
+        assert needle in str(e.value), (needle, str(e.value))
+    out = list(check_stream(iter(pairs), _metas(), rank=3))
+    assert all(a is b for (_, a), (_, b) in zip(out, pairs)) and len(out) == 3
+
+
+def test_checked_modulesource_with_a_non_contiguous_param_passes_vllms_nccl_engine(monkeypatch):
+    """vLLM 0.33's own ``test_nccl_trainer_send_weights_broadcasts_contiguous``, through ``checked()``:
+    a ``ModuleSource`` yielding a transposed (non-contiguous) parameter, the unpacked NCCL trainer
+    engine with a mocked group; the engine broadcasts a contiguous copy with the view's values."""
+    from unittest.mock import MagicMock
+
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
+
+    module = torch.nn.Module()
+    view = torch.arange(6, dtype=torch.float32).reshape(2, 3).t()  # non-contiguous
+    module.w = torch.nn.Parameter(view, requires_grad=False)
+    assert not module.w.is_contiguous()
+    source = checked(ModuleSource(module))
+    engine = NCCLTrainerWeightTransferEngine(client=MagicMock(), source=source, packed=False)
+    engine.model_update_group = MagicMock()
+    monkeypatch.setattr(torch.cuda, "current_stream", MagicMock())
+
+    engine.send_weights()
+
+    sent = engine.model_update_group.broadcast.call_args.args[0]
+    assert sent.is_contiguous() and torch.equal(sent, view)
+    assert source.passes == 1
 
 
 def test_stream_check_passes_tensors_through_unchanged():
