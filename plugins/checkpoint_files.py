@@ -20,6 +20,13 @@
   (``write`` returns the bytes it had to copy, which is what ``peak_extra_bytes`` reports).
   A file is ``fsync``-ed and closed as soon as its last tensor is written; the folder is ``fsync``-ed
   before the rename and the parent after it.
+* **Permissions as ``save_pretrained`` leaves them.** The folder is created with mode ``0o777`` and
+  every file with ``0o666``, both minus the process umask (what ``os.makedirs`` and ``open`` do for
+  ``save_pretrained``: ``0755`` / ``0644`` under umask 022), never ``mkdtemp``'s ``0700``, so a vLLM
+  server running as another user can read the checkpoint. A target folder that already exists keeps
+  its own mode (``save_pretrained`` writes into it). Shards follow the umask too, as every other
+  file of ``save_pretrained`` does; safetensors >= 0.8's own ``save_file`` creates them ``0600``
+  whatever the umask (a temp-file regression, safetensors#782), which is not copied here.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import secrets
 import shutil
+import stat
 import sys
 import tempfile
 from typing import Any
@@ -47,6 +56,19 @@ logger = get_logger(__name__)
 _NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+
+
+def _mkdir_unique(parent: str, prefix: str, suffix: str = "") -> str:
+    """A new folder ``parent/<prefix>XXXXXXXX<suffix>`` created with ``os.mkdir(0o777)`` (the umask
+    applies, as for ``os.makedirs``), unlike ``tempfile.mkdtemp``'s ``0700``."""
+    for _ in range(100):
+        path = os.path.join(parent, f"{prefix}{secrets.token_hex(4)}{suffix}")
+        try:
+            os.mkdir(path, 0o777)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"no free staging folder name {prefix}*{suffix} in {parent}")
 
 
 def check_target(path: str, *, overwrite: bool, rank: int) -> None:
@@ -125,7 +147,7 @@ class StagedFolder:
         parent = os.path.dirname(path) or "."
         try:
             os.makedirs(parent, exist_ok=True)
-            self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.weightsync-", suffix=".tmp", dir=parent)
+            self.tmp = _mkdir_unique(parent, f".{os.path.basename(path)}.weightsync-", ".tmp")
         except OSError as e:
             raise CheckpointError(f"rank {rank}: cannot create a staging folder next to {path}: {e}") from e
         try:
@@ -140,7 +162,7 @@ class StagedFolder:
 
     def _create(self, k: int) -> None:
         f = self.plan.files[k]
-        fd = os.open(self._file(k), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(self._file(k), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         self._fds[k] = fd
         try:
             os.posix_fallocate(fd, 0, f.size)
@@ -183,7 +205,7 @@ class StagedFolder:
 
     def write_text(self, name: str, text: str) -> None:
         """A small metadata file (index, config): written, fsync-ed, closed."""
-        fd = os.open(os.path.join(self.tmp, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(os.path.join(self.tmp, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             _pwrite_all(fd, memoryview(text.encode("utf-8")), 0)
             os.fsync(fd)
@@ -210,6 +232,8 @@ class StagedFolder:
             )
         _fsync_dir(self.tmp)
         parent = os.path.dirname(self.path) or "."
+        if os.path.isdir(self.path):  # save_pretrained writes into it: the folder keeps its mode
+            os.chmod(self.tmp, stat.S_IMODE(os.stat(self.path).st_mode))
         if os.path.isdir(self.path) and os.listdir(self.path):
             check_target(self.path, overwrite=self.overwrite, rank=self.rank)  # appeared meanwhile
             self._replace()

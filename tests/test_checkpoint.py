@@ -31,6 +31,7 @@ import os
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -105,6 +106,23 @@ def folder_diff(a: str, b: str) -> list[str]:
     return out
 
 
+def modes(folder: str, *, umask_for_safetensors: bool = False) -> dict[str, str]:
+    """The permission bits of a folder and of each file in it (octal text). With
+    ``umask_for_safetensors``, ``*.safetensors`` files read as ``0o666 & ~umask``: safetensors >= 0.8
+    writes them through a temp file created 0600 whatever the umask (safetensors#782, a regression
+    its PR #789 reverts), so ``save_pretrained``'s own shards are not the reference for them --
+    a plain ``open()``, like every other file ``save_pretrained`` writes, is."""
+    out = {".": oct(stat.S_IMODE(os.stat(folder).st_mode))}
+    for f in os.listdir(folder):
+        mode = stat.S_IMODE(os.stat(os.path.join(folder, f)).st_mode)
+        out[f] = oct(0o666 & ~UMASK if umask_for_safetensors and f.endswith(".safetensors") else mode)
+    return out
+
+
+#: Not the usual 022, so that a hard-coded 0755 / 0644 (or mkdtemp's 0700) cannot pass for the umask.
+UMASK = 0o002
+
+
 def ids() -> torch.Tensor:
     return torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(11))
 
@@ -120,6 +138,7 @@ def world_export(rank: int, world_size: int, *, base: str) -> bytes:
     from weightsync.sources import FSDPSource
 
     mesh = init_device_mesh("cpu", (world_size,))
+    os.umask(UMASK)  # save_pretrained's and save_safetensors' files are created under the same umask
     facts: dict[str, Any] = {}
     for name in SCENARIOS:
         f: dict[str, Any] = {}
@@ -159,6 +178,10 @@ def test_folder_is_byte_identical_to_save_pretrained(exported, name):
     d = os.path.join(base, name)
     for kind in ("single", "sharded"):
         assert folder_diff(os.path.join(d, f"ref-{kind}"), os.path.join(d, f"out-{kind}")) == [], (name, kind)
+        # readable by another user as save_pretrained's folder is: the same modes, from the umask
+        ref_modes = modes(os.path.join(d, f"ref-{kind}"), umask_for_safetensors=True)
+        assert modes(os.path.join(d, f"out-{kind}")) == ref_modes, (name, kind)
+        assert ref_modes["."] == oct(0o777 & ~UMASK) and ref_modes["config.json"] == oct(0o666 & ~UMASK)
     files = sorted(os.listdir(os.path.join(d, "out-sharded")))
     shards = [f for f in files if f.endswith(".safetensors")]
     assert len(shards) > 3 and "model.safetensors.index.json" in files, files
@@ -294,6 +317,7 @@ def world_failures(rank: int, world_size: int, *, base: str) -> bytes:
     from weightsync.plugins.checkpoint import save_safetensors as save
     from weightsync.sources import checked
 
+    os.umask(UMASK)
     if rank == 0:
         dense_model("qwen3", tied=True, seed=5).save_pretrained(os.path.join(base, "ref"), max_shard_size=SMALL)
         dense_model("qwen3", tied=True, seed=5).save_pretrained(os.path.join(base, "ref1"))
@@ -301,6 +325,7 @@ def world_failures(rank: int, world_size: int, *, base: str) -> bytes:
             os.makedirs(os.path.join(base, folder))
             with open(os.path.join(base, folder, "mine.txt"), "w") as fh:
                 fh.write("keep me")
+        os.chmod(os.path.join(base, "old2"), 0o750)  # an existing target keeps its own mode
     dist.barrier()
     n_files = len([f for f in os.listdir(os.path.join(base, "ref")) if f.endswith(".safetensors")])
     one_file = os.path.getsize(os.path.join(base, "ref1", "model.safetensors"))
@@ -418,6 +443,10 @@ def test_overwrite_replaces_and_the_world_still_works_after_failures(failures):
     assert folder_diff(os.path.join(base, "ref"), os.path.join(base, "old2")) == []
     assert results[0]["overwrite"]["overwrote"] and results[1]["overwrite"]["overwrote"]
     assert folder_diff(os.path.join(base, "ref"), os.path.join(base, "after")) == []
+    # save_pretrained into an existing folder leaves the folder's mode; new files get the umask's
+    ref, old2 = modes(os.path.join(base, "ref"), umask_for_safetensors=True), modes(os.path.join(base, "old2"))
+    assert old2 == {**ref, ".": oct(0o750)}, (old2, ref)
+    assert modes(os.path.join(base, "after")) == ref
 
 
 def test_absent_peer_times_out_naming_it(failures):
