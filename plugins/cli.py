@@ -39,6 +39,21 @@ for _noisy in ("torch._opaque_base", "torch._library.opaque_object", "torch.util
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+#: ``weightsync --help``'s description: plain text (the module docstring is RST).
+DESCRIPTION = (
+    "weightsync: turn a sharded trainer model (FSDP2, Megatron-core) into Hugging Face checkpoint "
+    "tensors for vLLM's weight transfer. Commands: demo, check, export."
+)
+#: Options that only a ``--layout megatron`` run uses.
+MEGATRON_ONLY = ("tp", "pp", "vpp", "ep")
+#: ``--dtype`` names (torch.dtype attributes of torch 2.x), checked before torch is imported; the
+#: ranks check again against the real torch.
+TORCH_DTYPES = frozenset((
+    "float32", "float", "float64", "double", "float16", "half", "bfloat16", "complex32", "chalf",
+    "complex64", "cfloat", "complex128", "cdouble", "uint8", "uint16", "uint32", "uint64", "int8",
+    "int16", "short", "int32", "int", "int64", "long", "bool", "float8_e4m3fn", "float8_e4m3fnuz",
+    "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
+))
 _RESULT_ENV = "WEIGHTSYNC_RESULT_FILE"
 _ARGV_ENV = "WEIGHTSYNC_ARGV"
 
@@ -52,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     from .presets import preset_names
 
     presets = ", ".join(preset_names())
-    p = _Parser(prog="weightsync", description=__doc__.split("\n\n")[0].strip())
+    p = _Parser(prog="weightsync", description=DESCRIPTION)
     p.add_argument("-v", "--verbose", action="store_true", help="log weightsync INFO messages")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -120,10 +135,10 @@ def _source_args(p: argparse.ArgumentParser, presets: str) -> None:
         "--nproc", type=int, default=None,
         help="ranks (default: 1 for fsdp; tp*pp*ep for megatron, which needs a multiple of it)",
     )
-    p.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
-    p.add_argument("--pp", type=int, default=1, help="Megatron pipeline parallel size")
-    p.add_argument("--vpp", type=int, default=None, help="Megatron virtual pipeline size")
-    p.add_argument("--ep", type=int, default=1, help="Megatron expert parallel size")
+    p.add_argument("--tp", type=int, default=None, help="Megatron tensor parallel size (--layout megatron; default 1)")
+    p.add_argument("--pp", type=int, default=None, help="Megatron pipeline parallel size (--layout megatron; default 1)")
+    p.add_argument("--vpp", type=int, default=None, help="Megatron virtual pipeline size (--layout megatron)")
+    p.add_argument("--ep", type=int, default=None, help="Megatron expert parallel size (--layout megatron; default 1)")
     p.add_argument(
         "--expert-layout", choices=("per_expert", "fused"), default=None,
         help="MoE routed experts on the wire: per_expert (what save_pretrained writes; the default) "
@@ -181,32 +196,56 @@ def _finish(code: int) -> int:
 
 
 def _validate(args: argparse.Namespace) -> Any:
-    """Everything a user can get wrong, checked before any rank starts. Returns the config."""
-    from .presets import UserError, load_config
+    """Everything a user can get wrong, checked before any rank starts and before torch,
+    transformers or megatron-core is imported (a usage error answers at once). Fills the defaults
+    of ``--nproc`` and, for ``--layout megatron``, ``--tp/--pp/--ep``. Returns the config's
+    ``presets.ConfigFacts``; the ranks build the transformers config itself."""
+    from .presets import UserError, config_facts
 
     if args.config and args.model:
         raise UserError("pass --model or --config, not both")
-    if args.command in ("check", "export") and args.nproc is None:
-        args.nproc = args.tp * args.pp * args.ep if args.layout == "megatron" else 1
+    if args.command in ("check", "export"):
+        _layout_options(args)
+        if args.nproc is None:
+            args.nproc = args.tp * args.pp * args.ep if args.layout == "megatron" else 1
     nproc = getattr(args, "nproc", 1)
     if nproc < 1 or nproc > 64:
         raise UserError(f"--nproc must be between 1 and 64, got {nproc}")
     if getattr(args, "steps", 1) < 1:
         raise UserError(f"--steps must be >= 1, got {args.steps}")
     checkpoint_config(args)
-    config = load_config(args.model, args.config, hidden=args.hidden, layers=args.layers)
-    if getattr(args, "dtype", None):
-        import torch
-
-        if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
-            raise UserError(f"--dtype {args.dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
+    facts = config_facts(args.model, args.config, hidden=args.hidden, layers=args.layers)
+    if getattr(args, "dtype", None) and args.dtype not in TORCH_DTYPES:
+        raise UserError(f"--dtype {args.dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
     if args.command in ("check", "export") and args.layout == "megatron":
-        _validate_megatron(args, config)
+        _validate_megatron(args, facts)
     if args.command == "export":
         from .cli_export import validate_export
 
         validate_export(args)
-    return config
+    return facts
+
+
+def _layout_options(args: argparse.Namespace) -> None:
+    """``--tp/--pp/--vpp/--ep`` belong to ``--layout megatron``: given with another layout they are
+    a usage error naming the option (a run would silently ignore them); with megatron each must be
+    >= 1 (``--tp/--pp/--ep`` default to 1)."""
+    from .presets import UserError
+
+    given = [flag for flag in MEGATRON_ONLY if getattr(args, flag) is not None]
+    if args.layout != "megatron":
+        if given:
+            raise UserError(
+                f"--{given[0]} applies to --layout megatron only; this run's layout is {args.layout} "
+                f"(add --layout megatron, or drop {' '.join('--' + f for f in given)})"
+            )
+        return
+    for flag in given:
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    for flag in ("tp", "pp", "ep"):
+        if getattr(args, flag) is None:
+            setattr(args, flag, 1)
 
 
 def checkpoint_config(args: argparse.Namespace) -> None:
@@ -228,23 +267,22 @@ def checkpoint_config(args: argparse.Namespace) -> None:
         args.config = path
 
 
-def _validate_megatron(args: argparse.Namespace, config: Any) -> None:
-    from .presets import UserError
+def _validate_megatron(args: argparse.Namespace, facts: Any) -> None:
+    """``--layout megatron`` sizes against the config's ``ConfigFacts`` (a fact the config file does
+    not state is left to the ranks, which build the real config)."""
+    from .presets import MEGATRON_MODEL_TYPES, UserError
 
-    for flag in ("tp", "pp", "ep"):
-        if getattr(args, flag) < 1:
-            raise UserError(f"--{flag} must be >= 1")
-    heads, groups = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    if heads % args.tp or groups % args.tp:
+    heads, groups = facts.heads, facts.kv_heads
+    if heads is not None and (heads % args.tp or (groups or heads) % args.tp):
         raise UserError(
             f"--tp {args.tp} must divide the attention heads ({heads}) and key/value heads ({groups}) "
-            f"of {config.model_type}"
+            f"of {facts.model_type}"
         )
-    layers = config.num_hidden_layers
+    layers = facts.layers
     stages = args.pp * (args.vpp or 1)
-    if layers % stages:
+    if layers is not None and layers % stages:
         raise UserError(f"--pp {args.pp} x --vpp {args.vpp or 1} must divide the {layers} layers")
-    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    experts = facts.experts
     if args.ep > 1 and (not experts or experts % args.ep):
         raise UserError(f"--ep {args.ep} must divide the number of experts ({experts or 'none: dense model'})")
     if args.vpp is not None and (args.vpp < 1 or args.pp < 2):
@@ -255,12 +293,10 @@ def _validate_megatron(args: argparse.Namespace, config: Any) -> None:
             f"--nproc {args.nproc} must be a multiple of --tp x --pp x --ep = {unit} "
             "(megatron splits the ranks into data-parallel replicas of that size)"
         )
-    from .megatron_build import SUPPORTED_MODEL_TYPES
-
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
+    if facts.model_type not in MEGATRON_MODEL_TYPES:
         raise UserError(
-            f"--layout megatron: no CPU Megatron builder for model_type {config.model_type!r} "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            f"--layout megatron: no CPU Megatron builder for model_type {facts.model_type!r} "
+            f"(supported: {', '.join(MEGATRON_MODEL_TYPES)})"
         )
 
 
@@ -269,18 +305,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = json.loads(os.environ[_ARGV_ENV]) if _ARGV_ENV in os.environ else sys.argv[1:]
     argv = list(argv)
     args = _parser().parse_args(argv)
-    from weightsync.sources.logs import configure_logging
-
     from .presets import UserError
 
+    try:
+        _validate(args)  # light: no torch / transformers / megatron import before it passed
+    except UserError as e:
+        return _finish(_usage(str(e))) if _under_torchrun() else _usage(str(e))
+    if not _under_torchrun() and args.nproc > 1:
+        return _launch(args.nproc, argv)
+    from weightsync.sources.logs import configure_logging
+
     configure_logging(logging.INFO if args.verbose else logging.WARNING)
-    if not _under_torchrun():
-        try:
-            _validate(args)
-        except UserError as e:
-            return _usage(str(e))
-        if args.nproc > 1:
-            return _launch(args.nproc, argv)
     try:
         code = _run(args)
     except UserError as e:

@@ -6,7 +6,8 @@ preset or a ``config.json`` with random weights (seed 0); every rank calls
 ``save_safetensors(source, --out, max_shard_bytes=--max-shard-size, config=the config,
 overwrite=--overwrite)`` and rank 0 prints what was written. Exit 0 when the folder is in place, 1
 when the export failed (nothing is left at ``--out``), 2 for usage errors -- including a non-empty
-``--out`` without ``--overwrite``, caught before any rank starts.
+``--out`` without ``--overwrite``, caught before any rank starts. Only ``run_export`` imports
+torch: the CLI validates its arguments (``validate_export``) before any heavy import.
 """
 
 from __future__ import annotations
@@ -15,11 +16,6 @@ import argparse
 import os
 import sys
 
-import torch
-import torch.distributed as dist
-
-from .cli_build import build_source
-from .demo import _fmt_bytes
 from .presets import UserError, load_config
 
 __all__ = ["run_export", "validate_export", "parse_size"]
@@ -53,7 +49,13 @@ def validate_export(args: argparse.Namespace) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     """One export on every rank; rank 0 prints the report or the failure."""
+    import torch
+    import torch.distributed as dist
+
     from weightsync.plugins.checkpoint import save_safetensors
+
+    from .cli_build import build_source
+    from .demo import _fmt_bytes
 
     rank = dist.get_rank()
     config = load_config(args.model, args.config, hidden=args.hidden, layers=args.layers)

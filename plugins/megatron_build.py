@@ -47,6 +47,8 @@ import torch
 
 from weightsync.sources.logs import get_logger
 
+from .presets import MEGATRON_MODEL_TYPES
+
 __all__ = [
     "MegatronParallel",
     "MLACoreAttention",
@@ -57,10 +59,10 @@ __all__ = [
 
 logger = get_logger(__name__)
 
-_DENSE = ("llama", "mistral", "qwen2", "qwen3")
-_MOE = ("qwen3_moe", "qwen2_moe", "mixtral")
 _MLA = ("deepseek_v3",)
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = _DENSE + _MOE + _MLA
+#: dense llama / mistral / qwen2 / qwen3, MoE qwen3_moe / qwen2_moe / mixtral, MLA deepseek_v3 (the
+#: list lives in ``presets`` so that the CLI checks ``--layout megatron`` before importing torch).
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = MEGATRON_MODEL_TYPES
 
 #: megatron's default ``make_vocab_size_divisible_by``: vocabulary rows are padded to a multiple
 #: of this times TP (``MegatronSource`` trims them back to ``vocab_size``).

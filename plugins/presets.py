@@ -10,9 +10,19 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PRESETS", "preset_names", "load_config", "build_model", "UserError"]
+__all__ = [
+    "PRESETS", "MEGATRON_MODEL_TYPES", "preset_names", "raw_config", "config_facts", "ConfigFacts", "load_config",
+    "build_model", "UserError",
+]
+
+#: model_types ``megatron_build`` can build on CPU (dense, MoE, MLA); plain data so that the CLI can
+#: check ``--layout megatron`` before importing torch or megatron-core.
+MEGATRON_MODEL_TYPES: tuple[str, ...] = (
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
+)
 
 
 class UserError(ValueError):
@@ -84,6 +94,66 @@ def preset_names() -> list[str]:
     return sorted(PRESETS)
 
 
+def raw_config(preset: str | None = None, path: str | None = None) -> dict[str, Any]:
+    """The plain dict of a preset (``tiny-qwen3`` or ``qwen3``) or of a ``config.json`` (file or
+    directory), ``model_type`` included; a new dict every call. No transformers import: the CLI
+    checks its arguments against it before any heavy import. Raises ``UserError``."""
+    if path is not None:
+        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise UserError(f"--config: no such file: {file}")
+        try:
+            with open(file) as f:
+                raw = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"--config: {file} is not a readable JSON config: {e}") from None
+        if not isinstance(raw, dict) or "model_type" not in raw:
+            raise UserError(f"--config: {file} has no 'model_type'")
+        return raw
+    name = preset or "tiny-qwen3"
+    key = name if name in PRESETS else f"tiny-{name}"
+    if key not in PRESETS:
+        raise UserError(f"unknown model preset {name!r}; choose one of {', '.join(preset_names())}")
+    return dict(PRESETS[key])
+
+
+@dataclass(frozen=True)
+class ConfigFacts:
+    """What the CLI's argument checks need from a config, read from its plain dict (``None``: the
+    dict does not say; transformers' default applies and only the full config can tell)."""
+
+    model_type: str
+    heads: int | None
+    kv_heads: int | None
+    layers: int | None
+    experts: int | None
+
+
+def config_facts(
+    preset: str | None = None, path: str | None = None, *, hidden: int | None = None, layers: int | None = None
+) -> ConfigFacts:
+    """``raw_config`` + the ``--hidden`` / ``--layers`` checks ``load_config`` makes, without
+    transformers. Raises ``UserError`` with ``load_config``'s words."""
+    raw = raw_config(preset, path)
+    heads = raw.get("num_attention_heads")
+    _check_resize(heads, hidden, layers)
+    experts = raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts")
+    return ConfigFacts(
+        model_type=str(raw["model_type"]),
+        heads=heads,
+        kv_heads=raw.get("num_key_value_heads") or heads,
+        layers=layers if layers is not None else raw.get("num_hidden_layers"),
+        experts=experts,
+    )
+
+
+def _check_resize(heads: int | None, hidden: int | None, layers: int | None) -> None:
+    if hidden is not None and (hidden <= 0 or (heads is not None and hidden % heads)):
+        raise UserError(f"--hidden {hidden} must be a positive multiple of the {heads} attention heads")
+    if layers is not None and layers <= 0:
+        raise UserError(f"--layers {layers} must be positive")
+
+
 def load_config(
     preset: str | None = None,
     path: str | None = None,
@@ -95,41 +165,22 @@ def load_config(
     path (file or directory), optionally resized. Raises ``UserError`` for user mistakes."""
     from transformers import AutoConfig
 
-    if path is not None:
-        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        if not os.path.isfile(file):
-            raise UserError(f"--config: no such file: {file}")
-        try:
-            with open(file) as f:
-                raw = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise UserError(f"--config: {file} is not a readable JSON config: {e}") from None
-        if "model_type" not in raw:
-            raise UserError(f"--config: {file} has no 'model_type'")
-        model_type = raw.pop("model_type")
-        try:
-            config = AutoConfig.for_model(model_type, **raw)
-        except (ValueError, KeyError) as e:
-            raise UserError(f"--config: transformers cannot build model_type {model_type!r}: {e}") from None
-    else:
-        name = preset or "tiny-qwen3"
-        key = name if name in PRESETS else f"tiny-{name}"
-        if key not in PRESETS:
-            raise UserError(f"unknown model preset {name!r}; choose one of {', '.join(preset_names())}")
-        kw = dict(PRESETS[key])
-        config = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    raw = raw_config(preset, path)
+    model_type = raw.pop("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **raw)
+    except (ValueError, KeyError) as e:
+        raise UserError(f"--config: transformers cannot build model_type {model_type!r}: {e}") from None
     if hidden is not None:
         heads = config.num_attention_heads
-        if hidden <= 0 or hidden % heads:
-            raise UserError(f"--hidden {hidden} must be a positive multiple of the {heads} attention heads")
+        _check_resize(heads, hidden, None)
         config.hidden_size = hidden
         config.intermediate_size = 2 * hidden
         # qwen3 keeps its own head_dim; DeepSeek-V3's head_dim is the rope dim (qk_rope_head_dim).
         if getattr(config, "head_dim", None) is not None and config.model_type not in ("qwen3", "deepseek_v3"):
             config.head_dim = hidden // heads
     if layers is not None:
-        if layers <= 0:
-            raise UserError(f"--layers {layers} must be positive")
+        _check_resize(None, None, layers)
         config.num_hidden_layers = layers
         if getattr(config, "layer_types", None) is not None:
             config.layer_types = [config.layer_types[0]] * layers

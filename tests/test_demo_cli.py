@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -180,20 +181,38 @@ def test_fused_expert_oracle_matches_transformers_in_memory_tensors():
         (["check", "--expert-layout", "stacked"], "invalid choice: 'stacked'"),
         (["demo", "--steps", "0"], "--steps must be >= 1"),
         (["check", "--tp"], "expected one argument"),
+        # options of another layout are refused by name, not ignored (issue 16: this used to PASS as fsdp)
+        (["check", "--model", "tiny-qwen3", "--tp", "2"], "--tp applies to --layout megatron only"),
+        (["check", "--layout", "fsdp", "--ep", "1"], "--ep applies to --layout megatron only"),
+        (["export", "--out", "/no/such/dir/ckpt", "--pp", "2", "--vpp", "2"], "--pp applies to --layout megatron only"),
+        (["check", "--layout", "megatron", "--tp", "0"], "--tp must be >= 1, got 0"),
+        (["check", "--layout", "megatron", "--ep", "-2"], "--ep must be >= 1, got -2"),
+        (["check", "--layout", "megatron", "--pp", "2", "--vpp", "0"], "--vpp must be >= 1, got 0"),
+        (["check", "--dtype", "float33"], "--dtype 'float33' is not a torch dtype"),
+        (["check", "--hidden", "30"], "--hidden 30 must be a positive multiple of the 4 attention heads"),
+        (["check", "--model", "tiny-deepseek-v3", "--layout", "megatron", "--ep", "3"], "--ep 3 must divide the number of experts (4)"),
+        (["export", "--model", "tiny-qwen3", "--out", os.path.dirname(__file__)], "folder exists and is not empty"),
     ],
 )
 def test_user_mistakes_exit_2_in_one_line(args, words):
+    t0 = time.monotonic()
     r = _run(*args, timeout=120)
+    seconds = time.monotonic() - t0
     assert r.returncode == 2, (r.stdout, r.stderr)
     err = [line for line in r.stderr.splitlines() if line.startswith("weightsync")]
     assert len(err) == 1 and words in err[0], r.stderr
     assert "Traceback" not in r.stderr
+    # validated before torch / transformers / megatron-core are imported (those take seconds)
+    assert seconds < 1.0, (args, seconds)
 
 
 def test_help_everywhere():
-    for args in ([], ["demo"], ["check"]):
+    for args in ([], ["demo"], ["check"], ["export"]):
         r = _run(*args, "--help", timeout=60)
         assert r.returncode == 0 and "usage: weightsync" in r.stdout, r.stderr
+        assert "``" not in r.stdout, r.stdout  # plain text, not the module docstring's RST
+    description = _run("--help", timeout=60).stdout.split("\n\n")[1]
+    assert description.startswith("weightsync: turn a sharded trainer model"), description
     assert "--nproc" in _run("demo", "--help", timeout=60).stdout
     assert "--layout" in _run("check", "--help", timeout=60).stdout
 
