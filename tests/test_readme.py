@@ -14,7 +14,8 @@ Rules (what a README author must keep true):
   through ``weightsync.plugins.cli.main`` (imports paid once), in README order, in one temporary folder
   (so ``export --out ./ckpt`` feeds the ``check --checkpoint ./ckpt`` after it); each must exit 0.
   Every line, run or not, is also checked statically: ``weightsync`` lines parse with the CLI's own
-  parser (unknown options, bad choices and missing values fail), ``torchrun`` lines with torchrun's
+  parser (unknown options, bad choices and missing values fail; a line not run also passes the CLI's
+  usage checks, e.g. ``--tp`` only with ``--layout megatron``), ``torchrun`` lines with torchrun's
   parser and the script's ``add_argument`` flags, ``vllm serve`` flags must be declared in vLLM's
   argument code, ``pip install -e ".[x,y]"`` extras must exist in pyproject.toml, ``bash`` / ``source``
   targets must exist. A ``NOT_RUN`` entry no README line uses fails too (the list stays exact).
@@ -186,21 +187,31 @@ def _vllm_declares(flag: str) -> bool:
     return False
 
 
-def static_problems(tokens: list[str]) -> list[str]:
-    """What is wrong with a README command without running it (empty: nothing found)."""
+def static_problems(tokens: list[str], *, validate: bool = False) -> list[str]:
+    """What is wrong with a README command without running it (empty: nothing found). ``validate``:
+    for ``weightsync`` lines, also the CLI's own usage checks that follow parsing (layout options,
+    sizes that must divide, presets) -- for lines that are not run; a run line gets them by running,
+    and may name a folder an earlier line creates."""
     while tokens and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", tokens[0]):
         tokens = tokens[1:]  # VAR=value prefixes
     cmd, args = tokens[0], tokens[1:]
     if cmd == "weightsync":
-        from weightsync.plugins.cli import _parser
+        from weightsync.plugins.cli import _parser, _validate
+        from weightsync.plugins.presets import UserError
 
         err, out = io.StringIO(), io.StringIO()
         try:
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-                _parser().parse_args(args)
+                ns = _parser().parse_args(args)
         except SystemExit as e:
             if e.code not in (0, None):
                 return [f"the CLI's parser rejects it: {err.getvalue().strip()}"]
+            return []
+        if validate:
+            try:
+                _validate(ns)
+            except UserError as e:
+                return [f"the CLI rejects it: {e}"]
         return []
     if cmd == "torchrun":
         from torch.distributed.run import get_args_parser
@@ -244,7 +255,8 @@ def test_not_run_list_is_exact():
 def test_every_bash_line_is_well_formed():
     problems = []
     for line, tokens in readme_commands(_readme()):
-        problems += [f"README.md:{line}: `{key(tokens)}`: {p}" for p in static_problems(tokens)]
+        found = static_problems(tokens, validate=key(tokens) in NOT_RUN)
+        problems += [f"README.md:{line}: `{key(tokens)}`: {p}" for p in found]
         if key(tokens) not in NOT_RUN and tokens[0] != "weightsync":
             problems.append(f"README.md:{line}: `{key(tokens)}` is neither run nor in NOT_RUN (with a reason)")
     assert not problems, "\n".join(problems)
@@ -254,6 +266,7 @@ def test_a_misspelled_option_is_caught():
     """The checks above fail on options that do not exist (what keeps the README's lines honest)."""
     assert static_problems(["weightsync", "check", "--modle", "tiny-qwen3"])
     assert static_problems(["weightsync", "check", "--layout", "megatorn"])
+    assert static_problems(["weightsync", "check", "--model", "tiny-qwen3", "--tp", "2"], validate=True)
     assert static_problems(["torchrun", "--nproc-per-node", "2", "examples/hf_trainer.py", "--stepz", "4"])
     assert static_problems(["vllm", "serve", "m", "--weight-transfer-confg", "{}"])
     assert static_problems(["pip", "install", "-e", ".[megatronn]"])
