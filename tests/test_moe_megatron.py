@@ -75,6 +75,14 @@ def _world(rank, world_size, *, ckpt, family, tp=1, pp=1, ep=1, etp=None, fmt="s
     import torch.distributed as dist
     from weightsync.sources.megatron_experts import MegatronMoEExporter, expert_format
 
+    if measure_rss:
+        # glibc otherwise serves freed multi-MiB blocks from a heap it does not trim, so peak RSS would
+        # track allocator history instead of live bytes: mmap every block >= 128 KiB. Set here, not by
+        # MALLOC_MMAP_THRESHOLD_: ranks are forked from a forkserver whose malloc started long ago.
+        import ctypes
+
+        M_MMAP_THRESHOLD = -3
+        assert ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024) == 1
     init_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
     freq = [0] * dense_first + [1] * (layers - dense_first)
     mcfg = moe_config(layers=layers, hidden=hidden, experts=experts, moe_ffn=moe_ffn, shared_ffn=shared,
@@ -260,16 +268,14 @@ def test_te_grouped_names_map_to_the_same_pieces():
     assert names == set(megatron_moe_suffixes(2, "te_grouped"))
 
 
-def test_per_expert_never_materializes_a_layer(monkeypatch):
+def test_per_expert_never_materializes_a_layer():
     """Rank 0's peak RSS growth over a pass (the OS's number, not ours) stays far below one layer's
     experts with a 1-expert batch bound, and exceeds a third of a layer when the bound is lifted (so the
     test can fail)."""
     kw = dict(layers=1, experts=16, hidden=512, moe_ffn=1024, shared=None)
     per_expert = 3 * 512 * 1024 * 4  # 6 MiB of fp32 per expert
     layer_kib = 16 * per_expert // 1024  # 96 MiB
-    # glibc otherwise serves freed multi-MiB blocks from a heap it does not trim, so peak RSS would
-    # track allocator history instead of live bytes; mmap every block >= 128 KiB (children inherit).
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+    # (the world sets glibc's mmap threshold to 128 KiB: see _world)
     small = run_world(_world, 2, ckpt="", family="qwen3_moe", ep=2, layouts=("per_expert",),
                       batch_bytes=per_expert, measure_rss=True, timeout=400, **kw)[0]
     big = run_world(_world, 2, ckpt="", family="qwen3_moe", ep=2, layouts=("per_expert",),

@@ -68,8 +68,12 @@ class WorldError(AssertionError):
         self.outcomes = outcomes
 
 
-def _child(fn, rank, world_size, port, kwargs, queue, pg_timeout_s):
+def _child(fn, rank, world_size, port, kwargs, queue, pg_timeout_s, env):
     """One rank: join the parent's store at ``port``, run ``fn``, report through ``queue``."""
+    # The parent's environment as of run_world (a forked rank would otherwise see the forkserver's,
+    # as of its start). What a module read at import time, or malloc at process start, stays as it was.
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -127,7 +131,7 @@ def run_world(
     )
     port = store.port
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, port, kwargs, queue, pg_timeout_s))
+        ctx.Process(target=_child, args=(fn, r, world_size, port, kwargs, queue, pg_timeout_s, dict(os.environ)))
         for r in range(world_size)
     ]
     for p in procs:
