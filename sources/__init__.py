@@ -8,7 +8,7 @@ lockstep on every rank, and checks its own stream against its metadata on every 
 * ``SafetensorsSource`` -- a safetensors checkpoint folder (single file or indexed shards).
 * ``checked``         -- wrap any ``WeightSource`` with the per-rank stream check.
 
-Heavy optional imports (megatron-core) happen only when the class is first used.
+Heavy imports (vLLM, megatron-core) happen only when a name that needs them is first used.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .check import CheckedSource, check_stream, checked, verify_metadata_agreement
 from .errors import (
     CrossRankMismatchError,
     IntegrityError,
@@ -33,7 +32,13 @@ from .errors import (
     WeightSyncError,
 )
 
+# Lazy (PEP 562): ``weightsync.sources.errors`` and friends stay importable without vLLM, whose import
+# costs seconds; a loopback receiver process or a CLI usage error never pays it.
 _LAZY = {
+    "CheckedSource": ".check",
+    "checked": ".check",
+    "check_stream": ".check",
+    "verify_metadata_agreement": ".check",
     "FSDPSource": ".fsdp",
     "MegatronSource": ".megatron",
     "SafetensorsSource": ".safetensors_source",
