@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from common import build_model, free_port, init_process_group  # noqa: E402
+from common import build_model, init_process_group  # noqa: E402
 
 from weightsync.plugins.driver import WeightSync  # noqa: E402
 from weightsync.plugins.http import VLLMHTTPClient  # noqa: E402
@@ -56,7 +56,7 @@ def main() -> None:
     handle = None
     if rank == 0:
         _, handle = start_receiver_process(functools.partial(build_model, cfg, 1))
-    box = [(handle.url, free_port()) if rank == 0 else None]
+    box = [(handle.url, 0) if rank == 0 else None]  # 0: the loopback sender binds a free port
     dist.broadcast_object_list(box, src=0)
     url, port = box[0]
     try:

@@ -23,7 +23,6 @@ import argparse
 import datetime
 import functools
 import os
-import socket
 import statistics
 import time
 
@@ -32,12 +31,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 VARIANTS = ("pass", "unpacked", "packed", "packed+crc")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(hidden: int, layers: int, vocab: int, seed: int = 0):
@@ -55,10 +48,9 @@ def _model(hidden: int, layers: int, vocab: int, seed: int = 0):
 def _worker(rank, world, port, url, ports, args, queue):
     os.environ.update(OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=600),
-    )
+    timeout = datetime.timedelta(seconds=600)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)  # the parent's
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -124,8 +116,9 @@ def main() -> None:
     try:
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
-        port = _free_port()
-        ports = [_free_port() for _ in range(3 * (args.reps + 1))]
+        store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)  # port 0: no race
+        port = store.port
+        ports = [0] * (3 * (args.reps + 1))  # 0: each loopback sender binds a free port itself
         procs = [
             ctx.Process(target=_worker, args=(r, 2, port, handle.url, ports, args, queue))
             for r in range(2)
