@@ -1,10 +1,13 @@
 """The model and source the CLI runs on CPU ranks, shared by ``weightsync check`` and ``export``.
 
-``--layout fsdp``: the transformers model of the config (``presets.build_model``, seed 0), FSDP2 over
-every rank (each decoder layer, then the root) and ``FSDPSource``. ``--layout megatron``: a
-megatron-core ``GPTModel`` built from the same config at ``--tp/--pp/--vpp/--ep``
-(``megatron_build``) and ``MegatronSource(mode="full")``: rank 0 owns every tensor.
-Both honour ``--dtype`` (wire dtype) and ``--expert-layout``.
+Invariant: a preset (or config) is **one model whatever the layout**: the transformers model of the
+config with seed 0 (``presets.build_model``). ``--layout fsdp``: that model, FSDP2 over every rank
+(each decoder layer, then the root) and ``FSDPSource``. ``--layout megatron``: a megatron-core
+``GPTModel`` built from the same config at ``--tp/--pp/--vpp/--ep`` (``megatron_build``), loaded
+with that model's checkpoint tensors (``megatron_build.load_hf_weights``), and
+``MegatronSource(mode="full")``: rank 0 owns every tensor. So ``export`` in one layout and
+``check --checkpoint`` in the other compare equal bytes. Both honour ``--dtype`` (wire dtype) and
+``--expert-layout``.
 """
 
 from __future__ import annotations
@@ -18,23 +21,49 @@ from vllm.distributed.weight_transfer.base import WeightSource
 from .demo import _shard
 from .presets import build_model
 
-__all__ = ["build_source"]
+__all__ = ["build_source", "checkpoint_state"]
+
+
+def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors ``model.save_pretrained`` writes (checkpoint names: per-expert MoE tensors, no
+    tied ``lm_head``), read back from a temporary folder."""
+    import glob
+    import os
+    import tempfile
+
+    from safetensors.torch import load_file
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    out: dict[str, torch.Tensor] = {}
+    with tempfile.TemporaryDirectory(prefix="weightsync-layout-") as tmp:
+        model.save_pretrained(tmp)
+        for file in sorted(glob.glob(os.path.join(tmp, "*.safetensors"))):
+            out.update(load_file(file))
+    return out
 
 
 def build_source(
     args: argparse.Namespace, config: Any, dtype: torch.dtype | None, *, hf_model: torch.nn.Module | None = None
 ) -> WeightSource:
-    """The CLI's source for ``args.layout`` (collective: every rank calls it). For ``fsdp``,
-    ``hf_model`` is the already-built unsharded transformers model (default: ``build_model(config,
-    seed=0)``); it is sharded in place."""
+    """The CLI's source for ``args.layout`` (collective: every rank calls it). ``hf_model`` is the
+    already-built unsharded transformers model (default: ``build_model(config, seed=0)``); for
+    ``fsdp`` it is sharded in place, for ``megatron`` rank 0 reads its checkpoint tensors."""
     expert_layout = getattr(args, "expert_layout", None)
     if getattr(args, "layout", "fsdp") == "megatron":
+        import torch.distributed as dist
+
         from weightsync.sources import MegatronSource
 
-        from .megatron_build import MegatronParallel, build_megatron_gpt
+        from .megatron_build import MegatronParallel, build_megatron_gpt, load_hf_weights
 
         par = MegatronParallel(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
         chunks = build_megatron_gpt(config, par, seed=0)
+        state = None
+        if dist.get_rank() == 0:
+            state = checkpoint_state(hf_model if hf_model is not None else build_model(config, seed=0))
+        load_hf_weights(chunks, config, state)
+        del state
         model = chunks if args.vpp else chunks[0]
         return MegatronSource(model, hf_config=config, dtype=dtype, mode="full", expert_layout=expert_layout)
     from weightsync.sources import FSDPSource

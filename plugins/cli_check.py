@@ -110,11 +110,13 @@ def _fsdp_source(args: argparse.Namespace, config: Any, dtype: torch.dtype | Non
 
 
 def _megatron_source(args: argparse.Namespace, config: Any, dtype: torch.dtype | None, rank: int):
-    """This rank's megatron-core ``GPTModel`` chunk(s) for the config and their ``MegatronSource``
+    """This rank's megatron-core ``GPTModel`` chunk(s) for the config, loaded with the seed-0
+    transformers model's tensors (built on rank 0 only), and their ``MegatronSource``
     (``mode="full"``: rank 0 sends); the oracle (``save_pretrained`` of the HF model) on rank 0."""
+    model = build_model(config, seed=0) if rank == 0 else None
     want_oracle = rank == 0 and not getattr(args, "checkpoint", None)
-    oracle = checkpoint_index(build_model(config, seed=0)) if want_oracle else None
-    return (lambda: build_source(args, config, dtype)), oracle
+    oracle = checkpoint_index(model) if want_oracle else None
+    return (lambda: build_source(args, config, dtype, hf_model=model)), oracle
 
 
 def run_check(args: argparse.Namespace) -> int:
