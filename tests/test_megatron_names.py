@@ -58,3 +58,23 @@ def test_vocab_chunking_rule_matches_torch_chunk():
                 chunks = [c.shape[0] for c in torch.chunk(torch.empty(vocab), tp)]
                 chunks += [0] * (tp - len(chunks))
                 assert vocab_is_chunked(vocab, padded, tp) == (sizes == chunks), (vocab, tp, div)
+
+
+def test_load_hf_weights_values_and_its_self_check():
+    """``megatron_build._fill_values`` (rank 0 of ``load_hf_weights``): each exported id takes its HF
+    value; an id exported twice (a split tensor taken for a copy), a non-vocabulary element never
+    exported, or an HF tensor the export lacks is a problem in words, not a silent zero."""
+    from weightsync.plugins.megatron_build import _fill_values
+
+    offsets = {(0, 0, "decoder.layers.0.linear_fc2.weight", 0): 0, (0, 0, "embedding.word_embeddings.weight", 0): 4}
+    state = {"w": torch.tensor([[1.0, 2.0], [3.0, 4.0]]), "emb": torch.tensor([5.0, 6.0])}
+    values = torch.full((7,), float("nan"))
+    ok = {"w": torch.tensor([3, 2, 1, 0]), "emb": torch.tensor([4, 5])}  # element 6: vocab padding
+    assert _fill_values(values, ok, state, offsets, 7) == ""
+    assert values[:6].tolist() == [4.0, 3.0, 2.0, 1.0, 5.0, 6.0] and values[6].isnan()
+    twice = {"w": torch.tensor([3, 2, 1, 1]), "emb": torch.tensor([4, 5])}
+    assert "linear_fc2.weight" in _fill_values(values, twice, state, offsets, 7)
+    assert "exported twice" in _fill_values(values, twice, state, offsets, 7)
+    never = {"w": torch.tensor([3, 2, 1, 4]), "emb": torch.tensor([5, 6])}  # element 0 of fc2: never
+    assert "never exported" in _fill_values(values, never, state, offsets, 7)
+    assert "does not have: ['emb']" in _fill_values(values, {"w": ok["w"]}, state, offsets, 7)
