@@ -65,6 +65,8 @@ NOT_RUN: dict[str, str] = {
         "2 ranks (~40 s); tests/test_demo_cli.py::test_check_megatron_tp2_matches_save_pretrained",
     "weightsync check --model tiny-mixtral --layout megatron --ep 2":
         "2 ranks (~40 s); tests/test_demo_cli.py::test_check_megatron_moe_expert_parallel",
+    "weightsync check --checkpoint ./ckpt --layout megatron --tp 2":
+        "2 ranks (~40 s); tests/test_checkpoint.py::test_export_cli_fsdp_two_ranks_then_overwrite runs an export then this",
     "weightsync check --model tiny-llama --layout megatron --pp 2 --vpp 2 --layers 4":
         "2 ranks (~40 s); PP x VPP export is tests/test_megatron.py's pp2xvpp2 reshard test",
     "VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-1.7B --weight-transfer-config {\"backend\": \"nccl\"}":
