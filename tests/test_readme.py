@@ -12,10 +12,11 @@ Rules (what a README author must keep true):
   prose (a ``torchrun ...`` or ``weightsync ...`` in single backticks) are either **run** or listed in
   ``NOT_RUN`` with the reason next to them. Run: ``weightsync`` commands, all in one Python process
   through ``weightsync.plugins.cli.main`` (imports paid once), in README order, in one temporary folder
-  (so ``export --out ./ckpt`` feeds the ``check --checkpoint ./ckpt`` after it); each must exit 0.
+  (so ``export --out ./ckpt`` feeds the ``check --checkpoint ./ckpt`` after it); each must exit 0,
+  and each ``weightsync`` line in ``NOT_RUN`` must pass the CLI's usage checks at its point of that
+  sequence (e.g. ``--tp`` only with ``--layout megatron``).
   Every line, run or not, is also checked statically: ``weightsync`` lines parse with the CLI's own
-  parser (unknown options, bad choices and missing values fail; a line not run also passes the CLI's
-  usage checks, e.g. ``--tp`` only with ``--layout megatron``), ``torchrun`` lines with torchrun's
+  parser (unknown options, bad choices and missing values fail), ``torchrun`` lines with torchrun's
   parser and the script's ``add_argument`` flags, ``vllm serve`` flags must be declared in vLLM's
   argument code, ``pip install -e ".[x,y]"`` extras must exist in pyproject.toml, ``bash`` / ``source``
   targets must exist. A ``NOT_RUN`` entry no README line uses fails too (the list stays exact).
@@ -189,31 +190,34 @@ def _vllm_declares(flag: str) -> bool:
     return False
 
 
-def static_problems(tokens: list[str], *, validate: bool = False) -> list[str]:
-    """What is wrong with a README command without running it (empty: nothing found). ``validate``:
-    for ``weightsync`` lines, also the CLI's own usage checks that follow parsing (layout options,
-    sizes that must divide, presets) -- for lines that are not run; a run line gets them by running,
-    and may name a folder an earlier line creates."""
+def cli_usage_error(argv: list[str]) -> str | None:
+    """The CLI's own usage checks after parsing (layout options, sizes that must divide, presets,
+    folders), without running anything; ``None`` when it would start."""
+    from weightsync.plugins.cli import _parser, _validate
+    from weightsync.plugins.presets import UserError
+
+    try:
+        _validate(_parser().parse_args(argv))
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def static_problems(tokens: list[str]) -> list[str]:
+    """What is wrong with a README command without running it (empty: nothing found)."""
     while tokens and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", tokens[0]):
         tokens = tokens[1:]  # VAR=value prefixes
     cmd, args = tokens[0], tokens[1:]
     if cmd == "weightsync":
-        from weightsync.plugins.cli import _parser, _validate
-        from weightsync.plugins.presets import UserError
+        from weightsync.plugins.cli import _parser
 
         err, out = io.StringIO(), io.StringIO()
         try:
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-                ns = _parser().parse_args(args)
+                _parser().parse_args(args)
         except SystemExit as e:
             if e.code not in (0, None):
                 return [f"the CLI's parser rejects it: {err.getvalue().strip()}"]
-            return []
-        if validate:
-            try:
-                _validate(ns)
-            except UserError as e:
-                return [f"the CLI rejects it: {e}"]
         return []
     if cmd == "torchrun":
         from torch.distributed.run import get_args_parser
@@ -257,8 +261,7 @@ def test_not_run_list_is_exact():
 def test_every_bash_line_is_well_formed():
     problems = []
     for line, tokens in readme_commands(_readme()):
-        found = static_problems(tokens, validate=key(tokens) in NOT_RUN)
-        problems += [f"README.md:{line}: `{key(tokens)}`: {p}" for p in found]
+        problems += [f"README.md:{line}: `{key(tokens)}`: {p}" for p in static_problems(tokens)]
         if key(tokens) not in NOT_RUN and tokens[0] != "weightsync":
             problems.append(f"README.md:{line}: `{key(tokens)}` is neither run nor in NOT_RUN (with a reason)")
     assert not problems, "\n".join(problems)
@@ -268,7 +271,7 @@ def test_a_misspelled_option_is_caught():
     """The checks above fail on options that do not exist (what keeps the README's lines honest)."""
     assert static_problems(["weightsync", "check", "--modle", "tiny-qwen3"])
     assert static_problems(["weightsync", "check", "--layout", "megatorn"])
-    assert static_problems(["weightsync", "check", "--model", "tiny-qwen3", "--tp", "2"], validate=True)
+    assert cli_usage_error(["check", "--model", "tiny-qwen3", "--tp", "2"])
     assert static_problems(["torchrun", "--nproc-per-node", "2", "examples/hf_trainer.py", "--stepz", "4"])
     assert static_problems(["vllm", "serve", "m", "--weight-transfer-confg", "{}"])
     assert static_problems(["pip", "install", "-e", ".[megatronn]"])
@@ -277,31 +280,40 @@ def test_a_misspelled_option_is_caught():
 
 _RUNNER = r"""
 import json, sys
-from weightsync.plugins.cli import main
-for argv in json.loads(sys.argv[1]):
-    print("@@@ start " + json.dumps(argv), flush=True)
+from weightsync.plugins.cli import _parser, _validate, main
+from weightsync.plugins.presets import UserError
+for i, (argv, run) in enumerate(json.loads(sys.argv[1])):
+    print("@@@ start %d %s" % (i, json.dumps(argv)), flush=True)
     try:
-        rc = main(argv)
+        if run:
+            rc = main(argv)
+        else:  # not run: the CLI's usage checks only, at this point of the sequence
+            _validate(_parser().parse_args(argv))
+            rc = 0
     except SystemExit as e:
         rc = 0 if e.code is None else e.code
+    except UserError as e:
+        print("usage error: %s" % e, flush=True)
+        rc = 2
     sys.stderr.flush()
-    print("@@@ rc=%s %s" % (rc, json.dumps(argv)), flush=True)
+    print("@@@ rc=%d %s" % (i, rc), flush=True)
 """
 
 
 def test_weightsync_lines_run(tmp_path):
-    """Every README ``weightsync`` line not in NOT_RUN exits 0, in README order, in one process."""
-    argvs = [t[1:] for _, t in readme_commands(_readme()) if t[0] == "weightsync" and key(t) not in NOT_RUN]
-    assert argvs, "the README runs no weightsync line"
+    """In README order, in one process and one folder: every ``weightsync`` line not in NOT_RUN runs
+    and exits 0; every one in NOT_RUN passes the CLI's usage checks at its point of the sequence
+    (``--checkpoint ./ckpt`` after the line that writes ./ckpt)."""
+    lines = [(t[1:], key(t) not in NOT_RUN) for _, t in readme_commands(_readme()) if t[0] == "weightsync"]
+    assert any(run for _, run in lines), "the README runs no weightsync line"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(argvs)], cwd=tmp_path, env=env,
+    r = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(lines)], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)
     out = r.stdout + r.stderr
-    codes = {tuple(json.loads(a)): int(c) for c, a in re.findall(r"^@@@ rc=(-?\d+) (.*)$", r.stdout, re.M)}
-    failed = [a for a in argvs if codes.get(tuple(a)) != 0]
-    assert r.returncode == 0 and not failed, (
-        f"failed: {['weightsync ' + ' '.join(a) for a in failed]}\n{out[-4000:]}"
-    )
+    codes = {int(i): int(c) for i, c in re.findall(r"^@@@ rc=(\d+) (-?\d+)$", r.stdout, re.M)}
+    failed = [("ran" if run else "usage-checked") + ": weightsync " + " ".join(argv)
+              for i, (argv, run) in enumerate(lines) if codes.get(i) != 0]
+    assert r.returncode == 0 and not failed, f"failed: {failed}\n{out[-4000:]}"
 
 
 # ---- python ----------------------------------------------------------------------------------------
