@@ -73,11 +73,11 @@ NOT_RUN: dict[str, str] = {
     "VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-1.7B --weight-transfer-config {\"backend\": \"nccl\"}":
         "needs a GPU and the model's weights; the options are checked against vLLM's argument code",
     "torchrun --nproc-per-node 2 examples/hf_trainer.py --steps 4 --every 2":
-        "tests/test_examples.py runs every example under torchrun",
+        "tests/test_examples.py runs every example on 2 ranks",
     "torchrun --nproc-per-node 2 examples/accelerate_fsdp2.py --steps 4":
-        "tests/test_examples.py runs every example under torchrun",
+        "tests/test_examples.py runs every example on 2 ranks",
     "torchrun --nproc-per-node 2 examples/megatron_loop.py --pp 2 --vpp 2 --steps 3":
-        "tests/test_examples.py runs every example under torchrun",
+        "tests/test_examples.py runs every example on 2 ranks",
 }
 
 # Folders whose paths, quoted as inline code, must exist.
