@@ -1,9 +1,11 @@
-"""``weightsync check --checkpoint PATH``, run as a user runs it (a subprocess; exit codes, output).
+"""``weightsync check --checkpoint PATH``: exit codes and output.
 
 The folders are written here by transformers' ``save_pretrained`` (and, for the edited one,
 safetensors' ``save_file``); what each run must report -- tensor counts, which tensors differ and the
 first of them in the source's order -- is computed here from those files with ``safe_open``, not
-from weightsync. One torchrun launch (2 ranks); the failing cases run on one rank.
+from weightsync. The checks run the CLI's rank code on forked ranks with torchrun's environment
+(``worlds.run_cli``: 2 ranks for the passing folder, 1 for the failing ones); the usage errors run the
+console script as a user does.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from test_demo_cli import _run
+from worlds import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +75,7 @@ def _differences(out: str) -> list[str]:
 def test_two_ranks_bf16_sharded_folder_passes(folders):
     files = _tensors(folders["bf16"])
     assert len([f for f in os.listdir(folders["bf16"]) if f.endswith(".safetensors")]) >= 3
-    r = _run("check", "--checkpoint", folders["bf16"], "--dtype", "bfloat16", "--nproc", "2")
+    r = run_cli("check", "--checkpoint", folders["bf16"], "--dtype", "bfloat16", "--nproc", "2", nproc=2)
     out = r.stdout
     assert r.returncode == 0, (out, r.stderr[-3000:])
     assert out.strip().endswith("PASS") and "layout fsdp x2" in out
@@ -90,7 +93,7 @@ def test_other_weights_fail_with_the_first_differing_tensors(folders):
     theirs = _tensors(folders["seed3"])
     differ = [k for k, v in ours.items() if not torch.equal(v, theirs[k])]
     assert 0 < len(differ) < len(ours)  # norms are ones in both: they must not be listed
-    r = _run("check", "--checkpoint", folders["seed3"])
+    r = run_cli("check", "--checkpoint", folders["seed3"])
     out = r.stdout
     assert r.returncode == 1, (out, r.stderr[-3000:])
     assert out.strip().endswith("FAIL")
@@ -104,7 +107,7 @@ def test_other_weights_fail_with_the_first_differing_tensors(folders):
 
 
 def test_missing_extra_and_dtype_differences_are_listed(folders):
-    r = _run("check", "--checkpoint", folders["edited"])
+    r = run_cli("check", "--checkpoint", folders["edited"])
     out = r.stdout
     assert r.returncode == 1, (out, r.stderr[-3000:])
     assert _differences(out) == [

@@ -542,13 +542,15 @@ def test_export_cli_fsdp_two_ranks_then_overwrite(tmp_path):
     assert folder_diff(str(ref), str(out)) == [] and len(os.listdir(out)) > 4
     # A preset is one model whatever the layout: the FSDP export, read back by a Megatron TP=2 check,
     # compares equal byte for byte (issue 16: 15 of 24 tensors differed when Megatron drew its own init).
-    r = _cli("check", "--checkpoint", str(out), "--layout", "megatron", "--tp", "2")
+    from worlds import run_cli  # the CLI's rank code on 2 forked ranks (the launch is proven above)
+
+    r = run_cli("check", "--checkpoint", str(out), "--layout", "megatron", "--tp", "2", nproc=2)
     assert r.returncode == 0 and r.stdout.strip().endswith("PASS"), (r.stdout, r.stderr[-3000:])
     assert "layout megatron tp2 pp1 vpp1 ep1 x2" in r.stdout
     assert "bytes: 24 of 24 tensors compared equal the checkpoint's" in r.stdout, r.stdout
     r = _cli("export", "--model", "tiny-qwen3", "--out", str(out))
     assert r.returncode == 2 and "not empty" in r.stderr and r.stderr.count("\n") == 1, r.stderr
-    r = _cli("export", "--model", "tiny-qwen3", "--out", str(out), "--overwrite")  # 1 rank, 5GB default
+    r = run_cli("export", "--model", "tiny-qwen3", "--out", str(out), "--overwrite")  # 1 rank, 5GB default
     assert r.returncode == 0, (r.stdout, r.stderr[-3000:])
     assert folder_diff(str(ref1), str(out)) == []
     r = _cli("export", "--model", "tiny-qwen3", "--out", str(tmp_path / "z"), "--max-shard-size", "5XB")

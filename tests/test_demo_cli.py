@@ -1,10 +1,15 @@
-"""The ``weightsync`` console script, run as a user runs it: a subprocess, exit codes and output.
+"""The ``weightsync`` console script: exit codes and output.
 
 * ``weightsync demo --nproc 2`` self-launches under torchrun, trains FSDP2 on 2 CPU ranks, syncs
   into a receiver process after every step and verifies the receiver's logits; we parse its
   summary line.
 * ``weightsync check`` against transformers' ``save_pretrained`` names (counted here, independently,
   from the model's own state dict), and user mistakes: exit 2, one line, no traceback.
+
+The demo, one FSDP ``check``, ``--help`` and the usage errors run the console script as a user does
+(a subprocess; ``--nproc 2`` launches torchrun). The other ``check`` runs take the same rank code on
+forked ranks with torchrun's environment (``worlds.run_cli``): the launch is already proven here,
+and each fresh interpreter would cost ~8 s of imports.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import sys
 import time
 
 import pytest
+from worlds import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +108,7 @@ def test_check_fsdp_moe_preset_sends_experts_as_the_checkpoint_does():
     saved = _saved(model)
     fused_in_memory = [n for n, p in model.named_parameters() if p.dim() == 3]
     assert fused_in_memory and not any(n in saved for n in fused_in_memory)
-    r = _run("check", "--model", "tiny-qwen3-moe", "--nproc", "2", "--show", "1000")
+    r = run_cli("check", "--model", "tiny-qwen3-moe", "--nproc", "2", "--show", "1000", nproc=2)
     out = r.stdout
     assert r.returncode == 0, (out, r.stderr[-3000:])
     assert out.strip().endswith("PASS")
@@ -120,8 +126,8 @@ def test_check_megatron_tp2_matches_save_pretrained():
 
     saved = _saved(build_model(load_config("tiny-qwen3")))
     assert "lm_head.weight" not in saved
-    r = _run("check", "--model", "tiny-qwen3", "--layout", "megatron", "--tp", "2", "--nproc", "2",
-             "--show", "1000")
+    r = run_cli("check", "--model", "tiny-qwen3", "--layout", "megatron", "--tp", "2", "--nproc", "2",
+                "--show", "1000", nproc=2)
     out = r.stdout
     assert r.returncode == 0, (out, r.stderr[-3000:])
     assert out.strip().endswith("PASS")
@@ -137,7 +143,8 @@ def test_check_megatron_moe_expert_parallel():
     from weightsync.plugins.presets import build_model, load_config
 
     saved = _saved(build_model(load_config("tiny-mixtral")))
-    r = _run("check", "--model", "tiny-mixtral", "--layout", "megatron", "--ep", "2", "--show", "1000")
+    r = run_cli("check", "--model", "tiny-mixtral", "--layout", "megatron", "--ep", "2", "--show", "1000",
+                nproc=2)
     out = r.stdout
     assert r.returncode == 0, (out, r.stderr[-3000:])
     assert "ep2 x2" in out and out.strip().endswith("PASS")

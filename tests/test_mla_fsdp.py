@@ -258,14 +258,15 @@ def test_loopback_received_model_reloads_with_the_trainer_logits(world, variant,
 
 def test_check_cli_deepseek_v3_fsdp_two_ranks():
     """``weightsync check`` on a tiny DeepSeek-V3 (MLA with q_lora_rank, first dense layer, shared
-    experts), FSDP layout, 2 ranks under one torchrun launch: exit 0, every name and shape of
-    ``save_pretrained``."""
-    from test_demo_cli import _listed, _run, _saved
+    experts), FSDP layout, 2 ranks (the CLI's rank code on forked ranks): exit 0, every name and
+    shape of ``save_pretrained``."""
+    from test_demo_cli import _listed, _saved
+    from worlds import run_cli
 
     from weightsync.plugins.presets import build_model, load_config
 
     saved = _saved(build_model(load_config("tiny-deepseek-v3")))
-    r = _run("check", "--model", "tiny-deepseek-v3", "--nproc", "2", "--show", "1000")
+    r = run_cli("check", "--model", "tiny-deepseek-v3", "--nproc", "2", "--show", "1000", nproc=2)
     out = r.stdout
     assert r.returncode == 0, (out, r.stderr[-3000:])
     assert out.strip().endswith("PASS") and "layout fsdp x2" in out
