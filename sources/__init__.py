@@ -31,6 +31,8 @@ from .errors import (
     ExchangeError,
     WeightSyncError,
 )
+from .logs import configure_logging, get_logger
+from .stats import PassStats
 
 # Lazy (PEP 562): ``weightsync.sources.errors`` and friends stay importable without vLLM, whose import
 # costs seconds; a loopback receiver process or a CLI usage error never pays it.
@@ -42,6 +44,23 @@ _LAZY = {
     "FSDPSource": ".fsdp",
     "MegatronSource": ".megatron",
     "SafetensorsSource": ".safetensors_source",
+    # what weightsync.plugins builds on (the only sources names plugins import; see pyproject's
+    # import-linter contracts): cross-rank agreement and bounded waits, integrity, HF naming, the
+    # safetensors format
+    "control_group": ".check",
+    "DEFAULT_TIMEOUT_S": ".groups",
+    "Board": ".groups",
+    "active_board": ".groups",
+    "group_ranks": ".groups",
+    "next_tag": ".groups",
+    "checksum": ".integrity",
+    "checksum_tensor": ".integrity",
+    "hf_root": ".naming",
+    "INDEX_FILE": ".safetensors_source",
+    "SINGLE_FILE": ".safetensors_source",
+    "MAX_HEADER_BYTES": ".safetensors_source",
+    "SAFETENSORS_DTYPES": ".safetensors_source",
+    "read_checkpoint": ".safetensors_source",
 }
 
 __all__ = [
@@ -65,6 +84,24 @@ __all__ = [
     "AdapterStateError",
     "CheckpointError",
     "ExchangeError",
+    # for weightsync.plugins (see _LAZY)
+    "get_logger",
+    "configure_logging",
+    "PassStats",
+    "control_group",
+    "DEFAULT_TIMEOUT_S",
+    "Board",
+    "active_board",
+    "group_ranks",
+    "next_tag",
+    "checksum",
+    "checksum_tensor",
+    "hf_root",
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "MAX_HEADER_BYTES",
+    "SAFETENSORS_DTYPES",
+    "read_checkpoint",
 ]
 
 
