@@ -25,8 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from common import build_model, init_process_group  # noqa: E402
 
-from weightsync.plugins.driver import WeightSync  # noqa: E402
-from weightsync.plugins.http import VLLMHTTPClient  # noqa: E402
+from weightsync.plugins.sync import VLLMHTTPClient, WeightSync  # noqa: E402
 from weightsync.sources import FSDPSource  # noqa: E402
 
 

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from common import Target, add_args, build_model, init_process_group, receiver_model, tiny_llama_config
-from weightsync.plugins.driver import WeightSync
+from weightsync.plugins.sync import WeightSync
 from weightsync.sources import FSDPSource
 from weightsync.sources.logs import configure_logging
 

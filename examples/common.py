@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from weightsync.plugins.http import VLLMHTTPClient
+from weightsync.plugins.sync import VLLMHTTPClient
 
 
 def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

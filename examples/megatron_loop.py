@@ -23,7 +23,7 @@ import logging
 import torch
 
 from common import Target, add_args, init_process_group, receiver_model, tiny_llama_config
-from weightsync.plugins.megatron import MegatronWeightSync
+from weightsync.plugins.hooks.megatron import MegatronWeightSync
 from weightsync.sources.logs import configure_logging
 
 

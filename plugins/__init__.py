@@ -1,9 +1,20 @@
-"""weightsync.plugins: training-loop plugins, the CPU loopback backend, the demo and the CLI.
+"""weightsync.plugins: what drives a sync from a training loop, one sub-package per product.
 
-Names are exported lazily (``_LAZY``: name -> submodule), so ``import weightsync.plugins`` stays
-cheap and a plugin's heavy dependencies load only when it is used. To add a name, add one line to
-``_LAZY``. Importing ``weightsync.plugins.loopback`` registers the ``"loopback"`` backend in vLLM's
-``WeightTransferTrainerFactory``.
+* ``sync/``            -- ``WeightSync`` (the driver), ``VLLMHTTPClient``, the transport preflight,
+  ``SyncReport``;
+* ``hooks/``           -- transformers / TRL, Lightning and Megatron loop hooks, accelerate's source
+  (also at ``weightsync.plugins.transformers`` / ``.lightning`` / ``.accelerate``);
+* ``loopback/``        -- the CPU ``"loopback"`` engine, trainer end (importing it registers it in
+  vLLM's ``WeightTransferTrainerFactory``);
+* ``loopback_server/`` -- the loopback receiving end: receiver, HTTP server, process (no vLLM import);
+* ``checkpoint/``      -- ``save_safetensors``: a Hugging Face checkpoint folder from any source;
+* ``cli/``             -- the ``weightsync`` command (demo, check, export);
+* ``presets``, ``megatron_build`` -- the tiny models the CLI, demo and tests build.
+
+Plugins use only what ``weightsync.sources`` exports (enforced by import-linter: ``lint-imports``,
+contracts in ``pyproject.toml``). Names are exported lazily (``_LAZY``: name -> submodule), so
+``import weightsync.plugins`` stays cheap and a plugin's heavy dependencies load only when it is
+used. To add a name, add one line to ``_LAZY``.
 """
 
 from __future__ import annotations
@@ -12,23 +23,23 @@ import importlib
 from typing import Any
 
 _LAZY: dict[str, str] = {
-    # training-loop driver, HTTP control plane, reports, preflight checks
-    "WeightSync": ".driver",
-    "VLLMHTTPClient": ".http",
-    "ControlPlaneError": ".http",
-    "InsecureTransportError": ".http",
+    # the sync driver, HTTP control plane, reports, preflight checks
+    "WeightSync": ".sync",
+    "VLLMHTTPClient": ".sync",
+    "ControlPlaneError": ".sync",
+    "InsecureTransportError": ".sync",
+    "SyncReport": ".sync",
+    "PreflightError": ".sync",
+    "check_engine": ".sync",
+    "check_weights_changed": ".sync",
     # training-loop hooks (callbacks: weightsync.plugins.transformers / .lightning.WeightSyncCallback)
-    "source_from_accelerator": ".accelerate",
-    "MegatronWeightSync": ".megatron",
-    "SyncReport": ".report",
-    "PreflightError": ".preflight",
-    "check_engine": ".preflight",
-    "check_weights_changed": ".preflight",
+    "source_from_accelerator": ".hooks.accelerate",
+    "MegatronWeightSync": ".hooks.megatron",
     # CPU loopback backend (test/demo transport speaking vLLM's four-phase protocol over gloo)
     "LoopbackTrainerInitInfo": ".loopback",
     "LoopbackTrainerWeightTransferEngine": ".loopback",
-    "LoopbackReceiver": ".loopback_receiver",
-    "ChecksumMismatchError": ".loopback_receiver",
+    "LoopbackReceiver": ".loopback_server",
+    "ChecksumMismatchError": ".loopback_server",
     "ReceiverServer": ".loopback_server",
     "ReceiverClient": ".loopback_server",
     "ReceiverHandle": ".loopback_server",

@@ -261,7 +261,7 @@ def world_preflight(rank, world_size):
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
-    from weightsync.plugins.preflight import check_engine
+    from weightsync.plugins.sync import check_engine
 
     class Client:
         def init_weight_transfer_engine(self, init_info): ...
@@ -300,7 +300,7 @@ FAIL_NAME = "model.layers.1.mlp.down_proj.weight"
 def _faulty_receiver(model):
     """vLLM-like receiver whose loading raises mid-round (in its first update round only), as a
     worker's ``load_weights`` would on a loader assertion or an OOM."""
-    from weightsync.plugins.loopback_receiver import LoopbackReceiver
+    from weightsync.plugins.loopback_server import LoopbackReceiver
 
     class Faulty(LoopbackReceiver):
         rounds = 0
@@ -330,8 +330,7 @@ def world_e2e(rank, world_size, url, dead_url, ports):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from weightsync.plugins.driver import WeightSync
-    from weightsync.plugins.http import VLLMHTTPClient
+    from weightsync.plugins.sync import VLLMHTTPClient, WeightSync
     from weightsync.plugins.loopback import LoopbackTrainerInitInfo
     from weightsync.plugins.presets import build_model, load_config
     from weightsync.sources import FSDPSource

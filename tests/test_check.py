@@ -203,7 +203,7 @@ def _vllm_nccl_engine(comm, *, is_sender=True):
 
 
 def test_preflight_refuses_vllm_nccl_engine_whose_communicator_disabled_itself():
-    from weightsync.plugins.preflight import check_engine
+    from weightsync.plugins.sync import check_engine
 
     comms = _vllm_disabled_communicators("libc.so.6")
     assert comms[0].disabled and not comms[0].available  # vLLM's own verdict, not ours
@@ -215,7 +215,7 @@ def test_preflight_refuses_vllm_nccl_engine_whose_communicator_disabled_itself()
 
 
 def test_preflight_world_size_and_missing_communicator():
-    from weightsync.plugins.preflight import PreflightError, check_engine
+    from weightsync.plugins.sync import PreflightError, check_engine
 
     comm = _vllm_disabled_communicators("libc.so.6")[0]
     comm.available, comm.disabled = True, False  # as if NCCL had loaded: now sizes matter
@@ -230,7 +230,7 @@ def test_preflight_world_size_and_missing_communicator():
 
 
 def test_preflight_ipc_needs_cuda_and_calls_engine_hooks():
-    from weightsync.plugins.preflight import PreflightError, check_engine
+    from weightsync.plugins.sync import PreflightError, check_engine
 
     class IPCTrainerWeightTransferEngine:  # vLLM's class cannot be built without CUDA
         is_sender = True
@@ -257,7 +257,7 @@ def test_preflight_ipc_needs_cuda_and_calls_engine_hooks():
 def test_check_weights_changed_against_vllm_digest_format():
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
-    from weightsync.plugins.preflight import check_weights_changed
+    from weightsync.plugins.sync import check_weights_changed
 
     model = torch.nn.Linear(3, 2)
     before = compute_tensor_digests(model)  # what POST /weight_checker {"action":"checksum"} serves

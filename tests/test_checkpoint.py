@@ -475,7 +475,7 @@ class Tensors(WeightSource):
 
 
 def _every_dtype() -> dict[str, torch.Tensor]:
-    from weightsync.plugins.checkpoint_plan import _ST_NAMES
+    from weightsync.plugins.checkpoint.plan import _ST_NAMES
 
     g = torch.Generator().manual_seed(0)
     out = {}

@@ -155,7 +155,7 @@ def test_check_megatron_moe_expert_parallel():
 def test_fused_expert_oracle_matches_transformers_in_memory_tensors():
     """``--expert-layout fused`` is judged against save_pretrained folded to vLLM's fused names;
     those shapes must be transformers' own in-memory fused ``[E, 2I, H]`` / ``[E, H, I]``."""
-    from weightsync.plugins.cli_check import checkpoint_index, fold_experts
+    from weightsync.plugins.cli.check import checkpoint_index, fold_experts
     from weightsync.plugins.presets import build_model, load_config
 
     model = build_model(load_config("tiny-mixtral"))
@@ -231,7 +231,7 @@ def test_check_report_fails_on_unmapped_names_and_shapes(capsys):
 
     from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
 
-    from weightsync.plugins.cli_check import _report, checkpoint_index
+    from weightsync.plugins.cli.check import _report, checkpoint_index
     from weightsync.plugins.presets import build_model, load_config
 
     config = load_config("tiny-llama")

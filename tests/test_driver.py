@@ -45,8 +45,7 @@ def _driver_world(rank: int, world_size: int, url: str) -> dict:
     import json_engine
     from json_engine import JSONTrainerInitInfo
 
-    from weightsync.plugins.driver import WeightSync
-    from weightsync.plugins.http import VLLMHTTPClient
+    from weightsync.plugins.sync import VLLMHTTPClient, WeightSync
 
     facts: dict = {}
     ref = _model()

@@ -77,8 +77,7 @@ def _hf_trainer_world(rank: int, world_size: int, url: str, port: int, out_dir: 
     from transformers import Trainer, TrainerCallback
 
     from weightsync.plugins.accelerate import source_from_accelerator
-    from weightsync.plugins.driver import WeightSync
-    from weightsync.plugins.http import VLLMHTTPClient
+    from weightsync.plugins.sync import VLLMHTTPClient, WeightSync
     from weightsync.plugins.loopback import LoopbackTrainerInitInfo
     from weightsync.plugins.loopback_server import ReceiverClient
     from weightsync.plugins.transformers import WeightSyncCallback
@@ -170,8 +169,7 @@ def _hf_log_runs(rank: int, out_dir: str, url: str) -> dict:
     from json_engine import JSONTrainerInitInfo
 
     from weightsync.plugins.accelerate import source_from_accelerator
-    from weightsync.plugins.driver import WeightSync
-    from weightsync.plugins.http import VLLMHTTPClient
+    from weightsync.plugins.sync import VLLMHTTPClient, WeightSync
     from weightsync.plugins.transformers import WeightSyncCallback
 
     class Tokens(Dataset):
@@ -298,8 +296,7 @@ def _lightning_world(rank: int, world_size: int, url: str, out_dir: str) -> dict
     import json_engine  # noqa: F401
     from json_engine import JSONTrainerInitInfo
 
-    from weightsync.plugins.driver import WeightSync
-    from weightsync.plugins.http import VLLMHTTPClient
+    from weightsync.plugins.sync import VLLMHTTPClient, WeightSync
     from weightsync.plugins.lightning import WeightSyncCallback
 
     class Regressor(pl.LightningModule):
@@ -374,8 +371,8 @@ def _megatron_world(rank: int, world_size: int, url: str) -> dict:
     import json_engine  # noqa: F401
     from json_engine import JSONTrainerInitInfo
 
-    from weightsync.plugins.http import VLLMHTTPClient
-    from weightsync.plugins.megatron import MegatronWeightSync
+    from weightsync.plugins.sync import VLLMHTTPClient
+    from weightsync.plugins.hooks.megatron import MegatronWeightSync
 
     cfg = mw.hf_config("llama", layers=8)
     mw.init_parallel(1, 2, 2)

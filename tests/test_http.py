@@ -17,13 +17,8 @@ import json_engine  # noqa: F401 - registers the "test_json" trainer backend
 from json_engine import JSONTrainerInitInfo
 from vllm_devserver import DevServer, VLLMRouterServer
 
-from weightsync.plugins.driver import WeightSync
-from weightsync.plugins.http import (
-    ControlPlaneError,
-    InsecureTransportError,
-    VLLMHTTPClient,
-    is_loopback_url,
-)
+from weightsync.plugins.sync import ControlPlaneError, InsecureTransportError, VLLMHTTPClient, WeightSync
+from weightsync.plugins.sync.http_client import is_loopback_url
 
 
 @pytest.fixture(scope="module")

@@ -347,7 +347,7 @@ def _recover_world(rank: int, world_size: int, url: str, port: int) -> dict:
 
 
 def test_receiver_load_failure_mid_stream_then_same_engine_recovers():
-    from weightsync.plugins.loopback_receiver import LoopbackReceiver
+    from weightsync.plugins.loopback_server import LoopbackReceiver
     from weightsync.plugins.loopback_server import ReceiverServer
 
     class Faulty(LoopbackReceiver):

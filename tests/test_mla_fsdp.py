@@ -133,7 +133,7 @@ def _write_checkpoint(config, tensors: dict[str, torch.Tensor], directory: str) 
 def world():
     from fsdp_worlds import unpack
 
-    from weightsync.plugins.loopback_receiver import LoopbackReceiver
+    from weightsync.plugins.loopback_server import LoopbackReceiver
     from weightsync.plugins.loopback_server import ReceiverServer
 
     servers = {v: ReceiverServer(LoopbackReceiver(_model(v, seed=RECEIVER_SEED))).start() for v in VARIANTS}

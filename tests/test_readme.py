@@ -193,7 +193,8 @@ def _vllm_declares(flag: str) -> bool:
 def cli_usage_error(argv: list[str]) -> str | None:
     """The CLI's own usage checks after parsing (layout options, sizes that must divide, presets,
     folders), without running anything; ``None`` when it would start."""
-    from weightsync.plugins.cli import _parser, _validate
+    from weightsync.plugins.cli.entry import _parser
+    from weightsync.plugins.cli.validate import validate_args as _validate
     from weightsync.plugins.presets import UserError
 
     try:
@@ -209,7 +210,7 @@ def static_problems(tokens: list[str]) -> list[str]:
         tokens = tokens[1:]  # VAR=value prefixes
     cmd, args = tokens[0], tokens[1:]
     if cmd == "weightsync":
-        from weightsync.plugins.cli import _parser
+        from weightsync.plugins.cli.entry import _parser
 
         err, out = io.StringIO(), io.StringIO()
         try:
@@ -280,7 +281,9 @@ def test_a_misspelled_option_is_caught():
 
 _RUNNER = r"""
 import json, sys
-from weightsync.plugins.cli import _parser, _validate, main
+from weightsync.plugins.cli import main
+from weightsync.plugins.cli.entry import _parser
+from weightsync.plugins.cli.validate import validate_args as _validate
 from weightsync.plugins.presets import UserError
 for i, (argv, run) in enumerate(json.loads(sys.argv[1])):
     print("@@@ start %d %s" % (i, json.dumps(argv)), flush=True)

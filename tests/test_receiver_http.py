@@ -60,7 +60,7 @@ def _client_loop(kind: str, url: str, rounds: int, failures: list, counts: list)
     import requests
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-    from weightsync.plugins.http import VLLMHTTPClient
+    from weightsync.plugins.sync import VLLMHTTPClient
     from weightsync.plugins.loopback_server import ReceiverClient
 
     session = requests.Session()  # pooled: the shape of client that lost calls
@@ -124,8 +124,8 @@ def test_receiver_answers_every_concurrent_call_while_the_cpu_is_saturated():
 
 def _open_groups_back_to_back(index: int, rounds: int, queue) -> None:
     """``rounds`` loopback transport groups in a row, sender on port 0, a receiver in a thread."""
-    from weightsync.plugins.loopback_receiver import LoopbackReceiver
-    from weightsync.plugins.loopback_wire import join_transport_group, open_transport_store
+    from weightsync.plugins.loopback_server import LoopbackReceiver
+    from weightsync.plugins.loopback_server.transport import join_transport_group, open_transport_store
 
     import torch.distributed as dist
 
@@ -162,7 +162,7 @@ def _open_groups_back_to_back(index: int, rounds: int, queue) -> None:
 
 
 def test_loopback_groups_open_back_to_back_in_parallel_on_port_0_without_a_collision():
-    from weightsync.plugins.loopback_wire import open_transport_store
+    from weightsync.plugins.loopback_server.transport import open_transport_store
     from weightsync.sources.errors import WeightSyncError
 
     procs, rounds = 3, 15

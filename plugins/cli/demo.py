@@ -26,9 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.sources.logs import get_logger
+from weightsync.sources import get_logger
 
-from .presets import build_model, load_config
+from ..presets import build_model, load_config
+from .build import shard_fsdp2
 
 __all__ = ["DemoResult", "run_demo"]
 
@@ -49,17 +50,6 @@ class DemoResult:
         return self.syncs > 0 and self.verified == self.syncs
 
 
-def _shard(model: torch.nn.Module) -> torch.nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 @torch.no_grad()
 def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     model.eval()
@@ -69,7 +59,7 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         model.train()
 
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -103,22 +93,16 @@ def run_demo(
 
     from weightsync.sources import FSDPSource
 
-    from .loopback import LoopbackTrainerInitInfo
-    from .loopback_server import ReceiverClient, start_receiver_process
+    from ..loopback import LoopbackTrainerInitInfo
+    from ..loopback_server import ReceiverClient
 
     rank, world = dist.get_rank(), dist.get_world_size()
     say = out if rank == 0 else (lambda *a, **k: None)
     config = load_config(preset, config_path, hidden=hidden, layers=layers)
-    model = _shard(build_model(config, seed=0))
+    model = shard_fsdp2(build_model(config, seed=0))
     n_params = sum(p.numel() for p in model.parameters())
 
-    handle = None
-    if rank == 0:
-        _, handle = start_receiver_process(functools.partial(build_model, config, 1))
-        where = (handle.url, 0)  # the loopback sender binds a free port and tells the receiver
-    else:
-        where = None
-    url, port = _share(where)
+    handle, url, port = _start_receiver(config, rank)
     result = DemoResult()
     try:
         client = ReceiverClient(url)
@@ -151,13 +135,7 @@ def run_demo(
             t0 = time.perf_counter()
             engine.send_weights(weight_version=f"step-{step}")
             seconds = time.perf_counter() - t0
-            trainer_logits = _logits(model, eval_ids)
-            verdict = None
-            if rank == 0:
-                got, _ = client.logits(eval_ids.tolist())
-                diff = float((got - trainer_logits).abs().max())
-                verdict = (bool(torch.equal(got, trainer_logits)), diff, client.weight_version())
-            equal, diff, version = _share(verdict)
+            equal, diff, version = _compare_logits(model, client, eval_ids, rank)
             equal = equal and version == f"step-{step}"
             src, wire = source.last_pass, engine.last_send
             result.syncs += 1
@@ -166,7 +144,7 @@ def run_demo(
             result.seconds += seconds
             line = (
                 f"  sync {step}/{steps}: loss {loss.item():.4f} | {wire.tensors} tensors, "
-                f"{_fmt_bytes(wire.bytes)}, {src.collectives} gathers + {wire.collectives} "
+                f"{format_bytes(wire.bytes)}, {src.collectives} gathers + {wire.collectives} "
                 f"broadcasts, {seconds:.3f} s | receiver {version}: logits "
                 + ("EQUAL (bit-exact)" if equal else f"DIFFER (max |diff| {diff:.3g})")
             )
@@ -177,12 +155,40 @@ def run_demo(
             handle.stop()
     result.summary = (
         f"weightsync demo: {result.verified}/{result.syncs} syncs verified, "
-        f"{_fmt_bytes(result.bytes)} sent in {result.seconds:.2f} s "
+        f"{format_bytes(result.bytes)} sent in {result.seconds:.2f} s "
         f"({world} ranks, {config.model_type}, {n_params:,} params) -> "
         + ("PASS" if result.ok else "FAIL")
     )
     say(result.summary)
     return result
+
+
+def _start_receiver(config: Any, rank: int) -> tuple[Any, str, int]:
+    """Rank 0 starts the receiver process (the same architecture, other initial weights: seed 1);
+    every rank gets ``(handle or None, url, port)``. Port 0: the loopback sender binds a free port
+    and tells the receiver."""
+    from ..loopback_server import start_receiver_process
+
+    handle, where = None, None
+    if rank == 0:
+        _, handle = start_receiver_process(functools.partial(build_model, config, 1))
+        where = (handle.url, 0)
+    url, port = _share(where)
+    return handle, url, port
+
+
+def _compare_logits(
+    model: torch.nn.Module, client: Any, eval_ids: torch.Tensor, rank: int
+) -> tuple[bool, float, str]:
+    """Every rank runs the FSDP forward; rank 0 compares the receiver's logits with it. Returns
+    ``(bit-equal, max |diff|, the receiver's weight_version)`` on every rank."""
+    trainer_logits = _logits(model, eval_ids)
+    verdict = None
+    if rank == 0:
+        got, _ = client.logits(eval_ids.tolist())
+        diff = float((got - trainer_logits).abs().max())
+        verdict = (bool(torch.equal(got, trainer_logits)), diff, client.weight_version())
+    return _share(verdict)
 
 
 def init_cpu_process_group() -> None:

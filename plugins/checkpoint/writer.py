@@ -6,7 +6,7 @@ Called collectively on every rank with the same source (``FSDPSource``, ``Megatr
 streams each tensor into its planned place as it arrives. What it guarantees:
 
 * **Same files as ``save_pretrained``.** File names, the split, headers, data order and the index are
-  planned from ``metadata`` before any byte moves (``checkpoint_plan``), byte-identical to transformers
+  planned from ``metadata`` before any byte moves (``plan``), byte-identical to transformers
   5 for the same tensors; ``config.json`` and ``generation_config.json`` are written with transformers'
   own ``save_pretrained`` of a copy of the config (``dtype`` = the first floating wire dtype,
   ``architectures`` = the model class), as ``save_pretrained`` does.
@@ -19,12 +19,12 @@ streams each tensor into its planned place as it arrives. What it guarantees:
   tensor with the plan (name, dtype, shape, order, byte count) before writing it.
 * **All or nothing, on every rank.** Bytes go to a staging folder next to ``path`` (same filesystem)
   with disk space reserved up front; only after every rank reported success does the writer rename it
-  into place (``checkpoint_files``). Any failure on any rank -- a source raising mid-stream, a full
+  into place (``files``). Any failure on any rank -- a source raising mid-stream, a full
   disk, a peer that never arrives -- removes the staging folder, leaves ``path`` as it was, and raises
   ``CheckpointError`` (chained to the cause) on every rank. Every wait is bounded by the source's
   ``timeout_s`` (default 300 s; pass ``checked(source, timeout_s=...)`` to change it). The
   control exchanges and collective waits (FSDP gathers) hear a peer's failure at once through a
-  ``groups.Board``; a gloo point-to-point wait (``MegatronSource``'s PP/EP gathers) cannot be
+  ``Board``; a gloo point-to-point wait (``MegatronSource``'s PP/EP gathers) cannot be
   polled without breaking the pair, so it hears it when the peer's process exits or at
   ``timeout_s`` (on NCCL: NCCL's own timeout). The one window left: a non-writer that loses the
   writer during the final confirmation (after the rename) raises saying the commit was not confirmed.
@@ -48,14 +48,22 @@ import torch.distributed as dist
 from torch import nn
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from weightsync.sources.check import DEFAULT_TIMEOUT_S, checked, verify_metadata_agreement
-from weightsync.sources.errors import CheckpointError, PeerFailedError
-from weightsync.sources.groups import Board, active_board, group_ranks, next_tag
-from weightsync.sources.logs import get_logger
-from weightsync.sources.naming import hf_root
+from weightsync.sources import (
+    DEFAULT_TIMEOUT_S,
+    Board,
+    CheckpointError,
+    PeerFailedError,
+    active_board,
+    checked,
+    get_logger,
+    group_ranks,
+    hf_root,
+    next_tag,
+    verify_metadata_agreement,
+)
 
-from .checkpoint_files import StagedFolder
-from .checkpoint_plan import INDEX_FILE, CheckpointPlan, model_class, plan_checkpoint, transformers_save_layout
+from .files import StagedFolder
+from .plan import INDEX_FILE, CheckpointPlan, model_class, plan_checkpoint, transformers_save_layout
 
 __all__ = ["save_safetensors", "SaveReport", "DEFAULT_MAX_SHARD_BYTES"]
 

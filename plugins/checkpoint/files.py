@@ -43,10 +43,9 @@ from typing import Any
 
 import torch
 
-from weightsync.sources.errors import CheckpointError
-from weightsync.sources.logs import get_logger
+from weightsync.sources import CheckpointError, get_logger
 
-from .checkpoint_plan import CheckpointPlan, PlannedTensor
+from .plan import CheckpointPlan, PlannedTensor
 
 __all__ = ["StagedFolder", "check_target"]
 

@@ -1,6 +1,6 @@
-"""``weightsync``: the command line.
+"""``weightsync``: the command line's entry point (parse, validate, launch the ranks, dispatch).
 
-* ``weightsync demo``  -- the README's main job (see ``weightsync.plugins.demo``).
+* ``weightsync demo``  -- the README's main job (see ``weightsync.plugins.cli.demo``).
 * ``weightsync check`` -- dry-run one pass of a source on CPU for a transformers config and a
   layout (``--layout fsdp``: FSDP2 over ``--nproc`` ranks, ``FSDPSource``; ``--layout megatron``:
   a megatron-core ``GPTModel`` at ``--tp/--pp/--vpp/--ep``, ``MegatronSource``), verify metadata vs
@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from typing import Any, Sequence
+from typing import Sequence
 
 __all__ = ["main"]
 
@@ -44,16 +44,6 @@ DESCRIPTION = (
     "weightsync: turn a sharded trainer model (FSDP2, Megatron-core) into Hugging Face checkpoint "
     "tensors for vLLM's weight transfer. Commands: demo, check, export."
 )
-#: Options that only a ``--layout megatron`` run uses.
-MEGATRON_ONLY = ("tp", "pp", "vpp", "ep")
-#: ``--dtype`` names (torch.dtype attributes of torch 2.x), checked before torch is imported; the
-#: ranks check again against the real torch.
-TORCH_DTYPES = frozenset((
-    "float32", "float", "float64", "double", "float16", "half", "bfloat16", "complex32", "chalf",
-    "complex64", "cfloat", "complex128", "cdouble", "uint8", "uint16", "uint32", "uint64", "int8",
-    "int16", "short", "int32", "int", "int64", "long", "bool", "float8_e4m3fn", "float8_e4m3fnuz",
-    "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
-))
 _RESULT_ENV = "WEIGHTSYNC_RESULT_FILE"
 _ARGV_ENV = "WEIGHTSYNC_ARGV"
 
@@ -64,7 +54,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .presets import preset_names
+    from ..presets import preset_names
 
     presets = ", ".join(preset_names())
     p = _Parser(prog="weightsync", description=DESCRIPTION)
@@ -127,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _source_args(p: argparse.ArgumentParser, presets: str) -> None:
-    """The model + layout options ``check`` and ``export`` share (``cli_build.build_source``)."""
+    """The model + layout options ``check`` and ``export`` share (``build.build_source``)."""
     p.add_argument("--model", default=None, help=f"preset: {presets} (default tiny-qwen3)")
     p.add_argument("--config", help="a transformers config.json (file or directory) instead of --model")
     p.add_argument("--layout", choices=("fsdp", "megatron"), default="fsdp")
@@ -195,125 +185,21 @@ def _finish(code: int) -> int:
     return EXIT_OK
 
 
-def _validate(args: argparse.Namespace) -> Any:
-    """Everything a user can get wrong, checked before any rank starts and before torch,
-    transformers or megatron-core is imported (a usage error answers at once). Fills the defaults
-    of ``--nproc`` and, for ``--layout megatron``, ``--tp/--pp/--ep``. Returns the config's
-    ``presets.ConfigFacts``; the ranks build the transformers config itself."""
-    from .presets import UserError, config_facts
-
-    if args.config and args.model:
-        raise UserError("pass --model or --config, not both")
-    if args.command in ("check", "export"):
-        _layout_options(args)
-        if args.nproc is None:
-            args.nproc = args.tp * args.pp * args.ep if args.layout == "megatron" else 1
-    nproc = getattr(args, "nproc", 1)
-    if nproc < 1 or nproc > 64:
-        raise UserError(f"--nproc must be between 1 and 64, got {nproc}")
-    if getattr(args, "steps", 1) < 1:
-        raise UserError(f"--steps must be >= 1, got {args.steps}")
-    checkpoint_config(args)
-    facts = config_facts(args.model, args.config, hidden=args.hidden, layers=args.layers)
-    if getattr(args, "dtype", None) and args.dtype not in TORCH_DTYPES:
-        raise UserError(f"--dtype {args.dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
-    if args.command in ("check", "export") and args.layout == "megatron":
-        _validate_megatron(args, facts)
-    if args.command == "export":
-        from .cli_export import validate_export
-
-        validate_export(args)
-    return facts
-
-
-def _layout_options(args: argparse.Namespace) -> None:
-    """``--tp/--pp/--vpp/--ep`` belong to ``--layout megatron``: given with another layout they are
-    a usage error naming the option (a run would silently ignore them); with megatron each must be
-    >= 1 (``--tp/--pp/--ep`` default to 1)."""
-    from .presets import UserError
-
-    given = [flag for flag in MEGATRON_ONLY if getattr(args, flag) is not None]
-    if args.layout != "megatron":
-        if given:
-            raise UserError(
-                f"--{given[0]} applies to --layout megatron only; this run's layout is {args.layout} "
-                f"(add --layout megatron, or drop {' '.join('--' + f for f in given)})"
-            )
-        return
-    for flag in given:
-        if getattr(args, flag) < 1:
-            raise UserError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    for flag in ("tp", "pp", "ep"):
-        if getattr(args, flag) is None:
-            setattr(args, flag, 1)
-
-
-def checkpoint_config(args: argparse.Namespace) -> None:
-    """``check --checkpoint PATH``: PATH must be a folder; without ``--model``/``--config`` the
-    config is PATH/config.json (sets ``args.config``). Raises ``UserError``; idempotent."""
-    from .presets import UserError
-
-    path = getattr(args, "checkpoint", None)
-    if path is None:
-        return
-    if not os.path.isdir(path):
-        raise UserError(f"--checkpoint {path}: no such folder")
-    if not args.model and not args.config:
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise UserError(
-                f"--checkpoint {path}: no config.json in it; pass --model or --config to say which "
-                "model the folder should hold"
-            )
-        args.config = path
-
-
-def _validate_megatron(args: argparse.Namespace, facts: Any) -> None:
-    """``--layout megatron`` sizes against the config's ``ConfigFacts`` (a fact the config file does
-    not state is left to the ranks, which build the real config)."""
-    from .presets import MEGATRON_MODEL_TYPES, UserError
-
-    heads, groups = facts.heads, facts.kv_heads
-    if heads is not None and (heads % args.tp or (groups or heads) % args.tp):
-        raise UserError(
-            f"--tp {args.tp} must divide the attention heads ({heads}) and key/value heads ({groups}) "
-            f"of {facts.model_type}"
-        )
-    layers = facts.layers
-    stages = args.pp * (args.vpp or 1)
-    if layers is not None and layers % stages:
-        raise UserError(f"--pp {args.pp} x --vpp {args.vpp or 1} must divide the {layers} layers")
-    experts = facts.experts
-    if args.ep > 1 and (not experts or experts % args.ep):
-        raise UserError(f"--ep {args.ep} must divide the number of experts ({experts or 'none: dense model'})")
-    if args.vpp is not None and (args.vpp < 1 or args.pp < 2):
-        raise UserError(f"--vpp {args.vpp} needs --pp >= 2 and --vpp >= 1 (megatron's interleaved schedule)")
-    unit = args.tp * args.pp * args.ep
-    if args.nproc % unit:
-        raise UserError(
-            f"--nproc {args.nproc} must be a multiple of --tp x --pp x --ep = {unit} "
-            "(megatron splits the ranks into data-parallel replicas of that size)"
-        )
-    if facts.model_type not in MEGATRON_MODEL_TYPES:
-        raise UserError(
-            f"--layout megatron: no CPU Megatron builder for model_type {facts.model_type!r} "
-            f"(supported: {', '.join(MEGATRON_MODEL_TYPES)})"
-        )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:
         argv = json.loads(os.environ[_ARGV_ENV]) if _ARGV_ENV in os.environ else sys.argv[1:]
     argv = list(argv)
     args = _parser().parse_args(argv)
-    from .presets import UserError
+    from ..presets import UserError
+    from .validate import validate_args
 
     try:
-        _validate(args)  # light: no torch / transformers / megatron import before it passed
+        validate_args(args)  # light: no torch / transformers / megatron import before it passed
     except UserError as e:
         return _finish(_usage(str(e))) if _under_torchrun() else _usage(str(e))
     if not _under_torchrun() and args.nproc > 1:
         return _launch(args.nproc, argv)
-    from weightsync.sources.logs import configure_logging
+    from weightsync.sources import configure_logging
 
     configure_logging(logging.INFO if args.verbose else logging.WARNING)
     try:
@@ -347,16 +233,13 @@ def _run(args: argparse.Namespace) -> int:
                 return EXIT_FAIL
             return EXIT_OK if res.ok else EXIT_FAIL
         if args.command == "export":
-            from .cli_export import run_export
+            from .export import run_export
 
             return run_export(args)
-        from .cli_check import run_check
+        from .check import run_check
 
         return run_check(args)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -38,8 +38,7 @@ from urllib.parse import urlsplit
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-from weightsync.sources.errors import WeightSyncError
-from weightsync.sources.logs import get_logger
+from weightsync.sources import WeightSyncError, get_logger
 
 __all__ = [
     "VLLMHTTPClient",

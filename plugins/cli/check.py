@@ -39,9 +39,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .cli_build import build_source
-from .demo import _fmt_bytes
-from .presets import build_model, load_config
+from ..presets import build_model, load_config
+from .build import build_source
+from .demo import format_bytes
 
 __all__ = ["run_check", "checkpoint_index", "fold_experts"]
 
@@ -51,7 +51,7 @@ def checkpoint_index(model: torch.nn.Module) -> dict[str, tuple[torch.dtype, tup
     from safetensors import safe_open
     from transformers.utils import logging as hf_logging
 
-    from weightsync.sources.safetensors_source import SAFETENSORS_DTYPES
+    from weightsync.sources import SAFETENSORS_DTYPES
 
     hf_logging.disable_progress_bar()
 
@@ -122,9 +122,9 @@ def _megatron_source(args: argparse.Namespace, config: Any, dtype: torch.dtype |
 def run_check(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from weightsync.sources.check import check_stream
+    from weightsync.sources import check_stream
 
-    from .cli import checkpoint_config
+    from .validate import checkpoint_config
 
     rank, world = dist.get_rank(), dist.get_world_size()
     args.checkpoint = getattr(args, "checkpoint", None)
@@ -201,18 +201,7 @@ def _report(
         f"layout {_layout(args, world)}, source {type(source).__name__ if source else '-'}, "
         f"wire dtype {str(dtype).removeprefix('torch.') if dtype else 'as trained'}"
     )
-    groups: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
-    for m in meta:
-        g = groups[(str(m.dtype).removeprefix("torch."), _owners(m, world))]
-        g[0] += 1
-        g[1] += m.dtype.itemsize * _numel(m.shape)
-    print(f"  {'tensors':>8}  {'bytes':>10}  {'dtype':<10} owners")
-    for (dt, owners), (n, b) in sorted(groups.items()):
-        print(f"  {n:>8}  {_fmt_bytes(b):>10}  {dt:<10} {owners}")
-    total = sum(m.dtype.itemsize * _numel(m.shape) for m in meta)
-    print(f"  {len(meta):>8}  {_fmt_bytes(total):>10}  total")
-    for m in meta[: args.show]:
-        print(f"    {m.name}  {str(m.dtype).removeprefix('torch.')}  {tuple(m.shape)}  owners {_owners(m, world)}")
+    total = _print_sent(meta, world, args.show)
 
     failures: list[str] = []
     for _rank, seen, expected, problems in verdicts:
@@ -241,7 +230,7 @@ def _report(
         not_sent, not_in_ckpt, shape_diff, dtype_diff = [], [], [], []
         print(f"  checkpoint {label}: unreadable")
     else:
-        print(f"  checkpoint {label}: {len(oracle)} tensors, {_fmt_bytes(ckpt_bytes)}")
+        print(f"  checkpoint {label}: {len(oracle)} tensors, {format_bytes(ckpt_bytes)}")
         print(f"  unmapped: checkpoint tensors not sent: {_some(not_sent)}")
         print(f"  unmapped: sent names not in the checkpoint: {_some(not_in_ckpt)}")
     if checkpoint and content is not None:
@@ -265,6 +254,24 @@ def _report(
     ok = not (failures or not_sent or not_in_ckpt or shape_diff or dtype_diff or differ) and bool(meta)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
+
+
+def _print_sent(meta: list[Any], world: int, show: int) -> int:
+    """The table of what would be sent (tensors and bytes per dtype and owners, then the first
+    ``show`` tensors); returns the total bytes."""
+    groups: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for m in meta:
+        g = groups[(str(m.dtype).removeprefix("torch."), _owners(m, world))]
+        g[0] += 1
+        g[1] += m.dtype.itemsize * _numel(m.shape)
+    print(f"  {'tensors':>8}  {'bytes':>10}  {'dtype':<10} owners")
+    for (dt, owners), (n, b) in sorted(groups.items()):
+        print(f"  {n:>8}  {format_bytes(b):>10}  {dt:<10} {owners}")
+    total = sum(m.dtype.itemsize * _numel(m.shape) for m in meta)
+    print(f"  {len(meta):>8}  {format_bytes(total):>10}  total")
+    for m in meta[:show]:
+        print(f"    {m.name}  {str(m.dtype).removeprefix('torch.')}  {tuple(m.shape)}  owners {_owners(m, world)}")
+    return total
 
 
 def _differences(
@@ -309,8 +316,7 @@ class _Folder:
 
     @classmethod
     def open(cls, path: str, problems: list[str]) -> "_Folder | None":
-        from weightsync.sources import CheckpointError
-        from weightsync.sources.safetensors_source import read_checkpoint
+        from weightsync.sources import CheckpointError, read_checkpoint
 
         try:
             return cls(read_checkpoint(path))

@@ -18,10 +18,9 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightSource
 
-from .demo import _shard
-from .presets import build_model
+from ..presets import build_model
 
-__all__ = ["build_source", "checkpoint_state"]
+__all__ = ["build_source", "checkpoint_state", "shard_fsdp2"]
 
 
 def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -55,7 +54,7 @@ def build_source(
 
         from weightsync.sources import MegatronSource
 
-        from .megatron_build import MegatronParallel, build_megatron_gpt, load_hf_weights
+        from ..megatron_build import MegatronParallel, build_megatron_gpt, load_hf_weights
 
         par = MegatronParallel(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
         chunks = build_megatron_gpt(config, par, seed=0)
@@ -68,5 +67,19 @@ def build_source(
         return MegatronSource(model, hf_config=config, dtype=dtype, mode="full", expert_layout=expert_layout)
     from weightsync.sources import FSDPSource
 
-    model = _shard(hf_model if hf_model is not None else build_model(config, seed=0))
+    model = shard_fsdp2(hf_model if hf_model is not None else build_model(config, seed=0))
     return FSDPSource(model, dtype=dtype, expert_layout=expert_layout)
+
+
+def shard_fsdp2(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (a transformers causal LM) sharded with FSDP2 over every rank of the default group
+    on a CPU mesh: each decoder layer, then the root."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

@@ -39,10 +39,9 @@ from typing import Any, Callable
 
 import torch
 
-from weightsync.sources.errors import WeightSyncError
-from weightsync.sources.logs import get_logger
+from weightsync.sources import WeightSyncError, get_logger
 
-from .loopback_receiver import LoopbackReceiver
+from .receiver import LoopbackReceiver
 
 __all__ = ["ReceiverServer", "ReceiverClient", "ReceiverHandle", "start_receiver_process"]
 

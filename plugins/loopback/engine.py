@@ -1,4 +1,4 @@
-"""``loopback``: a CPU weight-transfer backend for vLLM's trainer factory, over gloo.
+"""The ``"loopback"`` engine: a CPU weight-transfer backend for vLLM's trainer factory, over gloo.
 
 A test and demo transport -- not a replacement for vLLM's NCCL/IPC engines. It lets CI, our tests
 and the demo run a real multi-rank sync without GPUs, through the same trainer-side API and the same
@@ -42,14 +42,17 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-from weightsync.sources.check import check_stream, control_group, verify_metadata_agreement
-from weightsync.sources.errors import WeightSyncError
-from weightsync.sources.integrity import checksum_tensor
-from weightsync.sources.logs import get_logger
-from weightsync.sources.stats import PassStats
+from weightsync.sources import (
+    PassStats,
+    WeightSyncError,
+    check_stream,
+    checksum_tensor,
+    control_group,
+    get_logger,
+    verify_metadata_agreement,
+)
 
-from .loopback_receiver import ChecksumMismatchError, LoopbackReceiver
-from .loopback_wire import (
+from ..loopback_server.transport import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_TIMEOUT_S,
     LoopbackWorkerInitInfo,
@@ -65,8 +68,6 @@ __all__ = [
     "BACKEND",
     "LoopbackTrainerInitInfo",
     "LoopbackTrainerWeightTransferEngine",
-    "LoopbackReceiver",
-    "ChecksumMismatchError",
     "register",
 ]
 
@@ -427,5 +428,3 @@ def register() -> None:
     if BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(BACKEND, LoopbackTrainerWeightTransferEngine)
 
-
-register()

@@ -49,9 +49,14 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta
 
-from weightsync.sources.errors import CheckpointError
-from weightsync.sources.logs import get_logger
-from weightsync.sources.safetensors_source import INDEX_FILE, MAX_HEADER_BYTES, SAFETENSORS_DTYPES, SINGLE_FILE
+from weightsync.sources import (
+    INDEX_FILE,
+    MAX_HEADER_BYTES,
+    SAFETENSORS_DTYPES,
+    SINGLE_FILE,
+    CheckpointError,
+    get_logger,
+)
 
 __all__ = [
     "SINGLE_FILE",
@@ -112,10 +117,6 @@ class PlannedFile:
     header: bytes
     size: int
     names: tuple[str, ...]
-
-    @property
-    def data_bytes(self) -> int:
-        return self.size - len(self.header)
 
 
 @dataclass(frozen=True)

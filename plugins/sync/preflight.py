@@ -28,9 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.sources.check import DEFAULT_TIMEOUT_S, control_group
-from weightsync.sources.errors import PreflightError, SilentTransportError, WeightSyncError  # noqa: F401
-from weightsync.sources.logs import get_logger
+from weightsync.sources import (  # noqa: F401 (PreflightError, SilentTransportError: re-exported)
+    DEFAULT_TIMEOUT_S,
+    PreflightError,
+    SilentTransportError,
+    WeightSyncError,
+    control_group,
+    get_logger,
+)
 
 __all__ = ["PreflightError", "PreflightReport", "check_engine", "check_weights_changed"]
 

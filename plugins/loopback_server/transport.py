@@ -1,4 +1,4 @@
-"""The loopback wire: what the trainer's sender and the receiver must agree on, in one place.
+"""The loopback transport: what the trainer's sender and the receiver must agree on, in one place.
 
 Invariant: both sides derive everything that shapes the byte stream -- which tensors go in which
 broadcast, how many bytes each one is, the checksum of each parameter -- from the same update info
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.sources.errors import SyncTimeoutError, WeightSyncError
+from weightsync.sources import SyncTimeoutError, WeightSyncError
 
 __all__ = [
     "LoopbackWorkerInitInfo",

@@ -1,6 +1,6 @@
 """``weightsync export``: a Hugging Face safetensors checkpoint from CPU ranks, via ``save_safetensors``.
 
-The model and source are the ones ``weightsync check`` runs (``cli_build.build_source``: FSDP2 +
+The model and source are the ones ``weightsync check`` runs (``build.build_source``: FSDP2 +
 ``FSDPSource``, or a megatron-core ``GPTModel`` + ``MegatronSource(mode="full")``), built from a
 preset or a ``config.json`` with random weights (seed 0); every rank calls
 ``save_safetensors(source, --out, max_shard_bytes=--max-shard-size, config=the config,
@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from .presets import UserError, load_config
+from ..presets import UserError, load_config
 
 __all__ = ["run_export", "validate_export", "parse_size"]
 
@@ -52,10 +52,9 @@ def run_export(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from weightsync.plugins.checkpoint import save_safetensors
-
-    from .cli_build import build_source
-    from .demo import _fmt_bytes
+    from ..checkpoint import save_safetensors
+    from .build import build_source
+    from .demo import format_bytes
 
     rank = dist.get_rank()
     config = load_config(args.model, args.config, hidden=args.hidden, layers=args.layers)
@@ -73,9 +72,9 @@ def run_export(args: argparse.Namespace) -> int:
         rate = report.total_size / report.seconds / 1e6 if report.seconds > 0 else float("inf")
         print(
             f"weightsync export: {report.path}: {report.num_tensors} tensors, "
-            f"{_fmt_bytes(report.total_size)} in {report.num_shards} shard(s) "
-            f"(largest {_fmt_bytes(report.largest_shard_bytes)}), {report.seconds:.2f}s ({rate:.0f} MB/s), "
-            f"written by rank {report.writer}; writer peak extra memory {_fmt_bytes(report.peak_extra_bytes)}"
+            f"{format_bytes(report.total_size)} in {report.num_shards} shard(s) "
+            f"(largest {format_bytes(report.largest_shard_bytes)}), {report.seconds:.2f}s ({rate:.0f} MB/s), "
+            f"written by rank {report.writer}; writer peak extra memory {format_bytes(report.peak_extra_bytes)}"
         )
         print(f"  files: {', '.join(report.files)}")
         print("PASS")

@@ -38,11 +38,16 @@ from typing import Any
 
 import torch
 
-from weightsync.sources.errors import MetadataMismatchError, WeightSyncError
-from weightsync.sources.integrity import IntegrityError, checksum, checksum_tensor
-from weightsync.sources.logs import get_logger
+from weightsync.sources import (
+    IntegrityError,
+    MetadataMismatchError,
+    WeightSyncError,
+    checksum,
+    checksum_tensor,
+    get_logger,
+)
 
-from .loopback_wire import (
+from .transport import (
     LoopbackWorkerInitInfo,
     nbytes_of,
     open_transport_group,

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, VLLMWeightSyncClient
 
-from .driver import WeightSync
-from .report import SyncReport
+from ..sync.driver import WeightSync
+from ..sync.report import SyncReport
 
 __all__ = ["MegatronWeightSync"]
 

@@ -35,7 +35,6 @@ Invariants, and why:
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import time
@@ -54,11 +53,9 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-from weightsync.sources.check import DEFAULT_TIMEOUT_S, checked
-from weightsync.sources.groups import Board, next_tag
-from weightsync.sources.errors import WeightSyncError
-from weightsync.sources.logs import get_logger
+from weightsync.sources import DEFAULT_TIMEOUT_S, Board, WeightSyncError, checked, get_logger, next_tag
 
+from .preflight import check_engine
 from .report import SyncReport
 
 __all__ = ["WeightSync", "PAUSE_MODES", "LateSync"]
@@ -157,19 +154,6 @@ class _TrackedSource(WeightSource):
         if name == "source":
             raise AttributeError(name)
         return getattr(self.source, name)
-
-
-def _run_preflight(engine: TrainerWeightTransferEngine) -> None:
-    """PREFLIGHT CALL SITE: ``weightsync.plugins.preflight.check_engine(engine)`` if that module
-    exists (it detects transports that would report success without moving bytes, e.g. vLLM's NCCL
-    communicator disabling itself on an old NCCL)."""
-    try:
-        preflight = importlib.import_module("weightsync.plugins.preflight")
-    except ModuleNotFoundError as e:
-        if e.name in ("weightsync.plugins.preflight",):
-            return
-        raise
-    preflight.check_engine(engine)
 
 
 def _attempt(fn: Callable[..., None], *args: Any) -> BaseException | None:
@@ -384,7 +368,7 @@ class WeightSync:
 
     def _preflight(self, board: Board | None) -> None:
         assert self._engine is not None
-        _run_preflight(self._engine)
+        check_engine(self._engine)
 
     def _pause(self) -> None:
         self.client.pause(self.pause_mode, clear_cache=self.clear_cache)

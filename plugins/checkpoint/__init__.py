@@ -1,0 +1,13 @@
+"""The checkpoint writer: ``save_safetensors(source, path)`` writes a Hugging Face safetensors folder
+straight from any ``WeightSource``, the files ``save_pretrained`` writes, all or nothing.
+
+* ``writer`` -- ``save_safetensors``: the collective pass, the writer rank, the cross-rank outcome;
+* ``plan`` -- every file, header and byte offset, planned from the metadata before any byte moves;
+* ``files`` -- the staging folder renamed into place at the end (``StagedFolder``).
+"""
+
+from __future__ import annotations
+
+from .writer import DEFAULT_MAX_SHARD_BYTES, SaveReport, save_safetensors
+
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "SaveReport", "save_safetensors"]

@@ -1,0 +1,130 @@
+"""What a user can get wrong on the command line, checked before any rank starts and before torch,
+transformers or megatron-core is imported: a usage error answers at once (exit 2, one line).
+
+``validate_args`` is the CLI's gate; ``checkpoint_config`` is also re-run by the ``check`` ranks
+(idempotent) to find the config of ``--checkpoint PATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+__all__ = ["validate_args", "checkpoint_config", "MEGATRON_ONLY", "TORCH_DTYPES"]
+
+#: Options that only a ``--layout megatron`` run uses.
+MEGATRON_ONLY = ("tp", "pp", "vpp", "ep")
+#: ``--dtype`` names (torch.dtype attributes of torch 2.x), checked before torch is imported; the
+#: ranks check again against the real torch.
+TORCH_DTYPES = frozenset((
+    "float32", "float", "float64", "double", "float16", "half", "bfloat16", "complex32", "chalf",
+    "complex64", "cfloat", "complex128", "cdouble", "uint8", "uint16", "uint32", "uint64", "int8",
+    "int16", "short", "int32", "int", "int64", "long", "bool", "float8_e4m3fn", "float8_e4m3fnuz",
+    "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
+))
+
+
+def validate_args(args: argparse.Namespace) -> Any:
+    """Everything a user can get wrong, checked before any rank starts and before torch,
+    transformers or megatron-core is imported (a usage error answers at once). Fills the defaults
+    of ``--nproc`` and, for ``--layout megatron``, ``--tp/--pp/--ep``. Returns the config's
+    ``presets.ConfigFacts``; the ranks build the transformers config itself."""
+    from ..presets import UserError, config_facts
+
+    if args.config and args.model:
+        raise UserError("pass --model or --config, not both")
+    if args.command in ("check", "export"):
+        _layout_options(args)
+        if args.nproc is None:
+            args.nproc = args.tp * args.pp * args.ep if args.layout == "megatron" else 1
+    nproc = getattr(args, "nproc", 1)
+    if nproc < 1 or nproc > 64:
+        raise UserError(f"--nproc must be between 1 and 64, got {nproc}")
+    if getattr(args, "steps", 1) < 1:
+        raise UserError(f"--steps must be >= 1, got {args.steps}")
+    checkpoint_config(args)
+    facts = config_facts(args.model, args.config, hidden=args.hidden, layers=args.layers)
+    if getattr(args, "dtype", None) and args.dtype not in TORCH_DTYPES:
+        raise UserError(f"--dtype {args.dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
+    if args.command in ("check", "export") and args.layout == "megatron":
+        _validate_megatron(args, facts)
+    if args.command == "export":
+        from .export import validate_export
+
+        validate_export(args)
+    return facts
+
+
+def _layout_options(args: argparse.Namespace) -> None:
+    """``--tp/--pp/--vpp/--ep`` belong to ``--layout megatron``: given with another layout they are
+    a usage error naming the option (a run would silently ignore them); with megatron each must be
+    >= 1 (``--tp/--pp/--ep`` default to 1)."""
+    from ..presets import UserError
+
+    given = [flag for flag in MEGATRON_ONLY if getattr(args, flag) is not None]
+    if args.layout != "megatron":
+        if given:
+            raise UserError(
+                f"--{given[0]} applies to --layout megatron only; this run's layout is {args.layout} "
+                f"(add --layout megatron, or drop {' '.join('--' + f for f in given)})"
+            )
+        return
+    for flag in given:
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    for flag in ("tp", "pp", "ep"):
+        if getattr(args, flag) is None:
+            setattr(args, flag, 1)
+
+
+def checkpoint_config(args: argparse.Namespace) -> None:
+    """``check --checkpoint PATH``: PATH must be a folder; without ``--model``/``--config`` the
+    config is PATH/config.json (sets ``args.config``). Raises ``UserError``; idempotent."""
+    from ..presets import UserError
+
+    path = getattr(args, "checkpoint", None)
+    if path is None:
+        return
+    if not os.path.isdir(path):
+        raise UserError(f"--checkpoint {path}: no such folder")
+    if not args.model and not args.config:
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise UserError(
+                f"--checkpoint {path}: no config.json in it; pass --model or --config to say which "
+                "model the folder should hold"
+            )
+        args.config = path
+
+
+def _validate_megatron(args: argparse.Namespace, facts: Any) -> None:
+    """``--layout megatron`` sizes against the config's ``ConfigFacts`` (a fact the config file does
+    not state is left to the ranks, which build the real config)."""
+    from ..presets import MEGATRON_MODEL_TYPES, UserError
+
+    heads, groups = facts.heads, facts.kv_heads
+    if heads is not None and (heads % args.tp or (groups or heads) % args.tp):
+        raise UserError(
+            f"--tp {args.tp} must divide the attention heads ({heads}) and key/value heads ({groups}) "
+            f"of {facts.model_type}"
+        )
+    layers = facts.layers
+    stages = args.pp * (args.vpp or 1)
+    if layers is not None and layers % stages:
+        raise UserError(f"--pp {args.pp} x --vpp {args.vpp or 1} must divide the {layers} layers")
+    experts = facts.experts
+    if args.ep > 1 and (not experts or experts % args.ep):
+        raise UserError(f"--ep {args.ep} must divide the number of experts ({experts or 'none: dense model'})")
+    if args.vpp is not None and (args.vpp < 1 or args.pp < 2):
+        raise UserError(f"--vpp {args.vpp} needs --pp >= 2 and --vpp >= 1 (megatron's interleaved schedule)")
+    unit = args.tp * args.pp * args.ep
+    if args.nproc % unit:
+        raise UserError(
+            f"--nproc {args.nproc} must be a multiple of --tp x --pp x --ep = {unit} "
+            "(megatron splits the ranks into data-parallel replicas of that size)"
+        )
+    if facts.model_type not in MEGATRON_MODEL_TYPES:
+        raise UserError(
+            f"--layout megatron: no CPU Megatron builder for model_type {facts.model_type!r} "
+            f"(supported: {', '.join(MEGATRON_MODEL_TYPES)})"
+        )

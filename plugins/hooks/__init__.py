@@ -1,0 +1,10 @@
+"""Training-loop hooks: each drives ``weightsync.plugins.sync.WeightSync`` from one framework's loop.
+
+* ``transformers.WeightSyncCallback`` -- ``transformers.Trainer`` and TRL trainers;
+* ``lightning.WeightSyncCallback`` -- Lightning;
+* ``megatron.MegatronWeightSync`` -- a Megatron-core loop (one call after the optimizer step);
+* ``accelerate.source_from_accelerator`` -- the source for a model ``accelerate`` prepared.
+
+Nothing is imported here: each hook imports its own framework, only when it is used. The README's
+paths ``weightsync.plugins.transformers`` / ``.lightning`` / ``.accelerate`` re-export these modules.
+"""

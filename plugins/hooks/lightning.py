@@ -1,0 +1,76 @@
+"""``WeightSyncCallback`` for Lightning (optional extra: ``pip install weightsync[lightning]``).
+
+Invariants, and why:
+
+* **Every rank, same steps**: Lightning runs callbacks on every rank. The sync happens on
+  ``on_train_start`` (cold sync, after the strategy wrapped/sharded the module) and on
+  ``on_train_batch_end`` when ``trainer.global_step`` -- which counts *optimizer* steps, so gradient
+  accumulation is respected -- is a multiple of ``every`` and was not synced yet. No
+  rank-conditional branch: only the driver decides, inside, that rank 0 talks HTTP.
+* **Reports go to the trainer's loggers** (``logger.log_metrics``; Lightning's loggers write on
+  global rank 0 only) and are kept in ``reports``.
+* **Built late**: a callable ``sync`` gets the ``LightningModule`` at ``on_train_start``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ImportError:  # pragma: no cover - the classic package name
+    from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
+
+from ..sync.driver import LateSync, WeightSync
+from ..sync.report import SyncReport
+
+__all__ = ["WeightSyncCallback"]
+
+
+class WeightSyncCallback(Callback):
+    """Sync the module into vLLM at train start, then every ``WeightSync.every`` optimizer steps.
+
+    Args:
+        sync: a ``WeightSync``, or ``pl_module -> WeightSync`` called at ``on_train_start``.
+        cold_sync: sync at train start (step ``trainer.global_step``).
+        log: send each report's metrics to ``trainer.loggers``.
+    """
+
+    def __init__(
+        self,
+        sync: WeightSync | Callable[[Any], WeightSync],
+        *,
+        cold_sync: bool = True,
+        log: bool = True,
+    ) -> None:
+        self._late = LateSync(sync, owner="WeightSyncCallback", model_arg="pl_module")
+        self.cold_sync = cold_sync
+        self.log = log
+        self.reports: list[SyncReport] = []
+        self._start_step: int | None = None
+
+    @property
+    def sync(self) -> WeightSync | None:
+        """The ``WeightSync`` (None until ``on_train_start`` when a factory was given)."""
+        return self._late.sync
+
+    def _run(self, trainer: Any, step: int) -> None:
+        assert self.sync is not None
+        report = self.sync.sync(step)
+        self.reports.append(report)
+        if self.log:
+            for lg in trainer.loggers:
+                lg.log_metrics(report.metrics(), step=step)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._late.build(pl_module)
+        self._start_step = trainer.global_step
+        if self.cold_sync:
+            self._run(trainer, trainer.global_step)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        assert self.sync is not None, "on_train_start did not run"
+        step = trainer.global_step
+        if step != self._start_step and self.sync.should_sync(step):
+            self._run(trainer, step)

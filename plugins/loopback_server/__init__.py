@@ -1,0 +1,25 @@
+"""The CPU loopback transport, receiving end: what stands in for a vLLM server in tests and the demo.
+
+* ``receiver.LoopbackReceiver`` -- a ``torch.nn.Module`` that receives weights like a vLLM worker
+  (vLLM's four-phase protocol, strict names / dtypes / shapes, optional wire checksums);
+* ``server`` -- vLLM's dev-mode HTTP routes in front of a receiver (``ReceiverServer``), a client for
+  them (``ReceiverClient``) and ``start_receiver_process`` (a receiver in its own process);
+* ``transport`` -- what the sender (``weightsync.plugins.loopback``) and the receiver must agree on:
+  the private gloo group, the chunk plan, the wire fields.
+
+Invariant: nothing here imports vLLM, so a receiver process does not pay its import.
+"""
+
+from __future__ import annotations
+
+from .receiver import ChecksumMismatchError, LoopbackReceiver
+from .server import ReceiverClient, ReceiverHandle, ReceiverServer, start_receiver_process
+
+__all__ = [
+    "ChecksumMismatchError",
+    "LoopbackReceiver",
+    "ReceiverClient",
+    "ReceiverHandle",
+    "ReceiverServer",
+    "start_receiver_process",
+]
