@@ -43,18 +43,16 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from functools import cached_property
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta, Replicate, Shard, WeightSource
 
 from .check import DEFAULT_TIMEOUT_S, check_stream, local_shape, verify_metadata_agreement
 from .errors import UnmappedParameterError
 from .families import DENSE_MLP, Entry, Family, family_for
-from .groups import wait_p2p
 from .layout import KIND_DIM, concat_shards, local_split, vocab_is_chunked, vocab_rows
 from .logs import get_logger
 from .megatron_local import LocalStep, local_step, mark_precast, nbytes, precast
@@ -63,8 +61,10 @@ from .megatron_mla import mla_geometry, resolve_kinds
 from .megatron_plan import Geometry, Unit, build_plan, mlp_kind
 from .megatron_topology import Topology, megatron_topology
 from .megatron_walk import Bound, model_chunks, walk_chunks
+from .p2p import Piece, gather_to
 from .experts import DEFAULT_EXPERT_BATCH_BYTES, ExpertLayout
 from .stats import PassStats
+from .wire import WirePolicy
 
 __all__ = ["MegatronSource"]
 
@@ -140,6 +140,11 @@ class MegatronSource(WeightSource):
             as DDP / ``Float16Module`` are unwrapped). ``parallel_state`` must be initialized.
         hf_config: the transformers config of the target checkpoint (decides names and shapes).
         dtype: wire dtype; default Megatron's ``params_dtype``. Shards are cast before they move.
+        keep_fp32: extra regular expressions (``re.search`` on the checkpoint name) of tensors that
+            keep their own dtype, on top of ``wire.DEFAULT_KEEP_FP32`` (routers, shared-expert gate,
+            expert bias): the same policy as ``FSDPSource``. A Megatron tensor's own dtype is the
+            one its config builds it in (``params_dtype``; the router's expert bias: fp32), so every
+            rank declares it without holding the tensor.
         mode: ``"full"`` (``iter_full``, vLLM NCCL broadcast: owners ``(0,)``) or ``"local"``
             (``iter_local``, vLLM ``nccl_m2n``: owners are each stage's TP ranks; dense models only).
         expert_layout: MoE routed experts on the wire: ``"per_expert"`` (default; what checkpoints
@@ -162,6 +167,7 @@ class MegatronSource(WeightSource):
         *,
         hf_config: Any,
         dtype: torch.dtype | None = None,
+        keep_fp32: str | Iterable[str] = (),
         mode: Mode = "full",
         check: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -201,14 +207,16 @@ class MegatronSource(WeightSource):
         has_dense = len(self.moe_layers) < mcfg.num_layers
         self.geometry = _hf_geometry(hf_config, mcfg, chunks[0], self._topo.tp, rank, has_dense, self.family)
         self.dtype: torch.dtype = dtype or mcfg.params_dtype
+        #: the wire-dtype policy every source shares (``wire.WirePolicy``).
+        self.wire = WirePolicy.build(self.dtype, keep_fp32)
         bound, unmapped, layer_names = walk_chunks(chunks)
         attention = self._attention(hf_config, bound, layer_names) if self.geometry.mla else None
         self._moe: MegatronMoEExporter | None = None
         if self.moe_layers:
             try:
                 self._moe = MegatronMoEExporter(
-                    chunks, hf_config, mcfg, expert_layout=expert_layout, dtype=self.dtype,
-                    expert_batch_bytes=expert_batch_bytes, stats=self.last_pass,
+                    chunks, hf_config, mcfg, expert_layout=expert_layout, wire=self.wire,
+                    expert_batch_bytes=expert_batch_bytes, stats=self.last_pass, timeout_s=timeout_s,
                 )
             except UnmappedParameterError as e:
                 raise self._moe_error(e, layer_names) from e
@@ -226,6 +234,7 @@ class MegatronSource(WeightSource):
         except UnmappedParameterError as e:
             raise UnmappedParameterError(f"rank {rank}: {e}") from e
         # plan index of each MoE layer's last unit -> that layer: its MoE tensors follow that unit.
+        self._wd: dict[tuple, torch.dtype] = {u.key: self._unit_dtype(u, mcfg.params_dtype) for u in self.plan}
         last_unit = {u.key[1]: i for i, u in enumerate(self.plan) if u.key[0] == "layer"}
         self._moe_after: dict[int, int] = {last_unit[L]: L for L in self.moe_layers}
         self._bound = self._bind(bound, unmapped)
@@ -304,6 +313,16 @@ class MegatronSource(WeightSource):
             raise ValueError(f"rank {rank}: MegatronSource cannot export this model: " + "; ".join(problems))
         return mine
 
+    def _unit_dtype(self, unit: Unit, own: torch.dtype) -> torch.dtype:
+        """The wire dtype of ``unit``'s HF tensors (one Megatron tensor: one dtype for all of them)."""
+        got = {self.wire.dtype_for(n, own) for n in unit.names}
+        if len(got) > 1:
+            raise ValueError(
+                f"rank {self._topo.rank}: keep_fp32= keeps some but not all of {list(unit.names)}, which "
+                f"Megatron holds as one tensor ({unit.key[-1]}); match all of them or none"
+            )
+        return got.pop()
+
     def _moe_error(self, e: Exception, layer_names: dict[int, list[str]]) -> UnmappedParameterError:
         """``e`` from the MoE side, naming this rank, the MoE layers and their Megatron parameters."""
         local = sorted(L for L in layer_names if L in self.moe_layers)
@@ -336,14 +355,14 @@ class MegatronSource(WeightSource):
 
     def _unit_metas(self, unit: Unit) -> list[ParamMeta]:
         if self.mode == "full":
-            return [ParamMeta(n, self.dtype, s, owners=(0,)) for n, s in zip(unit.names, unit.shapes)]
+            return [ParamMeta(n, self._wd[unit.key], s, owners=(0,)) for n, s in zip(unit.names, unit.shapes)]
         ranks = self._topo.stage_ranks(unit.stage)
         dim = KIND_DIM[unit.kind]
         if unit.kind == "vocab" and not self._vocab_chunked:
             ranks, dim = ranks[:1], None
         placement = Replicate() if dim is None else Shard(dim)
         return [
-            ParamMeta(n, self.dtype, s, owners=tuple(ranks), mesh_shape=(len(ranks),), placements=(placement,))
+            ParamMeta(n, self._wd[unit.key], s, owners=tuple(ranks), mesh_shape=(len(ranks),), placements=(placement,))
             for n, s in zip(unit.names, unit.shapes)
         ]
 
@@ -386,7 +405,7 @@ class MegatronSource(WeightSource):
         for unit in self.plan:
             dim = KIND_DIM[unit.kind]
             out.append(ParamMeta(
-                f"[megatron {unit.kind} shard] {unit.names[0]}", self.dtype, unit.shard_shape,
+                f"[megatron {unit.kind} shard] {unit.names[0]}", self._wd[unit.key], unit.shard_shape,
                 owners=self._topo.stage_ranks(unit.stage), placements=(Replicate() if dim is None else Shard(dim),),
             ))
         return out
@@ -438,7 +457,8 @@ class MegatronSource(WeightSource):
         rows = self._piece_rows(unit, self._topo.tp_rank)
         if rows is not None:
             param = param[:rows]
-        piece = param if param.dtype == self.dtype else param.to(self.dtype)
+        wd = self._wd[unit.key]
+        piece = param if param.dtype == wd else param.to(wd)
         piece = piece.contiguous()
         if piece.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
             stats.hold(piece.numel() * piece.element_size())
@@ -472,48 +492,30 @@ class MegatronSource(WeightSource):
             rows=self._piece_rows(unit, 0),
             piece_shape=self._piece_shape(unit, 0),
             out_shapes=unit.shapes,
-            dtype=self.dtype,
+            dtype=self._wd[unit.key],
             **self._geometry_kw(unit),
         )
 
     def _gather_to(self, unit: Unit, dst: int, stats: PassStats) -> list[torch.Tensor] | None:
-        """Point-to-point gather of ``unit``'s pieces to global rank ``dst``.
+        """Point-to-point gather of ``unit``'s pieces to global rank ``dst`` (``p2p.gather_to``).
 
         Returns the pieces in TP order on ``dst``; on a sender returns None after its send has
-        completed. Every participant walks the plan in the same order, so sends and receives pair
-        up without a tag protocol. Waiting on each request keeps the tensors alive until the
-        transfer finished on whatever stream the caller is on.
+        completed. Every participant walks the plan in the same order, so sends and receives pair up.
         """
         rank = self._topo.rank
-        senders = self._senders(unit)
         stage_ranks = self._topo.stage_ranks(unit.stage)
-        if rank == dst:
-            pieces, works = [], []
-            for src in senders:
-                if src == rank:
-                    pieces.append(self._piece(unit, stats))
-                    continue
-                buf = torch.empty(self._piece_shape(unit, stage_ranks.index(src)), dtype=self.dtype, device=self._device)
-                stats.hold(buf.numel() * buf.element_size())
-                works.append(dist.irecv(buf, src=src))
-                stats.collectives += 1
-                stats.bytes_received += buf.numel() * buf.element_size()
-                pieces.append(buf)
-            what = f"receive of {unit.names[0]!r} on rank {rank}"
-            for src, w in zip([s for s in senders if s != rank], works):
-                wait_p2p(w, peer=src, what=f"{what} from rank {src}", timeout_s=self.timeout_s)
-            return pieces
-        if rank in senders:
-            piece = self._piece(unit, stats)
-            wait_p2p(
-                dist.isend(piece, dst=dst),
-                peer=dst,
-                what=f"send of {unit.names[0]!r} from rank {rank} to rank {dst}",
-                timeout_s=self.timeout_s,
-            )
-            stats.collectives += 1
-            stats.hold(-stats._extra)
-        return None
+        wd = self._wd[unit.key]
+        pieces = [Piece(src, self._piece_shape(unit, stage_ranks.index(src)), wd) for src in self._senders(unit)]
+        got = gather_to(
+            pieces, dst, local=lambda i: self._piece(unit, stats), device=self._device,
+            timeout_s=self.timeout_s, what=repr(unit.names[0]), stats=stats,
+        )
+        if got is None:
+            if any(p.src == rank for p in pieces):
+                stats.hold(-stats._extra)
+            return None
+        stats.hold(sum(t.numel() * t.element_size() for t, p in zip(got, pieces) if p.src != rank))
+        return got
 
     # ---- full mode ----------------------------------------------------------------------------
 
@@ -529,8 +531,7 @@ class MegatronSource(WeightSource):
             dense = self._topo.in_sender_replica
             if not dense and self._moe is None:
                 return
-            dtype = self.dtype
-            casts, peak = precast(self._precast, dtype) if self._precast else (iter(()), 0)
+            casts, peak = precast(self._precast, self.dtype) if self._precast else (iter(()), 0)
             for unit, local, moe_layer in self._steps:
                 if local is not None:
                     if local.precast:
@@ -539,8 +540,8 @@ class MegatronSource(WeightSource):
                         t = local.param.detach()
                         if local.rows is not None:
                             t = t[: local.rows]
-                        if t.dtype != dtype:
-                            t = t.to(dtype)
+                        if t.dtype != local.dtype:
+                            t = t.to(local.dtype)
                     outs = local.split(t)
                     del t
                     held = max(held, local.extra)

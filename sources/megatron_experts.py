@@ -19,7 +19,9 @@ Invariants:
 
 * Gather to the sender only: every piece travels point-to-point from the one rank that holds it (in
   rank 0's replica: lowest global rank with those coordinates) to rank 0, cast to the wire dtype
-  first. Non-zero ranks yield nothing and never hold another rank's shard.
+  first (``wire.WirePolicy``, as every source: routers, shared-expert gate and expert bias keep
+  their own dtype), through the mover the dense path uses (``p2p.gather_to``, bounded by
+  ``timeout_s``). Non-zero ranks yield nothing and never hold another rank's shard.
 * Bounded memory on rank 0: experts move in batches of at most ``expert_batch_bytes``. ``per_expert``
   holds one batch at a time; ``fused`` holds one layer's fused pair (preallocated, filled per batch)
   plus one batch -- never a ``torch.stack`` of separately materialized experts.
@@ -46,11 +48,13 @@ from .experts import (
     default_expert_layout,
     expert_batches,
 )
-from .groups import wait_p2p
+from .groups import DEFAULT_TIMEOUT_S
 from .layout import concat_shards
 from .logs import get_logger
 from .moe_families import HFMoELayer, HFMoENames
+from .p2p import Piece, gather_to
 from .stats import PassStats
+from .wire import WirePolicy
 
 __all__ = [
     "expert_format",
@@ -198,9 +202,13 @@ class MegatronMoEExporter:
         *,
         expert_layout: ExpertLayout | None = None,
         dtype: torch.dtype | None = None,
+        wire: WirePolicy | None = None,
         expert_batch_bytes: int = DEFAULT_EXPERT_BATCH_BYTES,
         stats: PassStats | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
+        """``wire``: the source's wire-dtype policy (default: ``dtype``, else ``params_dtype``, with
+        the default keep-fp32 names); ``timeout_s`` bounds every point-to-point wait."""
         from .megatron_walk import model_chunks
 
         self.layout: ExpertLayout = check_expert_layout(expert_layout) or default_expert_layout()
@@ -209,7 +217,8 @@ class MegatronMoEExporter:
         self.chunks = model_chunks(model)
         self.mcfg = mcfg
         self.names = HFMoENames(hf_config)
-        self.dtype = dtype or mcfg.params_dtype
+        self.wire = wire or WirePolicy.build(dtype or mcfg.params_dtype)
+        self.timeout_s = timeout_s
         self.expert_batch_bytes = expert_batch_bytes
         self.stats = stats if stats is not None else PassStats()
         self.ep = mcfg.expert_model_parallel_size
@@ -259,16 +268,40 @@ class MegatronMoEExporter:
             )
         return hf
 
+    def _wd(self, names: list[str], own: torch.dtype | None = None) -> torch.dtype:
+        """Wire dtype of tensors Megatron holds as one (an expert's fc1 is gate and up): the policy's
+        dtype for a tensor built in ``own`` (default ``params_dtype``; the expert bias is fp32)."""
+        got = {self.wire.dtype_for(n, own or self.mcfg.params_dtype) for n in names}
+        if len(got) > 1:
+            raise ValueError(
+                f"keep_fp32= keeps some but not all of {names[:4]}, which Megatron holds as one tensor; "
+                "match all of them or none"
+            )
+        return got.pop()
+
+    def dtypes(self, hf: HFMoELayer) -> dict[str, torch.dtype]:
+        """Wire dtype per role of one layer: router, bias, experts, shared, sgate."""
+        out = {"router": self._wd([hf.router[0]])}
+        if hf.router_bias is not None:
+            out["bias"] = self._wd([hf.router_bias[0]], torch.float32)
+        out["experts"] = self._wd([n for n, _ in hf.experts.entries(self.layout)])
+        if hf.shared is not None:
+            out["shared"] = self._wd([n for n, _ in hf.shared])
+        if hf.shared_gate is not None:
+            out["sgate"] = self._wd([hf.shared_gate[0]])
+        return out
+
     def entries(self, layer: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         hf = self.hf_layer(layer)
-        out = [(hf.router[0], hf.router[1], self.dtype)]
+        wd = self.dtypes(hf)
+        out = [(hf.router[0], hf.router[1], wd["router"])]
         if hf.router_bias is not None:
-            out.append((hf.router_bias[0], hf.router_bias[1], torch.float32))
-        out += [(n, s, self.dtype) for n, s in hf.experts.entries(self.layout)]
+            out.append((hf.router_bias[0], hf.router_bias[1], wd["bias"]))
+        out += [(n, s, wd["experts"]) for n, s in hf.experts.entries(self.layout)]
         if hf.shared is not None:
-            out += [(n, s, self.dtype) for n, s in hf.shared]
+            out += [(n, s, wd["shared"]) for n, s in hf.shared]
         if hf.shared_gate is not None:
-            out.append((hf.shared_gate[0], hf.shared_gate[1], self.dtype))
+            out.append((hf.shared_gate[0], hf.shared_gate[1], wd["sgate"]))
         return out
 
     # -- placement (one cached exchange) ---------------------------------------------------------
@@ -306,30 +339,37 @@ class MegatronMoEExporter:
     def export(self, layer: int) -> Iterator[tuple[str, torch.Tensor]]:
         self._placement()
         hf = self.hf_layer(layer)
-        me = dist.get_rank()
+        wd = self.dtypes(hf)
         mlp = self.local.get(layer)
-        H, F = self.mcfg.hidden_size, self.mcfg.moe_ffn_hidden_size
-        wd = self.dtype
-
-        # router weight / expert bias: replicated, sent by the lowest holder.
+        # router weight / expert bias / shared gate: replicated, sent by the lowest holder.
         src = self._holder(layer)
-        yield from self._move(
-            [_Piece(src, "router", -1, 0, hf.router[1], wd)], mlp, me, lambda ps, ts: [(hf.router[0], ts[0])]
-        )
-        if hf.router_bias is not None:
-            yield from self._move(
-                [_Piece(src, "bias", -1, 0, hf.router_bias[1], torch.float32)],
-                mlp, me, lambda ps, ts: [(hf.router_bias[0], ts[0])],
+
+        def one(kind: str, entry: tuple[str, tuple[int, ...]], dtype: torch.dtype):
+            return self._move(
+                [_Piece(src, kind, -1, 0, entry[1], dtype)], mlp, f"layer {layer}'s {entry[0]!r}",
+                lambda ps, ts: [(entry[0], ts[0])],
             )
 
-        # routed experts, in batches.
+        yield from one("router", hf.router, wd["router"])
+        if hf.router_bias is not None:
+            yield from one("bias", hf.router_bias, wd["bias"])
+        yield from self._export_experts(layer, hf, mlp, wd["experts"])
+        if hf.shared is not None:
+            yield from self._export_shared(layer, hf, mlp, wd["shared"])
+        if hf.shared_gate is not None:
+            yield from one("sgate", hf.shared_gate, wd["sgate"])
+
+    def _export_experts(
+        self, layer: int, hf: HFMoELayer, mlp: torch.nn.Module | None, wd: torch.dtype
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The routed experts of ``layer``, in batches of at most ``expert_batch_bytes``."""
+        H, F = self.mcfg.hidden_size, self.mcfg.moe_ffn_hidden_size
         spec = hf.experts
-        per_expert_bytes = spec.expert_bytes(wd)
         buf = None
-        if self.layout == "fused" and me == 0:
+        if self.layout == "fused" and dist.get_rank() == 0:
             buf = FusedExpertBuffer(spec, wd, device=self._device(mlp))
             self.stats.hold(buf.nbytes)
-        for batch in expert_batches(self.E, per_expert_bytes, self.expert_batch_bytes):
+        for batch in expert_batches(self.E, spec.expert_bytes(wd), self.expert_batch_bytes):
             pieces = []
             for e in batch:
                 ep_rank, _ = divmod(e, self.E_local)
@@ -340,10 +380,9 @@ class MegatronMoEExporter:
 
             def assemble(ps: list[_Piece], ts: list[torch.Tensor], batch=batch):
                 out = []
+                n = 2 * self.etp
                 for k, e in enumerate(batch):
-                    n = 2 * self.etp
-                    mine_p = ts[k * n : (k + 1) * n]
-                    gate, up, down = _expert_full(mine_p[0::2], mine_p[1::2])
+                    gate, up, down = _expert_full(ts[k * n : (k + 1) * n : 2], ts[k * n + 1 : (k + 1) * n : 2])
                     if buf is not None:
                         buf.put(e, gate, up, down)
                     else:
@@ -354,33 +393,32 @@ class MegatronMoEExporter:
                         ]
                 return out
 
-            yield from self._move(pieces, mlp, me, assemble)
+            what = f"layer {layer}'s experts {batch[0]}..{batch[-1]}"
+            yield from self._move(pieces, mlp, what, assemble)
         if buf is not None:
             for name, t in buf.take():
                 self.stats.yielded(t.nbytes)
                 yield name, t
             self.stats.hold(-buf.nbytes)
 
-        # shared experts (dense TP group) and shared gate.
-        if hf.shared is not None:
-            S = hf.shared[0][1][0]
-            pieces = []
-            for r in range(self.tp):
-                h = self._holder(layer, tp=r)
-                pieces.append(_Piece(h, "shared1", -1, r, (2 * S // self.tp, H), wd))
-                pieces.append(_Piece(h, "shared2", -1, r, (H, S // self.tp), wd))
+    def _export_shared(
+        self, layer: int, hf: HFMoELayer, mlp: torch.nn.Module | None, wd: torch.dtype
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The shared experts of ``layer``: split over the dense TP group like a dense GLU MLP."""
+        H = self.mcfg.hidden_size
+        S = hf.shared[0][1][0]
+        pieces = []
+        for r in range(self.tp):
+            h = self._holder(layer, tp=r)
+            pieces.append(_Piece(h, "shared1", -1, r, (2 * S // self.tp, H), wd))
+            pieces.append(_Piece(h, "shared2", -1, r, (H, S // self.tp), wd))
 
-            def assemble_shared(ps, ts):
-                gate, up = concat_shards("glu", ts[0::2])
-                (down,) = concat_shards("row", ts[1::2])
-                return [(hf.shared[0][0], gate), (hf.shared[1][0], up), (hf.shared[2][0], down)]
+        def assemble_shared(ps, ts):
+            gate, up = concat_shards("glu", ts[0::2])
+            (down,) = concat_shards("row", ts[1::2])
+            return [(hf.shared[0][0], gate), (hf.shared[1][0], up), (hf.shared[2][0], down)]
 
-            yield from self._move(pieces, mlp, me, assemble_shared)
-        if hf.shared_gate is not None:
-            yield from self._move(
-                [_Piece(src, "sgate", -1, 0, hf.shared_gate[1], wd)],
-                mlp, me, lambda ps, ts: [(hf.shared_gate[0], ts[0])],
-            )
+        yield from self._move(pieces, mlp, f"layer {layer}'s shared experts", assemble_shared)
 
     # -- moving pieces ---------------------------------------------------------------------------
     @staticmethod
@@ -413,39 +451,19 @@ class MegatronMoEExporter:
             )
         return t.detach().to(p.dtype).contiguous()
 
-    def _move(self, pieces: list[_Piece], mlp, me: int, assemble) -> Iterator[tuple[str, torch.Tensor]]:
-        """Send this rank's pieces to rank 0; on rank 0 receive the rest, assemble, yield."""
-        if me != 0:
-            works = []
-            sent = []
-            for p in pieces:
-                if p.src == me:
-                    t = self._local_piece(mlp, p)
-                    sent.append(t)
-                    works.append(dist.isend(t, dst=0))
-                    self.stats.collectives += 1
-            for w in works:
-                wait_p2p(w, peer=0, what=f"send of expert pieces from rank {me} to rank 0")
+    def _move(self, pieces: list[_Piece], mlp, what: str, assemble) -> Iterator[tuple[str, torch.Tensor]]:
+        """Send this rank's pieces to rank 0 (``p2p.gather_to``); on rank 0 assemble and yield."""
+        ts = gather_to(
+            [Piece(p.src, p.shape, p.dtype) for p in pieces], 0,
+            local=lambda i: self._local_piece(mlp, pieces[i]), device=self._device(mlp),
+            timeout_s=self.timeout_s, what=what, stats=self.stats,
+        )
+        if ts is None:
             return
-        device = self._device(mlp)
-        ts: list[torch.Tensor | None] = [None] * len(pieces)
-        works = []
-        held = 0
-        for i, p in enumerate(pieces):
-            if p.src == 0:
-                ts[i] = self._local_piece(mlp, p)
-            else:
-                ts[i] = torch.empty(p.shape, dtype=p.dtype, device=device)
-                works.append(dist.irecv(ts[i], src=p.src))
-                self.stats.collectives += 1
-                self.stats.bytes_received += ts[i].nbytes
-            held += ts[i].nbytes
+        held = sum(t.nbytes for t in ts)
         self.stats.hold(held)
-        srcs = [p.src for p in pieces if p.src != 0]
-        for src, w in zip(srcs, works):
-            wait_p2p(w, peer=src, what=f"receive of expert pieces on rank 0 from rank {src}")
         out = assemble(pieces, ts)
-        storages = {x.untyped_storage().data_ptr() for x in ts if x is not None}
+        storages = {x.untyped_storage().data_ptr() for x in ts}
         made = sum(t.nbytes for _, t in out if t.untyped_storage().data_ptr() not in storages)
         self.stats.hold(made)
         for name, t in out:

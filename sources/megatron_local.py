@@ -45,6 +45,7 @@ class LocalStep(NamedTuple):
     split: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]  # layout split into the HF tensors
     extra: int  # bytes the cast and the split allocate, held until the unit's tensors are yielded
     sizes: tuple[int, ...]  # bytes of each HF tensor, in order
+    dtype: torch.dtype  # the wire dtype of its HF tensors
     precast: bool = False  # its cast is done in the pass's batched cast (``precast``)
 
 
@@ -83,14 +84,14 @@ def local_step(
         split, copied = partial(split_stack, rows=tuple(stack_rows)), 0
     else:
         split, copied = _whole, 0
-    return LocalStep(param, rows, split, cast + copied, tuple(nbytes(s, dtype) for s in out_shapes))
+    return LocalStep(param, rows, split, cast + copied, tuple(nbytes(s, dtype) for s in out_shapes), dtype)
 
 
 def mark_precast(steps: list[LocalStep | None], dtype: torch.dtype) -> list[LocalStep | None]:
-    """``steps`` with ``precast`` set on the small casts, in order, up to ``PRECAST_CAP_BYTES``."""
+    """``steps`` with ``precast`` set on the small casts to ``dtype``, in order, up to ``PRECAST_CAP_BYTES``."""
     total, out = 0, []
     for s in steps:
-        if s is not None and s.param.dtype != dtype and s.rows is None and s.param.numel() <= PRECAST_MAX_NUMEL:
+        if s is not None and s.dtype == dtype and s.param.dtype != dtype and s.rows is None and s.param.numel() <= PRECAST_MAX_NUMEL:
             size = s.param.numel() * dtype.itemsize
             if total + size <= PRECAST_CAP_BYTES:
                 total += size

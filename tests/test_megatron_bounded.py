@@ -41,3 +41,42 @@ def test_tp_peer_that_stops_is_named_within_the_bound():
     # The second pass's first transfer is the TP-sharded embedding, which rank 1 never sends.
     assert "rank 1" in err and "'model.embed_tokens.weight'" in err and "within 3s" in err, err
     assert 2.5 <= res[0]["seconds"] < 20, res[0]["seconds"]
+
+
+def _rank_ep_peer_stops(rank, world_size):
+    """EP4, one expert per rank (MoE path: ``MegatronMoEExporter``): rank 3 never joins the second pass."""
+    from moe_megatron import build_gpt, init_parallel, moe_config
+    from test_moe_megatron import _hf_config
+
+    from weightsync.sources import MegatronSource, SyncTimeoutError
+
+    init_parallel(ep=world_size)
+    model = build_gpt(moe_config(layers=2, experts=world_size, ep=world_size, qk_norm=True))
+    hf = _hf_config("qwen3_moe", layers=2, experts=world_size, hidden=16, moe_ffn=12, shared=None)
+    src = MegatronSource(model, hf_config=hf, timeout_s=3.0)
+    first = sum(1 for _ in src.iter_full())  # a whole pass on every rank: agreement done
+    if rank == world_size - 1:
+        time.sleep(12.0)  # never joins the second pass (outlives every bound, then leaves)
+        return {"first": first}
+    t0 = time.monotonic()
+    try:
+        sum(1 for _ in src.iter_full())
+    except SyncTimeoutError as e:
+        return {"first": first, "error": str(e), "seconds": time.monotonic() - t0}
+    return {"first": first, "error": None, "seconds": time.monotonic() - t0}
+
+
+def test_ep_peer_that_stops_makes_every_rank_raise_within_the_bound():
+    res = run_world(_rank_ep_peer_stops, 4, timeout=240)
+    assert res[0]["first"] > 0 and all(res[r]["first"] == 0 for r in (1, 2, 3))
+    # rank 0 waits on rank 3's expert: it names rank 3 and the layer's experts
+    err = res[0]["error"]
+    assert err is not None, "rank 0 completed a pass its EP peer never joined"
+    assert "rank 3" in err and "layer 0's experts" in err and "within 3s" in err, err
+    assert 2.5 <= res[0]["seconds"] < 20, res[0]["seconds"]
+    # the live EP peers' next sends to rank 0 (which left the pass) are bounded too
+    for r in (1, 2):
+        err = res[r]["error"]
+        assert err is not None, f"rank {r} completed a pass whose receiver left"
+        assert f"rank {r}" in err and "to rank 0" in err and "within 3s" in err, err
+        assert res[r]["seconds"] < 20, res[r]["seconds"]

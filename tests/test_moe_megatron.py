@@ -325,6 +325,8 @@ def _source_world(rank, world_size, *, ckpt, family, tp=1, pp=1, ep=1, etp=None,
     fused_src = MegatronSource(model, hf_config=hf, expert_layout="fused", expert_batch_bytes=1)
     fused = {n: t.clone() for n, t in fused_src.iter_full()}
     facts["fused_meta"] = [(m.name, tuple(m.shape)) for m in fused_src.metadata]
+    # the wire-dtype policy every source shares: compared with FSDPSource's in the parent
+    facts["bf16_meta"] = [(m.name, str(m.dtype)) for m in MegatronSource(model, hf_config=hf, dtype=torch.bfloat16).metadata]
     facts["local"] = errors_of(lambda: MegatronSource(model, hf_config=hf, mode="local"))
     # A DeepseekV3 hf_config describes multi-head latent attention; this model's attention is a fused
     # linear_qkv, which no DeepseekV3 checkpoint can hold (MLA models: test_mla_megatron.py).
@@ -365,6 +367,27 @@ def _saved_pretrained(hf, tmp) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _check_same_wire_dtypes_as_fsdp(res, hf):
+    """MegatronSource and FSDPSource over the same MoE model (fp32 in memory) at dtype=bfloat16
+    declare identical names and dtypes: routers, shared-expert gate and expert bias stay fp32."""
+    from transformers import AutoModelForCausalLM
+
+    from weightsync.sources import FSDPSource
+
+    fsdp = FSDPSource(AutoModelForCausalLM.from_config(hf), dtype=torch.bfloat16, rank=0)
+    want = {m.name: str(m.dtype) for m in fsdp.metadata}
+    for r in res:
+        got = dict(res[r]["bf16_meta"])
+        assert len(got) == len(res[r]["bf16_meta"])
+        assert got == want, (r, {n: (got.get(n), want.get(n)) for n in set(got) | set(want) if got.get(n) != want.get(n)})
+    kept = sorted(n for n, d in want.items() if d == "torch.float32")
+    routers = [n for n in want if n.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))]
+    assert routers and set(routers) <= set(kept), kept
+    assert all(n.endswith(("gate.weight", "shared_expert_gate.weight", "e_score_correction_bias")) for n in kept), kept
+    if hf.model_type == "qwen2_moe":
+        assert any(n.endswith("shared_expert_gate.weight") for n in kept), kept
+
+
 def _check_source(res, ckpt, tmp, family, moe_layers, **kw):
     from weightsync.sources.moe_families import HFMoENames
 
@@ -379,6 +402,7 @@ def _check_source(res, ckpt, tmp, family, moe_layers, **kw):
     meta = {n: s for n, s, _, _ in r0["meta"]}
     assert len(meta) == len(r0["meta"])
     assert meta == _saved_pretrained(hf, tmp)
+    _check_same_wire_dtypes_as_fsdp(res, hf)
     # rank 0's stream: metadata order, names, shapes
     got, fused, ref = r0["got"], r0["fused"], r0["ref"]
     assert list(got) == [n for n, *_ in r0["meta"]]
