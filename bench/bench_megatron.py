@@ -43,7 +43,7 @@ def naive_export(src) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from weightsync.sources.layout import concat_shards, vocab_rows
+    from weightsync.sources.layout import vocab_rows
 
     topo, g = src._topo, src.geometry
     tp_group = ps.get_tensor_model_parallel_group()
@@ -75,7 +75,7 @@ def naive_export(src) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
                     stats["bytes_received"] += s.numel() * s.element_size()
         if unit.kind == "vocab":
             shards = [s[: b - a] for s, (a, b) in zip(shards, (vocab_rows(g.vocab, g.padded_vocab, topo.tp, r) for r in range(topo.tp)))]
-        for name, t in zip(unit.names, concat_shards(unit.kind, shards, **kw)):
+        for name, t in zip(unit.names, unit.kind.concat(shards, **kw)):
             stats["full_tensors"] += 1
             out.append((name, t))
     stats["seconds"] = time.perf_counter() - t0

@@ -78,7 +78,7 @@ def megatron_world(rank, world_size, *, a, mode):
     import torch
     from moe_megatron import build_gpt, init_parallel, moe_config
 
-    from weightsync.sources.megatron_experts import MegatronMoEExporter
+    from weightsync.sources.megatron.moe import MegatronMoEExporter
 
     init_parallel(ep=world_size)
     mcfg = moe_config(layers=a["layers"], hidden=a["hidden"], experts=a["experts"], moe_ffn=a["moe_ffn"],

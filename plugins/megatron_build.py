@@ -39,21 +39,19 @@ routing with ``e_score_correction_bias``). Other families raise ``ValueError`` n
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from weightsync.sources.logs import get_logger
-
-from .presets import MEGATRON_MODEL_TYPES
+from weightsync.sources import family_for, get_logger, model_types
 
 __all__ = [
     "MegatronParallel",
     "MLACoreAttention",
     "SUPPORTED_MODEL_TYPES",
+    "build_chunks",
     "build_megatron_gpt",
     "load_hf_weights",
     "megatron_config",
@@ -61,10 +59,9 @@ __all__ = [
 
 logger = get_logger(__name__)
 
-_MLA = ("deepseek_v3",)
-#: dense llama / mistral / qwen2 / qwen3, MoE qwen3_moe / qwen2_moe / mixtral, MLA deepseek_v3 (the
-#: list lives in ``presets`` so that the CLI checks ``--layout megatron`` before importing torch).
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = MEGATRON_MODEL_TYPES
+#: every family in ``weightsync.sources.families`` (one module each: dense llama / mistral / qwen2 /
+#: qwen3, MoE qwen3_moe / qwen2_moe / mixtral, MLA deepseek_v3).
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = model_types()
 
 #: megatron's default ``make_vocab_size_divisible_by``: vocabulary rows are padded to a multiple
 #: of this times TP (``MegatronSource`` trims them back to ``vocab_size``).
@@ -81,97 +78,43 @@ class MegatronParallel:
         return f"tp{self.tp} pp{self.pp} vpp{self.vpp or 1} ep{self.ep}"
 
 
-def _moe_fields(hf: Any) -> dict[str, Any]:
-    """TransformerConfig MoE fields of ``hf`` (empty for dense families)."""
-    mt = hf.model_type
-    if mt == "deepseek_v3":
-        first = getattr(hf, "first_k_dense_replace", 0) or 0
-        shared = (getattr(hf, "n_shared_experts", 0) or 0) * hf.moe_intermediate_size
-        return dict(
-            num_moe_experts=hf.n_routed_experts,
-            moe_ffn_hidden_size=hf.moe_intermediate_size,
-            moe_router_topk=hf.num_experts_per_tok,
-            moe_layer_freq=[int(i >= first) for i in range(hf.num_hidden_layers)],
-            moe_shared_expert_intermediate_size=shared or None,
-            moe_router_enable_expert_bias=True,
-            moe_router_score_function="sigmoid",
-            moe_router_num_groups=hf.n_group,
-            moe_router_group_topk=hf.topk_group,
-            moe_router_topk_scaling_factor=hf.routed_scaling_factor,
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
-        )
-    if mt == "mixtral":
-        return dict(
-            num_moe_experts=hf.num_local_experts,
-            moe_ffn_hidden_size=hf.intermediate_size,
-            moe_router_topk=hf.num_experts_per_tok,
-            moe_layer_freq=1,
-        )
-    if mt in ("qwen3_moe", "qwen2_moe"):
-        step = getattr(hf, "decoder_sparse_step", 1) or 1
-        dense = set(getattr(hf, "mlp_only_layers", None) or ())
-        freq = [
-            int(i not in dense and hf.num_experts > 0 and (i + 1) % step == 0)
-            for i in range(hf.num_hidden_layers)
-        ]
-        out = dict(
-            num_moe_experts=hf.num_experts,
-            moe_ffn_hidden_size=hf.moe_intermediate_size,
-            moe_router_topk=hf.num_experts_per_tok,
-            moe_layer_freq=freq,
-        )
-        if mt == "qwen2_moe" and getattr(hf, "shared_expert_intermediate_size", 0):
-            out.update(
-                moe_shared_expert_intermediate_size=hf.shared_expert_intermediate_size,
-                moe_shared_expert_gate=True,
-            )
-        return out
-    return {}
-
-
-def megatron_config(
-    hf: Any, par: MegatronParallel, dtype: torch.dtype = torch.float32, overrides: dict[str, Any] | None = None
-) -> Any:
-    """The megatron-core ``TransformerConfig`` a trainer would use for transformers config ``hf``
-    (``overrides``: fields to set differently, e.g. to build a variant that must be refused)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
+def _family(hf: Any) -> Any:
+    """The family table of ``hf`` (``weightsync.sources.families``), or ``ValueError``."""
     mt = getattr(hf, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"model_type={mt!r}: no CPU Megatron builder for it (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
-    moe = _moe_fields(hf)
-    extra: dict[str, Any] = {}
-    if moe:
-        extra = dict(
-            moe_token_dispatcher_type="allgather",
+    return family_for(hf, check=False)
+
+
+def megatron_config(
+    hf: Any, par: MegatronParallel, dtype: torch.dtype = torch.float32, overrides: dict[str, Any] | None = None
+) -> Any:
+    """The megatron-core ``TransformerConfig`` a trainer would use for transformers config ``hf``:
+    its family's table (``Family.megatron_fields``, the one ``MegatronSource`` checks a model
+    against) plus the parallel sizes, ``dtype`` and this builder's CPU choices. ``overrides``: fields
+    to set differently (oracle knobs, or a variant that must be refused)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    family = _family(hf)
+    why = family.unbuildable(hf)
+    if why:
+        raise ValueError(why)
+    fields = {k: f.value for k, f in family.megatron_fields(hf).items()}
+    build: dict[str, Any] = {}
+    if fields.get("num_moe_experts"):
+        build.update(
+            moe_token_dispatcher_type="allgather",  # the others allocate CUDA buffers at construction
             moe_grouped_gemm=False,
             expert_model_parallel_size=par.ep,
             expert_tensor_parallel_size=par.tp,
-            **moe,
         )
-    heads = hf.num_attention_heads
-    if mt in _MLA:
-        config_cls, attention = _mla_fields(hf)
-    else:
-        config_cls, attention = TransformerConfig, dict(
-            num_query_groups=getattr(hf, "num_key_value_heads", None) or heads,
-            kv_channels=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-            add_qkv_bias=mt.startswith("qwen2") or bool(getattr(hf, "attention_bias", False)),
-            qk_layernorm=mt.startswith("qwen3"),
-        )
-    return config_cls(
-        num_layers=hf.num_hidden_layers,
-        hidden_size=hf.hidden_size,
-        num_attention_heads=heads,
-        ffn_hidden_size=hf.intermediate_size,
-        gated_linear_unit=True,
+    mla = family.attention == "mla"
+    if mla:  # no TE here; megatron refuses fused rope for rope_type="rope"
+        build.update(transformer_impl="local", apply_rope_fusion=False)
+    return (MLATransformerConfig if mla else TransformerConfig)(
         activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm",
-        layernorm_epsilon=hf.rms_norm_eps,
-        add_bias_linear=False,
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
         virtual_pipeline_model_parallel_size=par.vpp,
@@ -180,47 +123,8 @@ def megatron_config(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        **{**attention, **extra, **(overrides or {})},
+        **{**fields, **build, **(overrides or {})},
     )
-
-
-def _mla_fields(hf: Any) -> tuple[type, dict[str, Any]]:
-    """``MLATransformerConfig`` and its attention fields for a DeepseekV3 config: rope ``"rope"``
-    unless HF scales it with yarn (then megatron's yarn with HF's factors)."""
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    q_lora = getattr(hf, "q_lora_rank", None) or None
-    if q_lora is None and importlib.util.find_spec("megatron.core.transformer.mla_qk_norm_config"):
-        raise ValueError(
-            "model_type='deepseek_v3' with q_lora_rank=None: this megatron-core's MLA "
-            "(QKNormConfigResolver) builds linear_q_proj only as TE's fused norm+linear, a q norm "
-            "DeepseekV3 does not have, so no local-spec model matches it; set q_lora_rank"
-        )
-    rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-    kw: dict[str, Any] = dict(
-        q_lora_rank=q_lora,
-        kv_lora_rank=hf.kv_lora_rank,
-        qk_head_dim=hf.qk_nope_head_dim,
-        qk_pos_emb_head_dim=hf.qk_rope_head_dim,
-        v_head_dim=hf.v_head_dim,
-        qk_layernorm=True,  # DeepseekV3's q_a_layernorm / kv_a_layernorm
-        rotary_base=_rope_base(hf),
-        rope_type="rope",
-        rotary_interleaved=False,
-        apply_rope_fusion=False,
-        transformer_impl="local",
-    )
-    if (rope.get("rope_type") or rope.get("type")) == "yarn":
-        kw.update(
-            rope_type="yarn",
-            rotary_scaling_factor=rope["factor"],
-            original_max_position_embeddings=rope.get("original_max_position_embeddings", 4096),
-            beta_fast=rope.get("beta_fast", 32),
-            beta_slow=rope.get("beta_slow", 1),
-            mscale=rope.get("mscale", 1.0),
-            mscale_all_dim=rope.get("mscale_all_dim", 0.0),
-        )
-    return MLATransformerConfig, kw
 
 
 class MLACoreAttention(torch.nn.Module):
@@ -293,13 +197,6 @@ def _cpu_construction() -> Iterator[None]:
         torch.Tensor.cuda, torch.cuda.current_device, torch.cuda.synchronize = saved
 
 
-def _rope_base(hf: Any) -> int:
-    theta = getattr(hf, "rope_theta", None)
-    if theta is None:
-        theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    return int(theta)
-
-
 def build_megatron_gpt(
     hf: Any,
     par: MegatronParallel,
@@ -317,11 +214,6 @@ def build_megatron_gpt(
     spec before the build (both for tests that need a variant megatron-core can build but a
     trainer config of ``hf`` would not)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_decoder_block_spec,
-        get_gpt_layer_local_spec,
-    )
 
     mcfg = megatron_config(hf, par, dtype, overrides)
     if ps.model_parallel_is_initialized():
@@ -333,7 +225,27 @@ def build_megatron_gpt(
         expert_model_parallel_size=par.ep,
     )
     torch.manual_seed(seed)
-    multiple = VOCAB_DIVISIBLE_BY * par.tp
+    return build_chunks(hf, mcfg, par, spec_hook=spec_hook)
+
+
+def build_chunks(
+    hf: Any,
+    mcfg: Any,
+    par: MegatronParallel,
+    *,
+    divisible_by: int = VOCAB_DIVISIBLE_BY,
+    spec_hook: Callable[[Any], Any] | None = None,
+) -> list[torch.nn.Module]:
+    """This rank's ``GPTModel`` chunk(s) for ``hf`` and its config ``mcfg`` under the parallel state
+    already initialized for ``par`` (``divisible_by``: megatron's ``make_vocab_size_divisible_by``)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
+
+    multiple = divisible_by * par.tp
     vocab = int(math.ceil(hf.vocab_size / multiple) * multiple)
     chunks: list[torch.nn.Module] = []
     mla = bool(getattr(mcfg, "multi_latent_attention", False))
@@ -357,12 +269,9 @@ def build_megatron_gpt(
                     mcfg,
                     spec,
                     vocab_size=vocab,
-                    max_sequence_length=getattr(hf, "max_position_embeddings", 128),
                     pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                     post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-                    share_embeddings_and_output_weights=bool(getattr(hf, "tie_word_embeddings", False)),
-                    position_embedding_type="rope",
-                    rotary_base=_rope_base(hf),
+                    **{k: f.value for k, f in _family(hf).gpt_model_fields(hf).items()},
                     vp_stage=vp,
                 )
             )
@@ -446,7 +355,7 @@ def _probe_targets(chunks: list[torch.nn.Module], hf: Any) -> list[tuple[tuple, 
     the ranks it is replicated over are not)."""
     from megatron.core import parallel_state as ps
 
-    from weightsync.sources.megatron_walk import tp_split_dim
+    from weightsync.sources import tp_split_dim
 
     pp = ps.get_pipeline_model_parallel_rank()
     out: list[tuple[tuple, bool, torch.Tensor]] = []

@@ -13,16 +13,16 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from weightsync.sources import model_types
+
 __all__ = [
     "PRESETS", "MEGATRON_MODEL_TYPES", "preset_names", "raw_config", "config_facts", "ConfigFacts", "load_config",
     "build_model", "UserError",
 ]
 
-#: model_types ``megatron_build`` can build on CPU (dense, MoE, MLA); plain data so that the CLI can
-#: check ``--layout megatron`` before importing torch or megatron-core.
-MEGATRON_MODEL_TYPES: tuple[str, ...] = (
-    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
-)
+#: model_types ``megatron_build`` can build on CPU (dense, MoE, MLA): the family registry's, which
+#: lists its modules without importing torch or megatron-core (the CLI checks ``--layout megatron`` first).
+MEGATRON_MODEL_TYPES: tuple[str, ...] = model_types()
 
 
 class UserError(ValueError):

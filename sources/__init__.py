@@ -61,6 +61,10 @@ _LAZY = {
     "MAX_HEADER_BYTES": ".safetensors_source",
     "SAFETENSORS_DTYPES": ".safetensors_source",
     "read_checkpoint": ".safetensors_source",
+    # the model families (sources/families/: plain data, no torch) the Megatron builder reads
+    "family_for": ".families",
+    "model_types": ".families",
+    "tp_split_dim": ".megatron.walk",
 }
 
 __all__ = [
@@ -102,6 +106,9 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "SAFETENSORS_DTYPES",
     "read_checkpoint",
+    "family_for",
+    "model_types",
+    "tp_split_dim",
 ]
 
 

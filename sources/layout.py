@@ -29,6 +29,8 @@ Nothing here communicates or mutates its input; outputs are contiguous.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = [
@@ -36,27 +38,21 @@ __all__ = [
     "split_qkv",
     "split_glu",
     "split_stack",
-    "local_split",
-    "shard_shape",
-    "concat_shards",
+    "Layout",
+    "KINDS",
+    "layout",
+    "REPLICATED",
+    "COLUMN",
+    "ROW",
+    "QKV_LAYOUT",
+    "GLU_LAYOUT",
+    "STACK",
+    "STACK_COLUMN",
+    "VOCAB",
     "vocab_rows",
     "vocab_is_chunked",
     "trim_vocab",
-    "KIND_DIM",
 ]
-
-#: Tensor dim along which a kind's TP shards are pieces of the HF tensors (None: replicated).
-KIND_DIM: dict[str, int | None] = {
-    "replicated": None,
-    "column": 0,
-    "row": 1,
-    "qkv": 0,
-    "glu": 0,
-    "stack": None,
-    "stack_column": 0,
-    "vocab": 0,
-}
-
 
 def chunk_rows(size: int, n: int, index: int) -> tuple[int, int]:
     """``(start, length)`` of piece ``index`` of ``size`` split ``n`` ways like ``torch.chunk``.
@@ -142,71 +138,125 @@ def split_stack(t: torch.Tensor, *, rows: tuple[int, ...]) -> tuple[torch.Tensor
     return tuple(p.contiguous() for p in torch.split(t, [r * n // total for r in rows], dim=0))
 
 
-def local_split(
-    kind: str,
-    shard: torch.Tensor,
-    *,
-    heads_per_group: int = 0,
-    head_dim: int = 0,
-    stack_rows: tuple[int, ...] = (),
-):
-    """This TP shard's piece of each HF tensor the Megatron parameter fuses, in HF order.
+class Layout(str):
+    """A TP layout kind: how one Megatron parameter's TP shards hold the HF tensors it fuses.
 
-    ``stack_rows``: the full row counts of the HF tensors a ``stack`` / ``stack_column`` kind holds.
+    The instance *is* its name (``"qkv"``, ``"glu"``...: what tables, digests and errors show);
+    the behaviour is the class's: ``dim`` (the tensor dim along which TP shards are ``torch.chunk``
+    pieces of the HF tensors; None: every TP rank holds all of it), ``split`` (one shard, or the
+    tp=1 tensor, into its piece of each HF tensor), ``concat`` (every shard into the full HF
+    tensors), ``shard_shape`` and ``split_copies`` (whether ``split`` copies its input). The
+    collective plumbing stays out of them.
     """
-    if kind == "qkv":
-        return split_qkv(shard, heads_per_group=heads_per_group, head_dim=head_dim)
-    if kind == "glu":
-        return split_glu(shard)
-    if kind in ("stack", "stack_column"):
-        return split_stack(shard, rows=stack_rows)
-    if kind not in KIND_DIM:
-        raise ValueError(f"unknown layout kind {kind!r}")
-    return (shard.contiguous(),)
 
+    dim: int | None = None
+    #: ``split`` writes new memory (as many bytes as its input) rather than returning views.
+    split_copies: bool = False
 
-def concat_shards(kind: str, shards: list[torch.Tensor], **geometry: int) -> tuple[torch.Tensor, ...]:
-    """Full HF tensors from every TP shard (in TP order) of one Megatron parameter.
+    def __new__(cls, name: str) -> "Layout":
+        return super().__new__(cls, name)
 
-    ``shards`` of a ``replicated`` kind is one tensor (every TP rank holds the same). Vocabulary
-    shards must already be trimmed to their HF rows (``vocab_rows``).
-    """
-    dim = KIND_DIM[kind]
-    if dim is None:
-        if len(shards) != 1:
+    def split(self, shard: torch.Tensor, **geometry: Any) -> tuple[torch.Tensor, ...]:
+        """This shard's piece of each HF tensor, in HF order (contiguous)."""
+        return (shard.contiguous(),)
+
+    def concat(self, shards: list[torch.Tensor], **geometry: Any) -> tuple[torch.Tensor, ...]:
+        """Full HF tensors from every TP shard, in TP order (one shard for a replicated kind).
+        Vocabulary shards must already be trimmed to their HF rows (``vocab_rows``)."""
+        if self.dim is None and len(shards) != 1:
             raise ValueError(f"a replicated parameter takes one shard, got {len(shards)}")
-        return tuple(local_split(kind, shards[0], **geometry))
-    if len(shards) == 1:
-        # tp=1: the local split is already the HF tensors (views where the layout allows, e.g.
-        # gate/up halves): a torch.cat of one tensor would copy every byte for nothing.
-        return tuple(local_split(kind, shards[0], **geometry))
-    if kind == "qkv":
+        if len(shards) == 1:
+            # tp=1: the local split is already the HF tensors (views where the layout allows, e.g.
+            # gate/up halves): a torch.cat of one tensor would copy every byte for nothing.
+            return tuple(self.split(shards[0], **geometry))
+        pieces = [self.split(s, **geometry) for s in shards]
+        return tuple(torch.cat([p[i] for p in pieces], dim=self.dim) for i in range(len(pieces[0])))
+
+    def shard_shape(self, full: tuple[tuple[int, ...], ...], tp: int) -> tuple[int, ...]:
+        """The Megatron parameter's shape on one TP rank, from the full HF shapes it fuses (HF order):
+        the fused tensor stacks them along dim 0; dim-0 kinds hold ``1/tp`` of its rows."""
+        rows = sum(s[0] for s in full)
+        rest = tuple(full[0][1:])
+        return (rows, *rest) if self.dim is None else (rows // tp, *rest)
+
+
+class Replicated(Layout):
+    """Every TP rank holds the whole tensor (norms, row-parallel biases, duplicated linears)."""
+
+
+class Column(Layout):
+    """Column-parallel: TP shard ``r`` is rows chunk ``r``."""
+
+    dim = 0
+
+
+class Row(Layout):
+    """Row-parallel: TP shard ``r`` is columns chunk ``r`` of its one HF tensor."""
+
+    dim = 1
+
+    def shard_shape(self, full: tuple[tuple[int, ...], ...], tp: int) -> tuple[int, ...]:
+        if len(full) != 1:
+            raise ValueError(f"a row-parallel ({self}) parameter holds one HF tensor, got {len(full)}")
+        rows, cols, *rest = full[0]
+        return (rows, cols // tp, *rest)
+
+
+class QKV(Column):
+    """``linear_qkv``: rows ``[q x heads_per_group, k, v] x groups`` (``split_qkv``)."""
+
+    split_copies = True
+
+    def split(self, shard: torch.Tensor, *, heads_per_group: int = 0, head_dim: int = 0, **_: Any):
+        return split_qkv(shard, heads_per_group=heads_per_group, head_dim=head_dim)
+
+    def concat(self, shards: list[torch.Tensor], *, heads_per_group: int = 0, head_dim: int = 0, **_: Any):
         # Shards hold whole query groups in order: their concatenation is the full fused tensor,
         # and one split of it (one gather) replaces a split per shard plus a cat per output.
-        return split_qkv(torch.cat(shards, dim=0), **geometry)
-    pieces = [local_split(kind, s, **geometry) for s in shards]
-    return tuple(torch.cat([p[i] for p in pieces], dim=dim) for i in range(len(pieces[0])))
+        whole = shards[0] if len(shards) == 1 else torch.cat(shards, dim=0)
+        return split_qkv(whole, heads_per_group=heads_per_group, head_dim=head_dim)
 
 
-def shard_shape(kind: str, full: tuple[tuple[int, ...], ...], tp: int) -> tuple[int, ...]:
-    """The Megatron parameter's shape on one TP rank, from the full HF shapes it fuses (HF order).
+class GLU(Column):
+    """Gated ``linear_fc1``: each shard is ``[gate_r; up_r]`` (``split_glu``)."""
 
-    The fused tensor stacks its HF tensors along dim 0 (q/k/v, gate/up, stacked rows); a
-    replicated kind keeps every row on every rank, dim 0 (column) and dim 1 (row) kinds hold
-    ``1/tp`` of it. Vocabulary kinds are padded first and are not computed here.
-    """
-    if kind == "vocab":
+    def split(self, shard: torch.Tensor, **_: Any):
+        return split_glu(shard)
+
+
+class Stack(Layout):
+    """Stacked rows of HF tensors of different sizes, duplicated over TP (``split_stack``)."""
+
+    def split(self, shard: torch.Tensor, *, stack_rows: tuple[int, ...] = (), **_: Any):
+        return split_stack(shard, rows=stack_rows)
+
+
+class StackColumn(Stack):
+    """Stacked rows, column-parallel: TP shard ``r`` is ``[A_r; B_r]``."""
+
+    dim = 0
+
+
+class Vocab(Column):
+    """Vocabulary-parallel embedding / output layer: rows padded, then split evenly over TP."""
+
+    def shard_shape(self, full: tuple[tuple[int, ...], ...], tp: int) -> tuple[int, ...]:
         raise ValueError("vocabulary shards depend on the padded vocabulary, not on the HF shapes")
-    rows = sum(s[0] for s in full)
-    rest = tuple(full[0][1:])
-    dim = KIND_DIM[kind]
-    if dim is None:
-        return (rows, *rest)
-    if dim == 0:
-        return (rows // tp, *rest)
-    if len(full) != 1:
-        raise ValueError(f"a row-parallel ({kind}) parameter holds one HF tensor, got {len(full)}")
-    return (rows, rest[0] // tp, *rest[1:])
+
+
+REPLICATED, COLUMN, ROW = Replicated("replicated"), Column("column"), Row("row")
+QKV_LAYOUT, GLU_LAYOUT = QKV("qkv"), GLU("glu")
+STACK, STACK_COLUMN, VOCAB = Stack("stack"), StackColumn("stack_column"), Vocab("vocab")
+#: every kind by the name family tables use.
+KINDS: dict[str, Layout] = {k: k for k in (REPLICATED, COLUMN, ROW, QKV_LAYOUT, GLU_LAYOUT, STACK, STACK_COLUMN, VOCAB)}
+
+
+def layout(name: str) -> Layout:
+    """The kind a table names; ``ValueError`` for a name no class owns."""
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise ValueError(f"unknown layout kind {name!r}; known: {sorted(KINDS)}") from None
 
 
 def vocab_rows(vocab_size: int, padded_vocab: int, tp: int, tp_rank: int) -> tuple[int, int]:

@@ -72,72 +72,22 @@ def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
 
 
 def megatron_model(cfg, *, divisible_by: int = 128, dtype=torch.float32, spec=None):
-    """This rank's GPTModel chunk(s) for HF config ``cfg`` under the current parallel_state."""
+    """This rank's GPTModel chunk(s) for HF config ``cfg`` under the current parallel_state, from the
+    one builder (``weightsync.plugins.megatron_build``: the family's own config table); ``spec``
+    replaces the layer spec. The importer below stays independent of the code under test."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    tp = ps.get_tensor_model_parallel_world_size()
-    pp = ps.get_pipeline_model_parallel_world_size()
+    from weightsync.plugins.megatron_build import MegatronParallel, build_chunks, megatron_config
+
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    arch = cfg.architectures[0]
-    qk_norm = arch.startswith("Qwen3")
-    qkv_bias = arch.startswith("Qwen2") or bool(getattr(cfg, "attention_bias", False))
-    mcfg = TransformerConfig(
-        num_layers=cfg.num_hidden_layers,
-        hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_key_value_heads,
-        kv_channels=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-        ffn_hidden_size=cfg.intermediate_size,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm",
-        layernorm_epsilon=cfg.rms_norm_eps,
-        add_bias_linear=False,
-        add_qkv_bias=qkv_bias,
-        qk_layernorm=qk_norm,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        use_cpu_initialization=True,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
+    par = MegatronParallel(
+        tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(), vpp=vpp
     )
-    spec = spec or get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
-    chunks = []
-    # Tied embeddings under PP: GPTModel's constructor moves the shared weight with ``.cuda()``
-    # before its first/last-stage all-reduce; on a CPU gloo world keep it on CPU (test-only).
-    cuda = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *a, **k: self
-    try:
-        chunks = _build_chunks(GPTModel, mcfg, spec, cfg, tp, vpp, divisible_by, ps)
-    finally:
-        torch.Tensor.cuda = cuda
+    chunks = build_chunks(
+        cfg, megatron_config(cfg, par, dtype), par, divisible_by=divisible_by,
+        spec_hook=None if spec is None else (lambda _: spec),
+    )
     return chunks if vpp else chunks[0]
-
-
-def _build_chunks(GPTModel, mcfg, spec, cfg, tp, vpp, divisible_by, ps):
-    chunks = []
-    for v in range(vpp or 1):
-        vp = v if vpp else None
-        chunks.append(
-            GPTModel(
-                mcfg,
-                spec,
-                vocab_size=padded_vocab(cfg.vocab_size, tp, divisible_by),
-                max_sequence_length=cfg.max_position_embeddings,
-                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-                share_embeddings_and_output_weights=bool(cfg.tie_word_embeddings),
-                position_embedding_type="rope",
-                rotary_base=int(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]),
-                vp_stage=vp,
-            )
-        )
-    return chunks
 
 
 # ---- test-only importer: HF tensors -> this rank's Megatron shards ---------------------------

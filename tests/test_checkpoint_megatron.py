@@ -497,7 +497,7 @@ def _expected_moe_model(ck, hf) -> dict[str, torch.Tensor]:
     the input norm rides on linear_qkv, the post-attention norm on linear_fc1."""
     from test_moe_megatron import _ck, _expected_moe
 
-    from weightsync.sources.moe_families import HFMoENames
+    from weightsync.sources.moe_names import HFMoENames
 
     layers = range(hf.num_hidden_layers)
     want = _expected_moe(ck, HFMoENames(hf), list(layers))
@@ -553,7 +553,7 @@ def test_moe_fused_folder_is_the_refusion_of_per_expert(moe, phase):
     from transformers import AutoModelForCausalLM
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
-    from weightsync.sources.moe_families import HFMoENames
+    from weightsync.sources.moe_names import HFMoENames
 
     hf = _hf_config("qwen3_moe", **MOE)
     tmp = moe["tmp"] / phase

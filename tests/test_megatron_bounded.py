@@ -15,8 +15,20 @@ from worlds import run_world
 pytestmark = pytest.mark.slow
 
 
+def _second_pass(src) -> dict:
+    """One more pass: the ``SyncTimeoutError`` it raised (or None) and how long it took."""
+    from weightsync.sources import SyncTimeoutError
+
+    t0 = time.monotonic()
+    try:
+        sum(1 for _ in src.iter_full())
+    except SyncTimeoutError as e:
+        return {"error": str(e), "seconds": time.monotonic() - t0}
+    return {"error": None, "seconds": time.monotonic() - t0}
+
+
 def _rank_peer_stops(rank, world_size):
-    from weightsync.sources import MegatronSource, SyncTimeoutError
+    from weightsync.sources import MegatronSource
 
     cfg = mw.hf_config("qwen3", layers=2)
     mw.init_parallel(2, 1)
@@ -25,12 +37,7 @@ def _rank_peer_stops(rank, world_size):
     if rank == 1:
         time.sleep(8.0)  # never joins the second pass (outlives rank 0's bound, then leaves)
         return {"first": first}
-    t0 = time.monotonic()
-    try:
-        sum(1 for _ in src.iter_full())
-    except SyncTimeoutError as e:
-        return {"first": first, "error": str(e), "seconds": time.monotonic() - t0}
-    return {"first": first, "error": None}
+    return {"first": first, **_second_pass(src)}
 
 
 def test_tp_peer_that_stops_is_named_within_the_bound():
@@ -48,7 +55,7 @@ def _rank_ep_peer_stops(rank, world_size):
     from moe_megatron import build_gpt, init_parallel, moe_config
     from test_moe_megatron import _hf_config
 
-    from weightsync.sources import MegatronSource, SyncTimeoutError
+    from weightsync.sources import MegatronSource
 
     init_parallel(ep=world_size)
     model = build_gpt(moe_config(layers=2, experts=world_size, ep=world_size, qk_norm=True))
@@ -58,12 +65,7 @@ def _rank_ep_peer_stops(rank, world_size):
     if rank == world_size - 1:
         time.sleep(12.0)  # never joins the second pass (outlives every bound, then leaves)
         return {"first": first}
-    t0 = time.monotonic()
-    try:
-        sum(1 for _ in src.iter_full())
-    except SyncTimeoutError as e:
-        return {"first": first, "error": str(e), "seconds": time.monotonic() - t0}
-    return {"first": first, "error": None, "seconds": time.monotonic() - t0}
+    return {"first": first, **_second_pass(src)}
 
 
 def test_ep_peer_that_stops_makes_every_rank_raise_within_the_bound():

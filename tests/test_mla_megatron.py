@@ -6,7 +6,7 @@ nobody here wrote:
   and a bf16 wire), and the MLA tensors per layer (7 with ``q_lora_rank``, 5 without) == its count;
 * every tensor == megatron-core's own ``dist_checkpointing`` of the same model (full tensors that
   torch's DCP reader assembles from megatron's shard metadata), cut under HF names by the layout
-  ``sources/megatron_mla.py`` documents (no row permutation);
+  ``sources/megatron/mla.py`` documents (no row permutation);
 * logits: Megatron's own forward vs transformers' DeepseekV3 loaded with ``from_pretrained`` from the
   export (fp32, one rank), with negative controls (HF's other rope convention; kv_b_proj's per-head
   order swapped) that move the logits far beyond the tolerance;
@@ -208,7 +208,7 @@ def _has(ck, suffix, layer) -> bool:
 
 def _expected(ck, hf) -> dict[str, torch.Tensor]:
     """Every HF tensor cut from megatron's own full checkpoint ``ck`` by the documented layout."""
-    from weightsync.sources.moe_families import HFMoENames
+    from weightsync.sources.moe_names import HFMoENames
 
     want: dict[str, torch.Tensor] = {}
     first = hf.first_k_dense_replace
@@ -418,7 +418,7 @@ def test_sparse_attention_variant_is_refused_by_name():
     import mla_models as mm
 
     from weightsync.sources.errors import UnmappedParameterError
-    from weightsync.sources.megatron_mla import mla_geometry
+    from weightsync.sources.megatron.mla import mla_geometry
 
     mcfg = SimpleNamespace(multi_latent_attention=True, qk_layernorm=True, rotary_interleaved=False,
                            experimental_attention_variant="dsa")

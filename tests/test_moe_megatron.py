@@ -73,7 +73,7 @@ def _world(rank, world_size, *, ckpt, family, tp=1, pp=1, ep=1, etp=None, fmt="s
     from moe_megatron import build_gpt, init_parallel, megatron_checkpoint, moe_config
 
     import torch.distributed as dist
-    from weightsync.sources.megatron_experts import MegatronMoEExporter, expert_format
+    from weightsync.sources.megatron.moe import MegatronMoEExporter, expert_format
 
     if measure_rss:
         # glibc otherwise serves freed multi-MiB blocks from a heap it does not trim, so peak RSS would
@@ -171,7 +171,7 @@ def _expected_moe(ck, names, moe_layers) -> dict[str, torch.Tensor]:
 
 
 def _check(res, ckpt, family, moe_layers, *, experts, **kw):
-    from weightsync.sources.moe_families import HFMoENames
+    from weightsync.sources.moe_names import HFMoENames
 
     ck = _oracle(ckpt)
     r0 = res[0]
@@ -244,7 +244,7 @@ def test_pp2_ep2_sequential_mixtral():
 
 def test_te_grouped_names_map_to_the_same_pieces():
     """TE is not installed: TEGroupedMLP's storage (linear_fc{1,2}.weight{j}) is checked by name."""
-    from weightsync.sources.megatron_experts import expert_format, local_expert_weights, megatron_moe_suffixes
+    from weightsync.sources.megatron.moe import expert_format, local_expert_weights, megatron_moe_suffixes
 
     class _Lin(torch.nn.Module):
         def __init__(self, shapes):
@@ -389,7 +389,7 @@ def _check_same_wire_dtypes_as_fsdp(res, hf):
 
 
 def _check_source(res, ckpt, tmp, family, moe_layers, **kw):
-    from weightsync.sources.moe_families import HFMoENames
+    from weightsync.sources.moe_names import HFMoENames
 
     r0 = res[0]
     assert r0["moe_layers"] == moe_layers

@@ -131,7 +131,7 @@ def test_bad_input_names_the_parameter():
 def test_megatron_side_names_equal_save_pretrained(family):
     """HFMoENames (used by the Megatron exporter, built from hf_config alone on a meta model) names
     every MLP tensor save_pretrained writes for each MoE layer -- no more, no fewer, same shapes."""
-    from weightsync.sources.moe_families import HFMoENames
+    from weightsync.sources.moe_names import HFMoENames
 
     model = tiny_model(family)
     saved = saved_state_dict(model)

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import UnmappedParameterError
-from .experts import (
+from ..errors import UnmappedParameterError
+from ..experts import (
     DEFAULT_EXPERT_BATCH_BYTES,
     ExpertLayout,
     FusedExpertBuffer,
@@ -48,13 +48,13 @@ from .experts import (
     default_expert_layout,
     expert_batches,
 )
-from .groups import DEFAULT_TIMEOUT_S
-from .layout import concat_shards
-from .logs import get_logger
-from .moe_families import HFMoELayer, HFMoENames
-from .p2p import Piece, gather_to
-from .stats import PassStats
-from .wire import WirePolicy
+from ..groups import DEFAULT_TIMEOUT_S
+from ..layout import GLU_LAYOUT, ROW
+from ..logs import get_logger
+from ..moe_names import HFMoELayer, HFMoENames
+from ..p2p import Piece, gather_to
+from ..stats import PassStats
+from ..wire import WirePolicy
 
 __all__ = [
     "expert_format",
@@ -121,7 +121,7 @@ def _expert_full(fc1: list[torch.Tensor], fc2: list[torch.Tensor]) -> tuple[torc
     """Full ``(gate, up, down)`` of one expert from its ETP shards (``[gate_r; up_r]`` rows of fc1,
     column block ``r`` of fc2; ``layout.py``'s GLU/row invariants), with at most one copy each:
     with one shard, gate/up are contiguous row views and down is the shard itself (zero copy);
-    with several, one ``torch.cat`` of views per output (``layout.concat_shards`` would copy twice,
+    with several, one ``torch.cat`` of views per output (``GLU_LAYOUT.concat`` would copy twice,
     which is what the per-expert memory bound cannot afford)."""
     if len(fc1) == 1:
         gate, up = torch.chunk(fc1[0], 2, dim=0)
@@ -209,7 +209,7 @@ class MegatronMoEExporter:
     ) -> None:
         """``wire``: the source's wire-dtype policy (default: ``dtype``, else ``params_dtype``, with
         the default keep-fp32 names); ``timeout_s`` bounds every point-to-point wait."""
-        from .megatron_walk import model_chunks
+        from .walk import model_chunks
 
         self.layout: ExpertLayout = check_expert_layout(expert_layout) or default_expert_layout()
         if expert_batch_bytes <= 0:
@@ -308,7 +308,7 @@ class MegatronMoEExporter:
     def _placement(self) -> None:
         if self._coords is not None:
             return
-        from .check import control_group
+        from ..check import control_group
 
         mine = Coords.mine()
         coords: list[Any] = [None] * dist.get_world_size()
@@ -414,8 +414,8 @@ class MegatronMoEExporter:
             pieces.append(_Piece(h, "shared2", -1, r, (H, S // self.tp), wd))
 
         def assemble_shared(ps, ts):
-            gate, up = concat_shards("glu", ts[0::2])
-            (down,) = concat_shards("row", ts[1::2])
+            gate, up = GLU_LAYOUT.concat(ts[0::2])
+            (down,) = ROW.concat(ts[1::2])
             return [(hf.shared[0][0], gate), (hf.shared[1][0], up), (hf.shared[2][0], down)]
 
         yield from self._move(pieces, mlp, f"layer {layer}'s shared experts", assemble_shared)

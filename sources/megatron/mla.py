@@ -13,7 +13,8 @@ What the mapping rests on, read in megatron-core 0.16.1 and 0.19.2
   on both sides. kv down (``linear_kv_down_proj`` -> ``kv_a_proj_with_mqa``): both split the output
   ``[kv_lora_rank, rope]``. The latent norms (``q_layernorm`` / ``kv_layernorm``, or TE's
   ``layer_norm_weight`` fused into the up projections) are HF's ``q_a_layernorm`` /
-  ``kv_a_layernorm`` and act on the same latents.
+  ``kv_a_layernorm`` and act on the same latents. The table itself (names, shapes, allowed TP splits)
+  is the DeepSeek-V3 family's ``MLA`` (``sources/families/deepseek_v3.py``).
 * **Rope.** Megatron's unfused MLA rope (``_apply_rotary_pos_emb_bshd(multi_latent_attention=True)``)
   gathers ``t[..., 0::2]`` and ``t[..., 1::2]`` and applies ``rotate_half``: it rotates the
   interleaved pairs ``(x0, x1), (x2, x3), ...``. HF's ``rope_interleave=True`` (the default, and
@@ -32,7 +33,7 @@ What the mapping rests on, read in megatron-core 0.16.1 and 0.19.2
   it). megatron-core 0.17+ may fuse both into ``linear_qkv_down_proj`` (``mla_down_proj_fusion``):
   ``[q_a_proj; kv_a_proj_with_mqa]``, per TP shard ``[q_r; kv_r]`` when column-parallel (its own
   ``sharded_state_dict`` cuts it so). ``resolve_kinds`` reads each module's declared split
-  (``megatron_walk.tp_split_dim``) and turns it into a layout kind; a split the table does not
+  (``walk.tp_split_dim``) and turns it into a layout kind; a split the table does not
   allow for that tensor raises naming it.
 
 Variants that cannot be mapped raise ``UnmappedParameterError`` at construction naming the field:
@@ -48,10 +49,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import UnmappedParameterError
-from .families import Entry
+from ..errors import UnmappedParameterError
+from ..families import Entry
+from ..families.deepseek_v3 import FAMILY as DEEPSEEK_V3
+from ..families.deepseek_v3 import MEGATRON_REFUSALS, MLA
 
-__all__ = ["MLAGeometry", "is_mla", "mla_geometry", "mla_full_shapes", "resolve_kinds", "LAYOUT_KINDS"]
+__all__ = ["MLAGeometry", "is_mla", "mla_geometry", "mla_full_shapes", "resolve_kinds"]
 
 
 @dataclass(frozen=True)
@@ -75,35 +78,6 @@ def is_mla(mcfg: Any) -> bool:
     return bool(getattr(mcfg, "multi_latent_attention", False))
 
 
-def _hf_rope(hf: Any) -> dict[str, Any]:
-    """HF rope parameters (transformers 5 ``rope_parameters``, or 4.x ``rope_scaling`` + ``rope_theta``)."""
-    rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-    rope.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    rope["rope_type"] = rope.get("rope_type") or rope.get("type") or "default"
-    return rope
-
-
-def _unmappable(mcfg: Any) -> list[str]:
-    """Megatron-side MLA variants with no DeepseekV3 counterpart."""
-    why = []
-    if not getattr(mcfg, "qk_layernorm", False):
-        why.append(
-            "qk_layernorm=False: this MLA has no q/kv latent norms, DeepseekV3 always applies "
-            "q_a_layernorm / kv_a_layernorm"
-        )
-    if getattr(mcfg, "rotary_interleaved", False):
-        why.append(
-            "rotary_interleaved=True: rotates other rope pairs than DeepseekV3 (rope_interleave=True)"
-        )
-    variant = getattr(mcfg, "experimental_attention_variant", None)
-    if variant:
-        why.append(
-            f"experimental_attention_variant={variant!r}: its extra attention parameters (e.g. DSA's "
-            "indexer) have no DeepseekV3 tensors"
-        )
-    return why
-
-
 def mla_geometry(hf_config: Any, mcfg: Any, *, family_is_mla: bool, rank: int) -> MLAGeometry | None:
     """The MLA sizes of ``hf_config`` checked against Megatron's config; None for dense attention.
 
@@ -122,7 +96,7 @@ def mla_geometry(hf_config: Any, mcfg: Any, *, family_is_mla: bool, rank: int) -
         raise UnmappedParameterError(f"rank {rank}: MegatronSource cannot map the attention: {side}")
     if not mla:
         return None
-    why = _unmappable(mcfg)
+    why = [w for refuse in MEGATRON_REFUSALS if (w := refuse(mcfg))]
     if why:
         raise UnmappedParameterError(
             f"rank {rank}: MegatronSource cannot export this Megatron MLA as DeepseekV3: " + "; ".join(why)
@@ -137,25 +111,15 @@ def mla_geometry(hf_config: Any, mcfg: Any, *, family_is_mla: bool, rank: int) -
         qk_rope_head_dim=hf.qk_rope_head_dim,
         v_head_dim=hf.v_head_dim,
     )
-    rope = _hf_rope(hf)
-    m_rope = getattr(mcfg, "rope_type", "rope")
-    checks = [
-        ("q_lora_rank", g.q_lora_rank, "q_lora_rank", getattr(mcfg, "q_lora_rank", None) or None),
-        ("kv_lora_rank", g.kv_lora_rank, "kv_lora_rank", mcfg.kv_lora_rank),
-        ("qk_nope_head_dim", g.qk_nope_head_dim, "qk_head_dim", mcfg.qk_head_dim),
-        ("qk_rope_head_dim", g.qk_rope_head_dim, "qk_pos_emb_head_dim", mcfg.qk_pos_emb_head_dim),
-        ("v_head_dim", g.v_head_dim, "v_head_dim", mcfg.v_head_dim),
-        ("rope_parameters.rope_type", rope["rope_type"], "rope_type",
-         {"rope": "default"}.get(m_rope, m_rope)),
-        ("rope_parameters.rope_theta", float(rope["rope_theta"]), "rotary_base", float(mcfg.rotary_base)),
-    ]
-    if rope["rope_type"] == "yarn" and m_rope == "yarn":
-        checks += [
-            ("rope_parameters.factor", float(rope.get("factor", 1.0)), "rotary_scaling_factor",
-             float(mcfg.rotary_scaling_factor)),
-            ("rope_parameters.original_max_position_embeddings", rope.get("original_max_position_embeddings"),
-             "original_max_position_embeddings", mcfg.original_max_position_embeddings),
-        ]
+    # The family's own TransformerConfig table (what the builder builds from), field by field.
+    want = DEEPSEEK_V3.megatron_fields(hf)
+    fields = ["q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_base"]
+    if want["rope_type"].value == "yarn" and getattr(mcfg, "rope_type", "rope") == "yarn":
+        fields += ["rotary_scaling_factor", "original_max_position_embeddings"]
+    have = {f: getattr(mcfg, f, None) for f in fields}
+    have["q_lora_rank"] = have["q_lora_rank"] or None
+    have["rope_type"] = have["rope_type"] or "rope"
+    checks = [(want[f].hf, want[f].value, f, have[f]) for f in fields]
     bad = [f"hf_config.{h}={hv!r} but Megatron {m}={mv!r}" for h, hv, m, mv in checks if hv != mv]
     if bad:
         raise ValueError(
@@ -166,35 +130,8 @@ def mla_geometry(hf_config: Any, mcfg: Any, *, family_is_mla: bool, rank: int) -
 
 def mla_full_shapes(suffix: str, g: MLAGeometry) -> tuple[tuple[int, ...], ...] | None:
     """Full HF shapes of one layer-relative MLA Megatron parameter (None: not an MLA tensor)."""
-    h, n = g.hidden, g.heads
-    kv_a = g.kv_lora_rank + g.qk_rope_head_dim
-    q_in = g.q_lora_rank or h
-    return {
-        "self_attention.linear_q_proj.weight": ((n * g.q_head_dim, h),),
-        "self_attention.linear_q_down_proj.weight": ((g.q_lora_rank or 0, h),),
-        "self_attention.q_layernorm.weight": ((g.q_lora_rank or 0,),),
-        "self_attention.linear_q_up_proj.weight": ((n * g.q_head_dim, q_in),),
-        "self_attention.linear_kv_down_proj.weight": ((kv_a, h),),
-        "self_attention.linear_qkv_down_proj.weight": ((g.q_lora_rank or 0, h), (kv_a, h)),
-        "self_attention.kv_layernorm.weight": ((g.kv_lora_rank,),),
-        "self_attention.linear_kv_up_proj.weight": ((n * (g.qk_nope_head_dim + g.v_head_dim), g.kv_lora_rank),),
-        "self_attention.linear_proj.weight": ((h, n * g.v_head_dim),),
-    }.get(suffix)
-
-
-#: MLA tensor -> {TP split dim its module may declare: layout kind}. Anything else raises.
-LAYOUT_KINDS: dict[str, dict[int | None, str]] = {
-    "self_attention.linear_q_proj.weight": {0: "column"},
-    "self_attention.linear_q_up_proj.weight": {0: "column"},
-    "self_attention.linear_kv_up_proj.weight": {0: "column"},
-    "self_attention.linear_proj.weight": {1: "row"},
-    "self_attention.linear_q_down_proj.weight": {0: "column", None: "replicated"},
-    "self_attention.linear_kv_down_proj.weight": {0: "column", None: "replicated"},
-    "self_attention.linear_qkv_down_proj.weight": {0: "stack_column", None: "stack"},
-    "self_attention.q_layernorm.weight": {None: "replicated"},
-    "self_attention.kv_layernorm.weight": {None: "replicated"},
-    "input_layernorm.weight": {None: "replicated"},
-}
+    t = MLA.get(suffix)
+    return None if t is None else t.shapes(g)
 
 
 def resolve_kinds(entries: dict[str, Entry], tp_dims: dict[str, int | None], *, rank: int) -> dict[str, Entry]:
@@ -206,7 +143,7 @@ def resolve_kinds(entries: dict[str, Entry], tp_dims: dict[str, int | None], *, 
     cannot have raises ``UnmappedParameterError`` naming it."""
     out, bad = {}, []
     for suffix, entry in entries.items():
-        allowed = LAYOUT_KINDS.get(suffix)
+        allowed = MLA[suffix].splits if suffix in MLA else None
         if allowed is None or suffix not in tp_dims:
             out[suffix] = entry
             continue

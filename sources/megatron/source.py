@@ -3,7 +3,7 @@
 Invariants:
 
 * ``metadata`` is computed from ``hf_config``, Megatron's config and the parallel sizes
-  (``sources/megatron_plan.py``): no collective, no export pass, identical on every rank.
+  (``sources/megatron/plan.py``): no collective, no export pass, identical on every rank.
 * ``mode="full"`` (vLLM's NCCL broadcast engine; the default): every parameter's ``owners`` is
   ``(0,)`` -- rank 0, the only sender, is the only rank that yields. Every trainer rank still calls
   ``iter_full()`` (vLLM's trainer engines do, on every rank): inside it the ranks of rank 0's
@@ -12,7 +12,7 @@ Invariants:
   data-parallel / context-parallel replicas return at once. Rank 0 splits each shard (QKV per query
   group, GLU per shard, vocabulary trimmed) and concatenates the pieces. Units rank 0 holds whole
   (all of its stage at tp=1, replicated norms at any tp) skip all of that: a loop planned at
-  construction (``sources/megatron_local.py``) exports them, because such an export is bound by
+  construction (``sources/megatron/whole_units.py``) exports them, because such an export is bound by
   host work per tensor, not by bytes.
 * ``mode="local"`` (vLLM's ``nccl_m2n`` engine): each TP rank of the sender's replica yields its own
   piece of each HF tensor, no communication. After the local split a TP shard is a plain
@@ -26,13 +26,13 @@ Invariants:
 * Tied embeddings export ``model.embed_tokens.weight`` only (from the first stage); the last
   stage's ``output_layer.weight`` copy under PP is never read.
 * Multi-head latent attention (``multi_latent_attention``, DeepSeek-V3 / Kimi-K2) exports as
-  transformers DeepseekV3 attention (``sources/megatron_mla.py``: what was verified, what raises).
+  transformers DeepseekV3 attention (``sources/megatron/mla.py``: what was verified, what raises).
   The down projections' TP layout differs between Megatron's specs, so every unit's kind is read
   from its module; the first pass also has every rank agree on the plan's TP layout (kind and
   shard shape of every unit), so a stage built with another spec raises before any transfer.
 * MoE layers (``num_moe_experts``; dense and MoE layers may mix, e.g. first-k dense): the plan holds a
   MoE layer's attention units and its pre-MLP norm; right after them, ``MegatronMoEExporter``
-  (``sources/megatron_experts.py``) streams the router, its expert bias, the routed experts
+  (``sources/megatron/moe.py``) streams the router, its expert bias, the routed experts
   (``expert_layout``: ``"per_expert"`` as checkpoints hold them, or ``"fused"``) and the shared
   experts, in that order, all owned by rank 0. Its metadata comes from configs (no collective).
   Its export is collective over **every** rank -- including ranks outside the sender's dense
@@ -50,21 +50,22 @@ from typing import Any, Literal
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, Replicate, Shard, WeightSource
 
-from .check import DEFAULT_TIMEOUT_S, check_stream, local_shape, verify_metadata_agreement
-from .errors import UnmappedParameterError
-from .families import DENSE_MLP, Entry, Family, family_for
-from .layout import KIND_DIM, concat_shards, local_split, vocab_is_chunked, vocab_rows
-from .logs import get_logger
-from .megatron_local import LocalStep, local_step, mark_precast, nbytes, precast
-from .megatron_experts import MegatronMoEExporter, expert_format, megatron_moe_suffixes
-from .megatron_mla import mla_geometry, resolve_kinds
-from .megatron_plan import Geometry, Unit, build_plan, mlp_kind
-from .megatron_topology import Topology, megatron_topology
-from .megatron_walk import Bound, model_chunks, walk_chunks
-from .p2p import Piece, gather_to
-from .experts import DEFAULT_EXPERT_BATCH_BYTES, ExpertLayout
-from .stats import PassStats
-from .wire import WirePolicy
+from ..check import DEFAULT_TIMEOUT_S, check_stream, local_shape, verify_metadata_agreement
+from ..errors import UnmappedParameterError
+from ..families import Family, family_for
+from ..families.base import DENSE_MLP, Entry
+from ..layout import VOCAB, vocab_is_chunked, vocab_rows
+from ..logs import get_logger
+from .whole_units import LocalStep, local_step, mark_precast, nbytes, precast
+from .moe import MegatronMoEExporter, expert_format, megatron_moe_suffixes
+from .mla import mla_geometry, resolve_kinds
+from .plan import Geometry, Unit, build_plan, mlp_kind
+from .topology import Topology, megatron_topology
+from .walk import Bound, model_chunks, walk_chunks
+from ..p2p import Piece, gather_to
+from ..experts import DEFAULT_EXPERT_BATCH_BYTES, ExpertLayout
+from ..stats import PassStats
+from ..wire import WirePolicy
 
 __all__ = ["MegatronSource"]
 
@@ -79,21 +80,22 @@ def _hf_geometry(
     chunk: torch.nn.Module,
     tp: int,
     rank: int,
-    has_dense: bool = True,
-    family: Family | None = None,
+    has_dense: bool,
+    family: Family,
 ) -> Geometry:
     """Read the shapes from ``hf_config``; raise naming every field Megatron disagrees with.
 
     ``intermediate_size`` is compared only when some layer has a dense MLP: an all-MoE model never
     builds ``ffn_hidden_size`` (Mixtral's ``intermediate_size`` is the expert size, which the MoE
     exporter checks against ``moe_ffn_hidden_size``). MLA attention is checked by
-    ``megatron_mla.mla_geometry`` instead of query groups / ``kv_channels``."""
-    mla = mla_geometry(
-        hf_config, mcfg, family_is_mla=family is not None and family.attention == "mla", rank=rank
-    )
-    heads = hf_config.num_attention_heads
-    groups = heads if mla else getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    ``mla.mla_geometry`` instead of query groups / ``kv_channels``. The expected values are
+    the family's own ``TransformerConfig`` table (``Family.megatron_fields``), the one the builder
+    builds from."""
+    mla = mla_geometry(hf_config, mcfg, family_is_mla=family.attention == "mla", rank=rank)
+    want = family.megatron_fields(hf_config)
+    heads = want["num_attention_heads"].value
+    groups = heads if mla else want["num_query_groups"].value
+    head_dim = want["kv_channels"].value if "kv_channels" in want else hf_config.hidden_size // heads
     g = Geometry(
         hidden=hf_config.hidden_size,
         heads=heads,
@@ -107,19 +109,19 @@ def _hf_geometry(
         tp=tp,
         mla=mla,
     )
-    attention = [] if mla else [
-        ("num_key_value_heads", g.groups, "num_query_groups", mcfg.num_query_groups or mcfg.num_attention_heads),
-        ("head_dim", g.head_dim, "kv_channels", mcfg.kv_channels),
+    fields = [
+        "hidden_size", "num_attention_heads", *([] if mla else ["num_query_groups", "kv_channels"]),
+        *(["ffn_hidden_size"] if has_dense else []), "num_layers",
     ]
-    checks = [
-        ("hidden_size", g.hidden, "hidden_size", mcfg.hidden_size),
-        ("num_attention_heads", g.heads, "num_attention_heads", mcfg.num_attention_heads),
-        *attention,
-        *([("intermediate_size", g.ffn, "ffn_hidden_size", mcfg.ffn_hidden_size)] if has_dense else []),
-        ("num_hidden_layers", g.layers, "num_layers", mcfg.num_layers),
-        ("tie_word_embeddings", g.tied, "share_embeddings_and_output_weights",
+    have = {f: getattr(mcfg, f) for f in fields}
+    if not mla:
+        have["num_query_groups"] = have["num_query_groups"] or mcfg.num_attention_heads
+    checks = [(want[f].hf, want[f].value, f, have[f]) for f in fields]
+    tie = family.gpt_model_fields(hf_config)["share_embeddings_and_output_weights"]
+    checks += [
+        (tie.hf, tie.value, "share_embeddings_and_output_weights",
          bool(getattr(chunk, "share_embeddings_and_output_weights", False))),
-        ("(gated MLP)", True, "gated_linear_unit", bool(mcfg.gated_linear_unit)),
+        (want["gated_linear_unit"].hf, want["gated_linear_unit"].value, "gated_linear_unit", bool(mcfg.gated_linear_unit)),
     ]
     bad = [f"hf_config.{h}={hv!r} but Megatron {m}={mv!r}" for h, hv, m, mv in checks if hv != mv]
     if g.vocab > g.padded_vocab:
@@ -155,7 +157,7 @@ class MegatronSource(WeightSource):
         timeout_s: bound on the first pass's cross-rank metadata agreement.
 
     Raises at construction (on every rank, before any byte moves): ``UnmappedParameterError`` for an
-    unknown architecture, an MLA variant DeepseekV3 cannot express (``megatron_mla``), a Megatron
+    unknown architecture, an MLA variant DeepseekV3 cannot express (``megatron.mla``), a Megatron
     parameter the checkpoint has no name for, or MoE settings ``hf_config`` disagrees with;
     ``ValueError`` when the model and ``hf_config`` disagree on a shape; ``NotImplementedError``
     for ``mode="local"`` with MoE layers.
@@ -220,23 +222,7 @@ class MegatronSource(WeightSource):
                 )
             except UnmappedParameterError as e:
                 raise self._moe_error(e, layer_names) from e
-        try:
-            self.plan: list[Unit] = build_plan(
-                family=self.family,
-                hf_config=hf_config,
-                mcfg=mcfg,
-                geometry=self.geometry,
-                pp=self._topo.pp,
-                vpp=self._topo.vpp,
-                local_layer_names=layer_names,
-                attention=attention,
-            )
-        except UnmappedParameterError as e:
-            raise UnmappedParameterError(f"rank {rank}: {e}") from e
-        # plan index of each MoE layer's last unit -> that layer: its MoE tensors follow that unit.
-        self._wd: dict[tuple, torch.dtype] = {u.key: self._unit_dtype(u, mcfg.params_dtype) for u in self.plan}
-        last_unit = {u.key[1]: i for i, u in enumerate(self.plan) if u.key[0] == "layer"}
-        self._moe_after: dict[int, int] = {last_unit[L]: L for L in self.moe_layers}
+        self._plan(hf_config, mcfg, layer_names, attention)
         self._bound = self._bind(bound, unmapped)
         if self._moe is not None:
             try:
@@ -253,6 +239,28 @@ class MegatronSource(WeightSource):
         self._precast: list[LocalStep] = [s for s in local if s is not None and s.precast]
 
     # ---- construction -----------------------------------------------------------------------
+
+    def _plan(
+        self, hf_config: Any, mcfg: Any, layer_names: dict[int, list[str]], attention: dict[str, Entry] | None
+    ) -> None:
+        """The export plan (``plan.build_plan``), each unit's wire dtype and where MoE layers follow."""
+        try:
+            self.plan: list[Unit] = build_plan(
+                family=self.family,
+                hf_config=hf_config,
+                mcfg=mcfg,
+                geometry=self.geometry,
+                pp=self._topo.pp,
+                vpp=self._topo.vpp,
+                local_layer_names=layer_names,
+                attention=attention,
+            )
+        except UnmappedParameterError as e:
+            raise UnmappedParameterError(f"rank {self._topo.rank}: {e}") from e
+        self._wd: dict[tuple, torch.dtype] = {u.key: self._unit_dtype(u, mcfg.params_dtype) for u in self.plan}
+        # plan index of each MoE layer's last unit -> that layer: its MoE tensors follow that unit.
+        last_unit = {u.key[1]: i for i, u in enumerate(self.plan) if u.key[0] == "layer"}
+        self._moe_after: dict[int, int] = {last_unit[L]: L for L in self.moe_layers}
 
     def _attention(
         self, hf_config: Any, bound: dict[tuple, Bound], layer_names: dict[int, list[str]]
@@ -357,8 +365,8 @@ class MegatronSource(WeightSource):
         if self.mode == "full":
             return [ParamMeta(n, self._wd[unit.key], s, owners=(0,)) for n, s in zip(unit.names, unit.shapes)]
         ranks = self._topo.stage_ranks(unit.stage)
-        dim = KIND_DIM[unit.kind]
-        if unit.kind == "vocab" and not self._vocab_chunked:
+        dim = unit.kind.dim
+        if unit.kind is VOCAB and not self._vocab_chunked:
             ranks, dim = ranks[:1], None
         placement = Replicate() if dim is None else Shard(dim)
         return [
@@ -403,7 +411,7 @@ class MegatronSource(WeightSource):
         cross-rank agreement can digest: kinds read from modules (MLA) must agree across stages."""
         out = []
         for unit in self.plan:
-            dim = KIND_DIM[unit.kind]
+            dim = unit.kind.dim
             out.append(ParamMeta(
                 f"[megatron {unit.kind} shard] {unit.names[0]}", self._wd[unit.key], unit.shard_shape,
                 owners=self._topo.stage_ranks(unit.stage), placements=(Replicate() if dim is None else Shard(dim),),
@@ -442,7 +450,7 @@ class MegatronSource(WeightSource):
 
     def _piece_rows(self, unit: Unit, tp_rank: int) -> int | None:
         """Rows of TP shard ``tp_rank`` that are real vocabulary (None: not a vocab unit)."""
-        if unit.kind != "vocab":
+        if unit.kind is not VOCAB:
             return None
         start, stop = vocab_rows(self.geometry.vocab, self.geometry.padded_vocab, self._topo.tp, tp_rank)
         return stop - start
@@ -465,22 +473,23 @@ class MegatronSource(WeightSource):
         return piece
 
     def _geometry_kw(self, unit: Unit) -> dict[str, Any]:
-        kw: dict[str, Any] = {"heads_per_group": self.geometry.heads_per_group, "head_dim": self.geometry.head_dim}
-        if unit.kind in ("stack", "stack_column"):
-            kw["stack_rows"] = tuple(s[0] for s in unit.shapes)
-        return kw
+        return {
+            "heads_per_group": self.geometry.heads_per_group,
+            "head_dim": self.geometry.head_dim,
+            "stack_rows": tuple(s[0] for s in unit.shapes),
+        }
 
     def _senders(self, unit: Unit) -> tuple[int, ...]:
         """Global ranks whose piece of ``unit`` the gatherer needs, in TP order (empty pieces dropped)."""
         ranks = self._topo.stage_ranks(unit.stage)
-        if KIND_DIM[unit.kind] is None:  # every TP rank holds all of it (norms, duplicated linears)
+        if unit.kind.dim is None:  # every TP rank holds all of it (norms, duplicated linears)
             return ranks[:1]
-        if unit.kind == "vocab":
+        if unit.kind is VOCAB:
             return tuple(r for t, r in enumerate(ranks) if self._piece_rows(unit, t) > 0)
         return ranks
 
     def _local_step(self, unit: Unit) -> LocalStep | None:
-        """How rank 0 exports ``unit`` when it alone holds all of it, or None (``megatron_local``).
+        """How rank 0 exports ``unit`` when it alone holds all of it, or None (``megatron.whole_units``).
 
         That is every unit of rank 0's stage at tp=1, and replicated ones (norms) at any tp."""
         topo = self._topo
@@ -553,7 +562,7 @@ class MegatronSource(WeightSource):
                 elif dense:
                     pieces = self._gather_to(unit, 0, stats)
                     if pieces is not None:
-                        outs = concat_shards(unit.kind, pieces, **self._geometry_kw(unit))
+                        outs = unit.kind.concat(pieces, **self._geometry_kw(unit))
                         # Outputs that are views of a received piece are already held; count the copies.
                         have = {p.untyped_storage().data_ptr() for p in pieces}
                         stats.hold(sum(nbytes(o.shape, o.dtype) for o in outs if o.untyped_storage().data_ptr() not in have))
@@ -582,14 +591,14 @@ class MegatronSource(WeightSource):
             for unit in self.plan:
                 if unit.stage != self._topo.pp_rank:
                     continue
-                if unit.kind == "vocab" and not self._vocab_chunked:
+                if unit.kind is VOCAB and not self._vocab_chunked:
                     # Fallback: the stage's first TP rank owns the whole (trimmed) tensor.
                     pieces = self._gather_to(unit, self._topo.stage_ranks(unit.stage)[0], stats)
                     if pieces is None:
                         continue
-                    outs = concat_shards(unit.kind, pieces)
+                    outs = unit.kind.concat(pieces)
                 else:
-                    outs = local_split(unit.kind, self._piece(unit, stats), **self._geometry_kw(unit))
+                    outs = unit.kind.split(self._piece(unit, stats), **self._geometry_kw(unit))
                 for name, out in zip(unit.names, outs):
                     stats.yielded(out.numel() * out.element_size())
                     yield name, out

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .families import GLOBAL, canonical_suffix
+from ..families.base import GLOBAL, canonical_suffix
 
 __all__ = ["Bound", "model_chunks", "tp_split_dim", "walk_chunks"]
 

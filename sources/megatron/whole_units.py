@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from .layout import split_glu, split_qkv, split_stack
+from ..layout import Layout
 
 __all__ = ["LocalStep", "local_step", "mark_precast", "precast", "PRECAST_MAX_NUMEL", "PRECAST_CAP_BYTES"]
 
@@ -56,14 +56,10 @@ def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return n
 
 
-def _whole(t: torch.Tensor) -> tuple[torch.Tensor]:
-    return (t.contiguous(),)
-
-
 def local_step(
     param: torch.Tensor,
     *,
-    kind: str,
+    kind: Layout,
     rows: int | None,
     piece_shape: Sequence[int],
     out_shapes: Sequence[Sequence[int]],
@@ -76,14 +72,8 @@ def local_step(
     the vocabulary trim to ``rows``), yielding ``out_shapes`` in ``dtype``."""
     piece = nbytes(piece_shape, dtype)
     cast = 0 if param.dtype == dtype else piece
-    if kind == "qkv":
-        split, copied = partial(split_qkv, heads_per_group=heads_per_group, head_dim=head_dim), piece
-    elif kind == "glu":
-        split, copied = split_glu, 0
-    elif kind in ("stack", "stack_column"):
-        split, copied = partial(split_stack, rows=tuple(stack_rows)), 0
-    else:
-        split, copied = _whole, 0
+    split = partial(kind.split, heads_per_group=heads_per_group, head_dim=head_dim, stack_rows=tuple(stack_rows))
+    copied = piece if kind.split_copies else 0
     return LocalStep(param, rows, split, cast + copied, tuple(nbytes(s, dtype) for s in out_shapes), dtype)
 
 

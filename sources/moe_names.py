@@ -1,7 +1,8 @@
 """Hugging Face checkpoint names of one MoE layer, for sources that do not hold a transformers model.
 
-Invariant: the only hand-written facts here are *which transformers in-memory module* plays each
-MoE role per ``model_type`` (router, router bias, shared expert, shared-expert gate); every
+Invariant: the only hand-written facts used here are *which transformers in-memory module* plays
+each MoE role (router, router bias, shared expert, shared-expert gate: the family's ``MoERoles``,
+``sources/families/``); every
 checkpoint name and shape is then read off a meta-device transformers model built from the same
 ``hf_config`` and passed through transformers' own save-time reversal
 (``revert_weight_conversion``, via ``experts.expert_names``), so renamings such as Mixtral's
@@ -19,29 +20,11 @@ from typing import Any
 
 import torch
 
+from . import families
 from .errors import UnmappedParameterError
 from .experts import ExpertLayerSpec, expert_names, is_fused_expert_param
 
-__all__ = ["MoERoles", "MOE_ROLES", "HFMoELayer", "HFMoENames"]
-
-
-@dataclass(frozen=True)
-class MoERoles:
-    """Layer-relative transformers in-memory names of each MoE role (``None``: the family has none)."""
-
-    router: str = "mlp.gate.weight"
-    router_bias: str | None = None
-    shared: str | None = None  # module holding gate_proj/up_proj/down_proj
-    shared_gate: str | None = None
-
-
-#: model_type -> roles. Experts themselves are found by shape (``mlp.experts.gate_up_proj``).
-MOE_ROLES: dict[str, MoERoles] = {
-    "qwen3_moe": MoERoles(),
-    "qwen2_moe": MoERoles(shared="mlp.shared_expert", shared_gate="mlp.shared_expert_gate.weight"),
-    "mixtral": MoERoles(),
-    "deepseek_v3": MoERoles(router_bias="mlp.gate.e_score_correction_bias", shared="mlp.shared_experts"),
-}
+__all__ = ["HFMoELayer", "HFMoENames"]
 
 
 @dataclass(frozen=True)
@@ -62,11 +45,14 @@ class HFMoENames:
     def __init__(self, hf_config: Any) -> None:
         self.hf_config = hf_config
         model_type = getattr(hf_config, "model_type", None)
-        if model_type not in MOE_ROLES:
-            raise UnmappedParameterError(
-                f"no MoE role table for model_type={model_type!r}; known: {sorted(MOE_ROLES)}"
-            )
-        self.roles = MOE_ROLES[model_type]
+        try:
+            roles = families.get(str(model_type)).moe
+        except KeyError:
+            roles = None
+        if roles is None:
+            known = [t for t in families.model_types() if families.get(t).moe is not None]
+            raise UnmappedParameterError(f"no MoE role table for model_type={model_type!r}; known: {known}")
+        self.roles = roles
         self._saved: dict[str, str | None] = {}
 
     @cached_property

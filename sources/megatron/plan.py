@@ -9,24 +9,22 @@ the source then checks them against each local layer's ``layer_number``.
 
 A plan is a list of ``Unit``: one Megatron parameter, exported as one or more HF tensors (QKV -> q,
 k, v; GLU fc1 -> gate, up). Units come in HF order: embedding, layers 0..L-1, final norm, lm_head.
-A unit's TP-shard shape follows from its full HF shapes and its layout kind (``layout.shard_shape``);
-MLA attention shapes come from ``megatron_mla`` and its kinds from the modules (``resolve_kinds``).
+A unit's TP-shard shape follows from its full HF shapes and its layout kind (``Layout.shard_shape``);
+MLA attention shapes come from ``megatron.mla`` and its kinds from the modules (``resolve_kinds``).
 
-The MLP half of each layer comes from a handler chosen by ``mlp_kind`` (``register_mlp_handler``),
-so MoE layers can be added without touching the rest: a MoE layer's plan holds its attention units and
-its pre-MLP norm; the MoE MLP itself is streamed by ``MegatronMoEExporter`` after the layer's units.
+The MLP half of each layer depends on ``mlp_kind``: a dense layer's plan holds its MLP; a MoE
+layer's plan holds only its pre-MLP norm, and the MoE MLP itself is streamed by
+``MegatronMoEExporter`` after the layer's units.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import UnmappedParameterError
-from .families import DENSE_MLP, GLOBAL, HF_LAYER_PREFIX, Entry, Family
-from .layout import shard_shape
-from .megatron_mla import MLAGeometry, mla_full_shapes
+from ..families.base import DENSE_MLP, GLOBAL, HF_LAYER_PREFIX, Entry, Family
+from ..layout import VOCAB, Layout, layout
+from .mla import MLAGeometry, mla_full_shapes
 
 __all__ = [
     "Geometry",
@@ -34,7 +32,6 @@ __all__ = [
     "build_plan",
     "layer_placement",
     "mlp_kind",
-    "register_mlp_handler",
 ]
 
 
@@ -66,7 +63,7 @@ class Unit:
     key: tuple  # ("embed",) | ("norm",) | ("lm_head",) | ("layer", global_layer, megatron_suffix)
     stage: int  # pipeline rank holding it
     chunk: int  # virtual-pipeline chunk on that stage
-    kind: str  # layout kind, see sources/layout.py
+    kind: Layout  # its TP layout kind (sources/layout.py)
     names: tuple[str, ...]  # HF names, in order
     shapes: tuple[tuple[int, ...], ...]  # full HF shapes
     shard_shape: tuple[int, ...]  # the Megatron parameter's shape on each TP rank
@@ -98,17 +95,7 @@ def _shapes(suffix: str, g: Geometry) -> tuple[tuple[int, ...], ...]:
     return ((h,),)
 
 
-# ---- MLP handlers -------------------------------------------------------------------------------
-
-#: ``handler(family, hf_config, mcfg, layer, local_names) -> {megatron suffix: Entry}`` in HF order.
-MLPHandler = Callable[[Family, Any, Any, int, list[str]], dict[str, Entry]]
-_MLP_HANDLERS: dict[str, MLPHandler] = {}
-
-
-def register_mlp_handler(kind: str, handler: MLPHandler) -> None:
-    """Register (or replace) the handler for one ``mlp_kind``."""
-    _MLP_HANDLERS[kind] = handler
-
+# ---- MLP half of a layer ------------------------------------------------------------------------------
 
 def mlp_kind(mcfg: Any, layer: int) -> str:
     """``"dense"`` or ``"moe"`` for global layer ``layer`` (0-based), from Megatron's config only."""
@@ -120,20 +107,14 @@ def mlp_kind(mcfg: Any, layer: int) -> str:
     return "moe" if freq[layer] else "dense"
 
 
-def _dense_mlp(family: Family, hf_config: Any, mcfg: Any, layer: int, local: list[str]) -> dict:
-    keys = family.layer_keys(hf_config)
-    return {k: e for k, e in keys.items() if k in DENSE_MLP}
-
-
-def _moe_norm(family: Family, hf_config: Any, mcfg: Any, layer: int, local: list[str]) -> dict:
-    """A MoE layer's plan units: only its pre-MLP norm. The router, routed and shared experts are
-    exported by ``MegatronMoEExporter`` (``sources/megatron_experts.py``), which ``MegatronSource``
-    runs right after this layer's units; ``_bind`` lets it claim the layer's ``mlp.*`` parameters."""
-    return {"pre_mlp_layernorm.weight": DENSE_MLP["pre_mlp_layernorm.weight"]}
-
-
-register_mlp_handler("dense", _dense_mlp)
-register_mlp_handler("moe", _moe_norm)
+def _mlp_entries(family: Family, hf_config: Any, kind: str) -> dict[str, Entry]:
+    """The MLP half of a layer's plan units. A MoE layer's: only its pre-MLP norm; the router, routed
+    and shared experts are exported by ``MegatronMoEExporter`` (``sources/megatron/moe.py``),
+    which ``MegatronSource`` runs right after this layer's units (``_bind`` lets it claim the layer's
+    ``mlp.*`` parameters)."""
+    if kind == "moe":
+        return {"pre_mlp_layernorm.weight": DENSE_MLP["pre_mlp_layernorm.weight"]}
+    return {k: e for k, e in family.layer_keys(hf_config).items() if k in DENSE_MLP}
 
 
 # ---- layer placement ----------------------------------------------------------------------------
@@ -191,29 +172,27 @@ def build_plan(
 
     def global_unit(megatron_name: str, stage: int, chunk: int) -> Unit:
         role, entry = GLOBAL[megatron_name]
-        full = (g.vocab, g.hidden) if entry.kind == "vocab" else (g.hidden,)
-        shard = (g.padded_vocab // g.tp, g.hidden) if entry.kind == "vocab" else (g.hidden,)
-        return Unit((role,), stage, chunk, entry.kind, entry.hf, (full,), shard)
+        kind = layout(entry.kind)
+        full = (g.vocab, g.hidden) if kind is VOCAB else (g.hidden,)
+        shard = (g.padded_vocab // g.tp, g.hidden) if kind is VOCAB else (g.hidden,)
+        return Unit((role,), stage, chunk, kind, entry.hf, (full,), shard)
 
     units.append(global_unit("embedding.word_embeddings.weight", 0, 0))
     if attention is None:
         attention = {k: e for k, e in family.layer_keys(hf_config).items() if k not in DENSE_MLP}
     for layer, (stage, chunk, _) in enumerate(placement):
-        kind = mlp_kind(mcfg, layer)
-        handler = _MLP_HANDLERS.get(kind)
-        if handler is None:
-            raise UnmappedParameterError(f"layer {layer}: no MLP handler registered for {kind!r}")
-        mlp = handler(family, hf_config, mcfg, layer, local_layer_names.get(layer, []))
+        mlp = _mlp_entries(family, hf_config, mlp_kind(mcfg, layer))
         prefix = HF_LAYER_PREFIX.format(layer)
         for suffix, entry in {**attention, **mlp}.items():
             full = _shapes(suffix, g)
-            shard = shard_shape(entry.kind, full, g.tp)
+            kind = layout(entry.kind)
+            shard = kind.shard_shape(full, g.tp)
             units.append(
                 Unit(
                     ("layer", layer, suffix),
                     stage,
                     chunk,
-                    entry.kind,
+                    kind,
                     tuple(prefix + h for h in entry.hf),
                     full,
                     shard,

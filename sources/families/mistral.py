@@ -1,0 +1,6 @@
+"""Mistral (``MistralForCausalLM``): Llama's layout without biases (sliding windows change
+attention, not tensors)."""
+
+from .base import Family
+
+FAMILY = Family("mistral", ("MistralForCausalLM",))

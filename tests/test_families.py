@@ -1,0 +1,51 @@
+"""The family registry (``weightsync.sources.families``): one module per family, listed without
+importing torch, and one ``TransformerConfig`` table per family that the builder builds from and
+``MegatronSource`` checks against (no world, no Megatron model)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from weightsync.sources import families
+
+EXPECTED = ("deepseek_v3", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+
+
+def test_registry_lists_one_module_per_family_without_importing_torch():
+    code = (
+        "import sys; from weightsync.sources import families; print(','.join(families.model_types())); "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    listed, torch_loaded = out.stdout.split()
+    assert tuple(listed.split(",")) == EXPECTED
+    assert torch_loaded == "False"
+    here = os.path.dirname(families.__file__)
+    modules = sorted(f[:-3] for f in os.listdir(here) if f.endswith(".py") and f not in ("__init__.py", "base.py"))
+    assert tuple(modules) == EXPECTED
+    for t in EXPECTED:
+        fam = families.get(t)
+        assert fam.name == t and fam.architectures
+    with pytest.raises(KeyError):
+        families.get("gpt2")
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-qwen3-moe",
+                                    "tiny-mixtral", "tiny-deepseek-v3"])
+def test_the_builder_builds_exactly_the_family_table(preset):
+    """Every field of the family's table is set on the builder's config to the table's value: there
+    is no second mapping from HF config to TransformerConfig (the source checks the same table)."""
+    from weightsync.plugins.megatron_build import MegatronParallel, SUPPORTED_MODEL_TYPES, megatron_config
+    from weightsync.plugins.presets import MEGATRON_MODEL_TYPES, load_config
+
+    assert SUPPORTED_MODEL_TYPES == MEGATRON_MODEL_TYPES == families.model_types()
+    hf = load_config(preset)
+    table = families.family_for(hf).megatron_fields(hf)
+    assert {"num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"} <= set(table)
+    mcfg = megatron_config(hf, MegatronParallel())
+    wrong = {f: (v.value, getattr(mcfg, f)) for f, v in table.items() if getattr(mcfg, f) != v.value}
+    assert wrong == {}
