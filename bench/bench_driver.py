@@ -19,7 +19,6 @@ import statistics
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))

@@ -8,7 +8,7 @@ the figure is the median after one warm-up pass each.
 
 What to expect: the same number of collectives (A/B join their base weight's batched gather); more
 bytes received, because a merged weight and its A/B travel in their own dtype (fp32 here) and are
-cast after the merge -- the exactness price (see ``sources/lora.py``); plus the ``B @ A`` matmuls.
+cast after the merge -- the exactness price (see ``sources/fsdp/lora.py``); plus the ``B @ A`` matmuls.
 
     python bench/bench_lora.py
     python bench/bench_lora.py --hidden 512 --layers 8 --rank 32 --reps 7

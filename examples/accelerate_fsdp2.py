@@ -24,7 +24,7 @@ from accelerate.utils import FullyShardedDataParallelPlugin
 from common import Target, add_args, build_model, init_process_group, receiver_model, tiny_llama_config
 from weightsync.plugins.accelerate import source_from_accelerator
 from weightsync.plugins.sync import WeightSync
-from weightsync.sources.logs import configure_logging
+from weightsync.sources import configure_logging
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 from common import Target, add_args, build_model, init_process_group, receiver_model, tiny_llama_config
 from weightsync.plugins.sync import WeightSync
 from weightsync.sources import FSDPSource
-from weightsync.sources.logs import configure_logging
+from weightsync.sources import configure_logging
 
 
 def rollouts(client, stop: threading.Event, seen: list) -> None:

@@ -27,7 +27,7 @@ from common import Target, add_args, build_model, init_process_group, receiver_m
 from weightsync.plugins.accelerate import source_from_accelerator
 from weightsync.plugins.sync import WeightSync
 from weightsync.plugins.transformers import WeightSyncCallback
-from weightsync.sources.logs import configure_logging
+from weightsync.sources import configure_logging
 
 
 class RandomTokens(Dataset):

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from common import Target, add_args, build_model, init_process_group, receiver_model, tiny_llama_config
 from weightsync.plugins.sync import WeightSync
 from weightsync.sources import FSDPSource
-from weightsync.sources.logs import configure_logging
+from weightsync.sources import configure_logging
 
 #: fp32 logits of the unmerged LoRA forward and a plain model holding the merged weights.
 MERGED_VS_UNMERGED_REL = 1e-4

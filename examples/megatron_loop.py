@@ -24,7 +24,7 @@ import torch
 
 from common import Target, add_args, init_process_group, receiver_model, tiny_llama_config
 from weightsync.plugins.hooks.megatron import MegatronWeightSync
-from weightsync.sources.logs import configure_logging
+from weightsync.sources import configure_logging
 
 
 def build_chunks(hf, tp: int, pp: int, vpp: int | None):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import (
+from .core.errors import (
     CrossRankMismatchError,
     IntegrityError,
     MetadataMismatchError,
@@ -31,36 +31,36 @@ from .errors import (
     ExchangeError,
     WeightSyncError,
 )
-from .logs import configure_logging, get_logger
-from .stats import PassStats
+from .core.logs import configure_logging, get_logger
+from .core.stats import PassStats
 
-# Lazy (PEP 562): ``weightsync.sources.errors`` and friends stay importable without vLLM, whose import
+# Lazy (PEP 562): ``weightsync.sources.core.errors`` and friends stay importable without vLLM, whose import
 # costs seconds; a loopback receiver process or a CLI usage error never pays it.
 _LAZY = {
-    "CheckedSource": ".check",
-    "checked": ".check",
-    "check_stream": ".check",
-    "verify_metadata_agreement": ".check",
-    "FSDPSource": ".fsdp",
+    "CheckedSource": ".core.check",
+    "checked": ".core.check",
+    "check_stream": ".core.check",
+    "verify_metadata_agreement": ".core.check",
+    "FSDPSource": ".fsdp.source",
     "MegatronSource": ".megatron",
-    "SafetensorsSource": ".safetensors_source",
+    "SafetensorsSource": ".checkpoint.reader",
     # what weightsync.plugins builds on (the only sources names plugins import; see pyproject's
     # import-linter contracts): cross-rank agreement and bounded waits, integrity, HF naming, the
     # safetensors format
-    "control_group": ".check",
-    "DEFAULT_TIMEOUT_S": ".groups",
-    "Board": ".groups",
-    "active_board": ".groups",
-    "group_ranks": ".groups",
-    "next_tag": ".groups",
-    "checksum": ".integrity",
-    "checksum_tensor": ".integrity",
-    "hf_root": ".naming",
-    "INDEX_FILE": ".safetensors_source",
-    "SINGLE_FILE": ".safetensors_source",
-    "MAX_HEADER_BYTES": ".safetensors_source",
-    "SAFETENSORS_DTYPES": ".safetensors_source",
-    "read_checkpoint": ".safetensors_source",
+    "control_group": ".core.check",
+    "DEFAULT_TIMEOUT_S": ".core.waits",
+    "Board": ".core.waits",
+    "active_board": ".core.waits",
+    "group_ranks": ".core.waits",
+    "next_tag": ".core.waits",
+    "checksum": ".core.integrity",
+    "checksum_tensor": ".core.integrity",
+    "hf_root": ".core.naming",
+    "INDEX_FILE": ".checkpoint.reader",
+    "SINGLE_FILE": ".checkpoint.reader",
+    "MAX_HEADER_BYTES": ".checkpoint.reader",
+    "SAFETENSORS_DTYPES": ".checkpoint.reader",
+    "read_checkpoint": ".checkpoint.reader",
     # the model families (sources/families/: plain data, no torch) the Megatron builder reads
     "family_for": ".families",
     "model_types": ".families",

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from . import families
-from .errors import UnmappedParameterError
-from .experts import ExpertLayerSpec, expert_names, is_fused_expert_param
+from .core.errors import UnmappedParameterError
+from .core.experts import ExpertLayerSpec, expert_names, is_fused_expert_param
 
 __all__ = ["HFMoELayer", "HFMoENames"]
 

@@ -120,7 +120,7 @@ def snapshot_diff(a: dict, b: dict) -> list[str]:
 
 
 def meta_facts(metadata) -> list[tuple]:
-    from weightsync.sources.check import meta_entry
+    from weightsync.sources.core.check import meta_entry
 
     return [meta_entry(m) for m in metadata]
 

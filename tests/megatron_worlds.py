@@ -2,7 +2,7 @@
 test-only HF -> Megatron importer.
 
 The importer writes Megatron's fused layouts *by index* (which row of ``linear_qkv`` is which head,
-which rows of a ``linear_fc1`` shard are gate), independently of ``sources/layout.py``; megatron-core
+which rows of a ``linear_fc1`` shard are gate), independently of ``sources/core/layout.py``; megatron-core
 ships no HF importer. Its last word is the GPU logits check (another issue); on CPU the layout is
 also checked against Megatron's own ``get_query_key_value_tensors`` (test_megatron.py).
 """

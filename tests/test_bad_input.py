@@ -59,7 +59,7 @@ class ToySource(WeightSource):
         if not self.gather:
             yield from self._pairs()
             return
-        from weightsync.sources.groups import bounded_group, wait_bounded
+        from weightsync.sources.core.waits import bounded_group, wait_bounded
 
         world, rank = dist.get_world_size(), dist.get_rank()
         group = bounded_group(timeout_s=TIMEOUT_S, purpose="pass")
@@ -102,7 +102,7 @@ class _GarbledStore:
 def _garbled_pass(source, garble: dict, *, on_rank: int):
     """Drain ``source`` once; on ``on_rank`` the pass's board reads rank values through
     ``_GarbledStore`` (board exchange ``x/<step>/<rank>`` keys)."""
-    from weightsync.sources import groups
+    from weightsync.sources.core import waits as groups
 
     init = groups.Board.__init__
 
@@ -320,7 +320,7 @@ def _faulty_receiver(model):
 def _full_checksums(model):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from weightsync.sources.integrity import checksum
+    from weightsync.sources.core.integrity import checksum
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {k: checksum(v) for k, v in sd.items()}

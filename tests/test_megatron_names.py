@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import megatron_worlds as mw
-from weightsync.sources.errors import UnmappedParameterError
+from weightsync.sources.core.errors import UnmappedParameterError
 from weightsync.sources.families import megatron_to_hf
-from weightsync.sources.layout import vocab_is_chunked, vocab_rows
+from weightsync.sources.core.layout import vocab_is_chunked, vocab_rows
 
 
 @pytest.mark.parametrize("family", mw.FAMILIES)

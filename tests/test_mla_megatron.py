@@ -417,7 +417,7 @@ def test_sparse_attention_variant_is_refused_by_name():
 
     import mla_models as mm
 
-    from weightsync.sources.errors import UnmappedParameterError
+    from weightsync.sources.core.errors import UnmappedParameterError
     from weightsync.sources.megatron.mla import mla_geometry
 
     mcfg = SimpleNamespace(multi_latent_attention=True, qk_layernorm=True, rotary_interleaved=False,

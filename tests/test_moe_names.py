@@ -11,8 +11,8 @@ import pytest
 import torch
 from moe_models import FAMILIES, fused_params, saved_state_dict, tiny_model
 
-from weightsync.sources.errors import UnmappedParameterError
-from weightsync.sources.experts import (
+from weightsync.sources.core.errors import UnmappedParameterError
+from weightsync.sources.core.experts import (
     ExpertLayerSpec,
     ExpertTransform,
     FusedExpertBuffer,

@@ -138,15 +138,15 @@ def _open_groups_back_to_back(index: int, rounds: int, queue) -> None:
             receiver = LoopbackReceiver(torch.nn.Linear(2, 2))
             joined: dict = {}
 
-            def receive() -> None:
+            def receive(receiver: LoopbackReceiver, port: int, joined: dict) -> None:
                 receiver.init_weight_transfer_engine(
-                    {"master_address": "127.0.0.1", "master_port": store.port, "world_size": 2}
+                    {"master_address": "127.0.0.1", "master_port": port, "world_size": 2}
                 )
                 y = torch.zeros(4)
                 receiver._group.broadcast([y], opts).wait()
                 joined["got"] = y.tolist()
 
-            t = threading.Thread(target=receive, daemon=True)
+            t = threading.Thread(target=receive, args=(receiver, store.port, joined), daemon=True)
             t.start()
             group = join_transport_group(store, rank=0, world_size=2, timeout_s=60)
             group.broadcast([torch.arange(4, dtype=torch.float32)], opts).wait()  # a real collective
@@ -163,7 +163,7 @@ def _open_groups_back_to_back(index: int, rounds: int, queue) -> None:
 
 def test_loopback_groups_open_back_to_back_in_parallel_on_port_0_without_a_collision():
     from weightsync.plugins.loopback_server.transport import open_transport_store
-    from weightsync.sources.errors import WeightSyncError
+    from weightsync.sources.core.errors import WeightSyncError
 
     procs, rounds = 3, 15
     queue = CONTEXT.Queue()

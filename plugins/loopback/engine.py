@@ -18,7 +18,7 @@ trainer-side gathers line up. What it adds, and why:
   that all ranks hold the same metadata, so a divergent rank raises instead of hanging;
 * a go/no-go handshake before the first byte: a receiver that rejects the update info (unknown
   name, wrong shape or dtype) makes the sender raise before anything is broadcast;
-* optional per-parameter checksum (``weightsync.sources.integrity.checksum_tensor``) of the bytes
+* optional per-parameter checksum (``weightsync.sources.core.integrity.checksum_tensor``) of the bytes
   sent, shipped after the stream and checked by the receiver (vLLM's receivers verify nothing end
   to end);
 * the outcome is agreed across trainer ranks at the end of ``send_weights``: if the sender failed,

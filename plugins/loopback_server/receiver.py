@@ -17,7 +17,7 @@ Invariants:
   ``plan_chunks`` as the sender -- even when loading a parameter fails (the error is raised after
   the stream) -- so it never leaves the sender blocked mid-stream and the transport stays aligned
   for the next round of the same engine.
-* With ``checksums`` on, ``weightsync.sources.integrity.checksum_tensor`` of every received
+* With ``checksums`` on, ``weightsync.sources.core.integrity.checksum_tensor`` of every received
   parameter (its bytes as received, before loading) is compared with the sender's after the stream;
   a mismatch raises ``ChecksumMismatchError`` (an ``IntegrityError``) naming the parameter(s) and
   marks the round failed. The receiver also reports them (``weight_checksums()``, the
@@ -26,7 +26,7 @@ Invariants:
 vLLM's own receivers verify nothing end to end: the NCCL/IPC engines load whatever bytes arrive.
 The closest vLLM 0.33 offers is the dev-mode ``/weight_checker`` route, a SHA-256 per *vLLM-layout*
 parameter computed after loading (fused ``qkv_proj`` etc.), which a trainer cannot compute from its
-checkpoint-named tensors without re-doing vLLM's fusion (see ``weightsync.sources.integrity``). The
+checkpoint-named tensors without re-doing vLLM's fusion (see ``weightsync.sources.core.integrity``). The
 loopback checksums cover the wire.
 """
 
@@ -340,5 +340,5 @@ class LoopbackReceiver:
 
     def weight_checksums(self) -> dict[str, str]:
         """``{checkpoint name: integrity.checksum}`` of what the last round received, as received
-        (``weightsync.sources.integrity.ReportsChecksums``)."""
+        (``weightsync.sources.core.integrity.ReportsChecksums``)."""
         return dict(self._checksums)

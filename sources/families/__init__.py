@@ -30,7 +30,7 @@ import pkgutil
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import UnmappedParameterError
+from ..core.errors import UnmappedParameterError
 from .base import GLOBAL, HF_LAYER_PREFIX, Entry, Family, MoERoles, canonical_suffix, rope_theta
 
 __all__ = [

@@ -21,7 +21,7 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ..errors import UnmappedParameterError
+from ..core.errors import UnmappedParameterError
 from .base import Entry, Family, Field, MoERoles, moe_fields, rope_theta
 
 __all__ = ["FAMILY", "MLA", "MLATensor", "MEGATRON_REFUSALS", "hf_rope"]

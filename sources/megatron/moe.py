@@ -1,7 +1,7 @@
 """Megatron-core MoE layers -> Hugging Face checkpoint tensors, gathered to rank 0 with bounded memory.
 
 One MoE layer of a ``GPTModel`` exports: router weight, router expert bias (a buffer), the routed
-experts (``per_expert`` or ``fused`` wire layout, ``sources/experts.py``), shared experts and the
+experts (``per_expert`` or ``fused`` wire layout, ``sources/core/experts.py``), shared experts and the
 shared-expert gate. Names come from ``HFMoENames`` (transformers' own reversal), layout math from
 ``experts.py`` / ``layout.py``; this file only knows where Megatron keeps each piece:
 
@@ -39,8 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import UnmappedParameterError
-from ..experts import (
+from ..core.errors import UnmappedParameterError
+from ..core.experts import (
     DEFAULT_EXPERT_BATCH_BYTES,
     ExpertLayout,
     FusedExpertBuffer,
@@ -48,13 +48,13 @@ from ..experts import (
     default_expert_layout,
     expert_batches,
 )
-from ..groups import DEFAULT_TIMEOUT_S
-from ..layout import GLU_LAYOUT, ROW
-from ..logs import get_logger
+from ..core.waits import DEFAULT_TIMEOUT_S
+from ..core.layout import GLU_LAYOUT, ROW
+from ..core.logs import get_logger
 from ..moe_names import HFMoELayer, HFMoENames
-from ..p2p import Piece, gather_to
-from ..stats import PassStats
-from ..wire import WirePolicy
+from ..core.p2p import Piece, gather_to
+from ..core.stats import PassStats
+from ..core.dtype_policy import WirePolicy
 
 __all__ = [
     "expert_format",
@@ -308,7 +308,7 @@ class MegatronMoEExporter:
     def _placement(self) -> None:
         if self._coords is not None:
             return
-        from ..check import control_group
+        from ..core.check import control_group
 
         mine = Coords.mine()
         coords: list[Any] = [None] * dist.get_world_size()

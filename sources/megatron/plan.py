@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..families.base import DENSE_MLP, GLOBAL, HF_LAYER_PREFIX, Entry, Family
-from ..layout import VOCAB, Layout, layout
+from ..core.layout import VOCAB, Layout, layout
 from .mla import MLAGeometry, mla_full_shapes
 
 __all__ = [
@@ -63,7 +63,7 @@ class Unit:
     key: tuple  # ("embed",) | ("norm",) | ("lm_head",) | ("layer", global_layer, megatron_suffix)
     stage: int  # pipeline rank holding it
     chunk: int  # virtual-pipeline chunk on that stage
-    kind: Layout  # its TP layout kind (sources/layout.py)
+    kind: Layout  # its TP layout kind (sources/core/layout.py)
     names: tuple[str, ...]  # HF names, in order
     shapes: tuple[tuple[int, ...], ...]  # full HF shapes
     shard_shape: tuple[int, ...]  # the Megatron parameter's shape on each TP rank

@@ -50,22 +50,22 @@ from typing import Any, Literal
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, Replicate, Shard, WeightSource
 
-from ..check import DEFAULT_TIMEOUT_S, check_stream, local_shape, verify_metadata_agreement
-from ..errors import UnmappedParameterError
+from ..core.check import DEFAULT_TIMEOUT_S, check_stream, local_shape, verify_metadata_agreement
+from ..core.errors import UnmappedParameterError
 from ..families import Family, family_for
 from ..families.base import DENSE_MLP, Entry
-from ..layout import VOCAB, vocab_is_chunked, vocab_rows
-from ..logs import get_logger
+from ..core.layout import VOCAB, vocab_is_chunked, vocab_rows
+from ..core.logs import get_logger
 from .whole_units import LocalStep, local_step, mark_precast, nbytes, precast
 from .moe import MegatronMoEExporter, expert_format, megatron_moe_suffixes
 from .mla import mla_geometry, resolve_kinds
 from .plan import Geometry, Unit, build_plan, mlp_kind
 from .topology import Topology, megatron_topology
 from .walk import Bound, model_chunks, walk_chunks
-from ..p2p import Piece, gather_to
-from ..experts import DEFAULT_EXPERT_BATCH_BYTES, ExpertLayout
-from ..stats import PassStats
-from ..wire import WirePolicy
+from ..core.p2p import Piece, gather_to
+from ..core.experts import DEFAULT_EXPERT_BATCH_BYTES, ExpertLayout
+from ..core.stats import PassStats
+from ..core.dtype_policy import WirePolicy
 
 __all__ = ["MegatronSource"]
 

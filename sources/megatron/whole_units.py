@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..layout import Layout
+from ..core.layout import Layout
 
 __all__ = ["LocalStep", "local_step", "mark_precast", "precast", "PRECAST_MAX_NUMEL", "PRECAST_CAP_BYTES"]
 

@@ -169,6 +169,7 @@ def run_source(kind: str, family: str, device: str, mode: str, client, facts: Fa
         client.call("build", (cfg, dtype, 1000 + packed, True))
         eng = trainer_engine(mode, client=client, source=src, packed=packed, buffer_bytes=PACKED_BUFFER_BYTES)
         try:
+            first: list = []  # refit 1's export, compared with refit 2's
             for refit in (1, 2):
                 if refit == 2:
                     with torch.no_grad():  # the trainer's weights change between refits

@@ -34,7 +34,6 @@ import os
 import re
 import sys
 import tempfile
-from collections import Counter
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .layout import chunk_rows
-from .stats import PassStats
+from ..core.layout import chunk_rows
+from ..core.stats import PassStats
 
 __all__ = [
     "chunk_rows",
@@ -208,7 +208,7 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, *, what: str, timeo
     if dist.get_backend(group) != "gloo":
         fn(out, inp, group=group)
         return
-    from .groups import wait_bounded
+    from ..core.waits import wait_bounded
 
     work = fn(out, inp, group=group, async_op=True)
     wait_bounded(work, ranks=dist.get_process_group_ranks(group), what=what, timeout_s=timeout_s)

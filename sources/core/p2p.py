@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .groups import wait_p2p
+from .waits import wait_p2p
 from .stats import PassStats
 
 __all__ = ["Piece", "gather_to"]

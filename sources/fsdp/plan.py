@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .fsdp_gather import batchable_axis, gather_device
+from .gather import batchable_axis, gather_device
 
 __all__ = ["fsdp_units", "Step", "plan_steps", "is_dtensor", "is_member", "dtensor_layout"]
 

@@ -18,7 +18,7 @@ and ``vllm/model_executor/model_loader/weight_checksum.py``):
   *loaded* parameter (after vLLM fused q/k/v and gate/up, sharded by vLLM's TP, possibly quantized).
   Its keys and bytes are not the checkpoint tensors the trainer sent, so it cannot be compared with
   trainer checksums; it can tell whether the served weights changed at all (see
-  ``weightsync.plugins.preflight.check_weights_changed``). ``"reset"`` zeroes every weight;
+  ``weightsync.plugins.sync.check_weights_changed``). ``"reset"`` zeroes every weight;
   ``"compare"`` diffs against a baseline the caller supplies.
 * ``GET /weight_info`` returns only ``{"weight_version": ...}``.
 * No engine reports per-parameter checksums of what it received; the NCCL / IPC worker engines load

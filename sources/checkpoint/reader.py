@@ -66,11 +66,11 @@ import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from .errors import CheckpointError
-from .groups import DEFAULT_TIMEOUT_S, Board, group_ranks, next_tag
-from .logs import get_logger
-from .stats import PassStats
-from .wire import WirePolicy
+from ..core.errors import CheckpointError
+from ..core.waits import DEFAULT_TIMEOUT_S, Board, group_ranks, next_tag
+from ..core.logs import get_logger
+from ..core.stats import PassStats
+from ..core.dtype_policy import WirePolicy
 
 __all__ = [
     "SafetensorsSource",

@@ -51,8 +51,8 @@ import torch
 from torch import nn
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from .check import DEFAULT_TIMEOUT_S, check_stream, local_shape, verify_metadata_agreement
-from .fsdp_gather import (
+from ..core.check import DEFAULT_TIMEOUT_S, check_stream, local_shape, verify_metadata_agreement
+from .gather import (
     BatchedGather,
     ShardPiece,
     after_default_stream,
@@ -60,12 +60,12 @@ from .fsdp_gather import (
     gather_device,
     local_of,
 )
-from .fsdp_plan import dtensor_layout, fsdp_units, is_dtensor, is_member, plan_steps
-from .logs import current_rank, get_logger
+from .plan import dtensor_layout, fsdp_units, is_dtensor, is_member, plan_steps
+from ..core.logs import current_rank, get_logger
 from .lora import LoraMerge, LoraPlan, UnsupportedAdapterError, merge_lora
-from .naming import CheckpointEntry, TensorTransform, checkpoint_entries
-from .stats import PassStats
-from .wire import WirePolicy
+from ..core.naming import CheckpointEntry, TensorTransform, checkpoint_entries
+from ..core.stats import PassStats
+from ..core.dtype_policy import WirePolicy
 
 __all__ = ["FSDPSource"]
 
@@ -103,7 +103,7 @@ class FSDPSource(WeightSource):
     A PEFT LoRA model (``get_peft_model(...)``, wrapped and sharded like any model) exports the
     merged base checkpoint -- what ``merge_and_unload().save_pretrained()`` writes -- without
     modifying the model; unsupported adapters (DoRA, LoRA on embeddings, other tuners, ...) raise
-    ``lora.UnsupportedAdapterError`` here, on every rank. See ``sources/lora.py``.
+    ``lora.UnsupportedAdapterError`` here, on every rank. See ``sources/fsdp/lora.py``.
     """
 
     def __init__(
@@ -519,14 +519,14 @@ def _expert_transform(
     names and global shapes only (no collective), so every rank decides the same way -- and an
     expert layout transformers cannot map raises here, on every rank, before bytes move.
     """
-    from .errors import UnmappedParameterError
-    from .experts import (
+    from ..core.errors import UnmappedParameterError
+    from ..core.experts import (
         ExpertTransform,
         check_expert_layout,
         default_expert_layout,
         is_fused_expert_param,
     )
-    from .naming import _wrapper_paths, checkpoint_name
+    from ..core.naming import _wrapper_paths, checkpoint_name
 
     check_expert_layout(expert_layout)
     if expert_layout is None:

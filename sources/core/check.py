@@ -36,7 +36,7 @@ import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from .errors import CrossRankMismatchError, MetadataMismatchError, WeightSyncError
-from .groups import (
+from .waits import (
     DEFAULT_TIMEOUT_S,
     Board,
     PeerFailedError,
