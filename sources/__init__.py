@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .core import errors as _errors
 from .core.errors import (
     CrossRankMismatchError,
     IntegrityError,
@@ -75,19 +76,7 @@ __all__ = [
     "checked",
     "check_stream",
     "verify_metadata_agreement",
-    "WeightSyncError",
-    "MetadataMismatchError",
-    "CrossRankMismatchError",
-    "SyncTimeoutError",
-    "UnmappedParameterError",
-    "SilentTransportError",
-    "PeerFailedError",
-    "IntegrityError",
-    "PreflightError",
-    "UnsupportedAdapterError",
-    "AdapterStateError",
-    "CheckpointError",
-    "ExchangeError",
+    *_errors.__all__,  # every weightsync error, as core/errors.py lists them
     # for weightsync.plugins (see _LAZY)
     "get_logger",
     "configure_logging",
