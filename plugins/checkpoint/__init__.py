@@ -3,11 +3,12 @@ straight from any ``WeightSource``, the files ``save_pretrained`` writes, all or
 
 * ``writer`` -- ``save_safetensors``: the collective pass, the writer rank, the cross-rank outcome;
 * ``plan`` -- every file, header and byte offset, planned from the metadata before any byte moves;
-* ``files`` -- the staging folder renamed into place at the end (``StagedFolder``).
+* ``files`` -- the staging folder renamed into place at the end (``StagedFolder``);
+* ``queue`` -- the writer thread: host copies and ``pwrite`` overlap the source's next gathers.
 """
 
 from __future__ import annotations
 
-from .writer import DEFAULT_MAX_SHARD_BYTES, SaveReport, save_safetensors
+from .writer import DEFAULT_MAX_SHARD_BYTES, DEFAULT_WRITE_QUEUE_BYTES, SaveReport, save_safetensors
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "SaveReport", "save_safetensors"]
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "DEFAULT_WRITE_QUEUE_BYTES", "SaveReport", "save_safetensors"]

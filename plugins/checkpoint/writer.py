@@ -10,10 +10,15 @@ streams each tensor into its planned place as it arrives. What it guarantees:
   5 for the same tensors; ``config.json`` and ``generation_config.json`` are written with transformers'
   own ``save_pretrained`` of a copy of the config (``dtype`` = the first floating wire dtype,
   ``architectures`` = the model class), as ``save_pretrained`` does.
+* **Writes overlap the source.** The writer's host copies and ``pwrite``s run on a thread
+  (``queue.WriteQueue``) while the calling thread drives the source on (its next gathers and
+  collectives); ``write_queue_bytes=0`` writes synchronously.
 * **Bounded memory.** The writer holds the plan's headers plus at most one tensor's host copy (none
   for a contiguous CPU tensor: its bytes go from the tensor to the file), never a shard, never the
-  model; ``SaveReport.peak_extra_bytes`` is that figure, tracked. What the source itself holds during
-  its pass (an FSDP unit's gather) is the source's, as for any sync.
+  model; ``SaveReport.peak_extra_bytes`` is that figure, tracked. On top, the write queue keeps
+  yielded tensors until they are written: at most ``max(write_queue_bytes, largest tensor)``
+  (default 256 MiB), measured as ``SaveReport.peak_queued_bytes``. What the source itself holds
+  during its pass (an FSDP unit's gather, the next one posted ahead) is the source's, as for any sync.
 * **Checked stream.** The source runs under ``checked()`` (cross-rank metadata agreement, the stream
   against metadata on every rank, the end-of-pass count exchange), and the writer compares every
   tensor with the plan (name, dtype, shape, order, byte count) before writing it.
@@ -63,9 +68,10 @@ from weightsync.sources import (
 )
 
 from .files import StagedFolder
+from .queue import DEFAULT_WRITE_QUEUE_BYTES, WriteQueue
 from .plan import INDEX_FILE, CheckpointPlan, model_class, plan_checkpoint, transformers_save_layout
 
-__all__ = ["save_safetensors", "SaveReport", "DEFAULT_MAX_SHARD_BYTES"]
+__all__ = ["save_safetensors", "SaveReport", "DEFAULT_MAX_SHARD_BYTES", "DEFAULT_WRITE_QUEUE_BYTES"]
 
 logger = get_logger(__name__)
 
@@ -79,7 +85,9 @@ class SaveReport:
 
     ``files``: every file in the folder (shards, index, configs). ``total_size``: tensor bytes, as the
     index's ``metadata.total_size``. ``peak_extra_bytes``: the writer's most bytes held at once beyond
-    what the source yielded (headers + one tensor's host copy). ``order``: where the shard order came
+    what the source yielded (headers + one tensor's host copy). ``peak_queued_bytes``: the most bytes
+    of yielded tensors held in the write queue at once (``<= max(write_queue_bytes, largest
+    tensor)``; 0 with ``write_queue_bytes=0``). ``order``: where the shard order came
     from (``"transformers"``: a meta instance of the model; ``"metadata"``: the source's order).
     """
 
@@ -89,6 +97,8 @@ class SaveReport:
     total_size: int
     seconds: float
     peak_extra_bytes: int
+    peak_queued_bytes: int
+    write_queue_bytes: int
     writer: int
     num_shards: int
     largest_shard_bytes: int
@@ -183,6 +193,7 @@ def save_safetensors(
     metadata: dict[str, str] | None = None,
     config: Any = None,
     overwrite: bool = False,
+    write_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES,
 ) -> SaveReport:
     """Write ``source``'s tensors as a Hugging Face safetensors checkpoint folder at ``path``.
 
@@ -198,6 +209,9 @@ def save_safetensors(
         config: a transformers ``PretrainedConfig`` to write as ``config.json`` (default: the
             source's ``hf_config`` or its model's ``config`` when present; None writes no config).
         overwrite: replace an existing non-empty folder at ``path`` (atomically, at the end).
+        write_queue_bytes: the writer's tensors are written (host copy + ``pwrite``) on a thread
+            while the source gathers the next ones, with at most this many bytes of tensors queued
+            (a larger tensor alone); 0 writes each tensor before the next is gathered (``queue``).
 
     Returns the ``SaveReport`` on every rank. Raises ``CheckpointError`` on every rank on any failure.
     """
@@ -214,6 +228,10 @@ def save_safetensors(
     committing = False
     try:
         user = _validate_args(max_shard_bytes, metadata, rank)
+        if isinstance(write_queue_bytes, bool) or not isinstance(write_queue_bytes, int) or write_queue_bytes < 0:
+            raise CheckpointError(
+                f"rank {rank}: write_queue_bytes must be a non-negative int, got {write_queue_bytes!r}"
+            )
         stream_source = checked(source, timeout_s=timeout_s)
         meta = list(stream_source.metadata)
         if multi:
@@ -231,7 +249,7 @@ def save_safetensors(
                 "ready", ranks=ranks, timeout_s=timeout_s,
                 what=f"the checkpoint target check (writer rank {writer}, {path})",
             )
-        peak = _stream(stream_source, plan, staged, rank)
+        peak, queued = _stream(stream_source, plan, staged, rank, write_queue_bytes)
         files = [f.name for f in plan.files]
         if staged is not None:
             files += _write_metadata_files(staged, plan, cfg, model, meta)
@@ -242,7 +260,7 @@ def save_safetensors(
             staged.commit()
             staged = None
             logger.info("checkpoint %s: %d tensors, %d bytes in %d file(s)", path, len(plan.tensors), plan.total_size, len(plan.files))
-        verdict = f"{peak}|{int(existed)}|{'|'.join(files)}"
+        verdict = f"{peak},{queued}|{int(existed)}|{'|'.join(files)}"
         if multi:
             verdict = board.exchange(
                 verdict if rank == writer else "", ranks=ranks, timeout_s=timeout_s,
@@ -262,7 +280,8 @@ def save_safetensors(
             else f"checkpoint {path} was not written ({path} is as it was; {who})"
         )
         raise CheckpointError(f"rank {rank}: {outcome}: {type(e).__name__}: {e}") from e
-    peak_s, existed_s, *files = verdict.split("|")
+    peaks_s, existed_s, *files = verdict.split("|")
+    peak_s, queued_s = peaks_s.split(",")
     return SaveReport(
         path=path,
         files=files,
@@ -270,6 +289,8 @@ def save_safetensors(
         total_size=plan.total_size,
         seconds=time.perf_counter() - t0,
         peak_extra_bytes=int(peak_s),
+        peak_queued_bytes=int(queued_s),
+        write_queue_bytes=write_queue_bytes,
         writer=writer,
         num_shards=len(plan.files),
         largest_shard_bytes=plan.largest_file_bytes,
@@ -280,45 +301,57 @@ def save_safetensors(
     )
 
 
-def _stream(source: WeightSource, plan: CheckpointPlan, staged: StagedFolder | None, rank: int) -> int:
+def _stream(
+    source: WeightSource, plan: CheckpointPlan, staged: StagedFolder | None, rank: int, queue_bytes: int
+) -> tuple[int, int]:
     """Drive one ``iter_full`` pass; the writer (``staged`` set) checks each tensor against the plan
-    and writes it. Returns the writer's peak extra bytes (headers + the largest host copy)."""
+    and hands it to a ``WriteQueue`` (written on its thread while the pass goes on; ``queue_bytes=0``:
+    written here). Returns the writer's peak extra bytes (headers + the largest host copy) and the
+    peak bytes of tensors queued for writing."""
     expected = plan.tensors
     headers = sum(len(f.header) for f in plan.files)
-    peak = headers if staged is not None else 0
+    queue = WriteQueue(staged, queue_bytes) if staged is not None else None
     i = 0
     stream = source.iter_full()
-    for name, tensor in stream:
-        if staged is not None:
-            try:
-                if i >= len(expected):
-                    raise CheckpointError(
-                        f"rank {rank}: the source yielded {name!r} after the {len(expected)} planned tensors"
-                    )
-                e = expected[i]
-                if name != e.name or tensor.dtype != e.dtype or tuple(tensor.shape) != e.shape:
-                    raise CheckpointError(
-                        f"rank {rank}: tensor {i} of the stream is {name!r} {tensor.dtype} "
-                        f"{tuple(tensor.shape)}, the plan expects {e.name!r} {e.dtype} {e.shape} "
-                        f"(file {plan.files[e.file].name})"
-                    )
-                peak = max(peak, headers + staged.write(e, tensor))
-            except BaseException as err:
-                # The peers are inside the source's collectives: tell them why before stopping the
-                # pass (closing it posts only "the consumer stopped").
-                board = active_board()
-                if board is not None:
-                    board.fail(f"rank {rank}: the checkpoint writer stopped: {type(err).__name__}: {err}")
-                stream.close()
-                raise
-        i += 1
-        del tensor
-    if staged is not None and i != len(expected):
+    try:
+        for name, tensor in stream:
+            if queue is not None:
+                try:
+                    if i >= len(expected):
+                        raise CheckpointError(
+                            f"rank {rank}: the source yielded {name!r} after the {len(expected)} planned tensors"
+                        )
+                    e = expected[i]
+                    if name != e.name or tensor.dtype != e.dtype or tuple(tensor.shape) != e.shape:
+                        raise CheckpointError(
+                            f"rank {rank}: tensor {i} of the stream is {name!r} {tensor.dtype} "
+                            f"{tuple(tensor.shape)}, the plan expects {e.name!r} {e.dtype} {e.shape} "
+                            f"(file {plan.files[e.file].name})"
+                        )
+                    queue.put(e, tensor)
+                except BaseException as err:
+                    # The peers are inside the source's collectives: tell them why before stopping the
+                    # pass (closing it posts only "the consumer stopped").
+                    board = active_board()
+                    if board is not None:
+                        board.fail(f"rank {rank}: the checkpoint writer stopped: {type(err).__name__}: {err}")
+                    stream.close()
+                    raise
+            i += 1
+            del tensor
+        if queue is not None:
+            queue.finish()  # the last writes (their errors) before the count check and the exchanges
+    finally:
+        if queue is not None:
+            queue.abort()  # on an error: stop the thread before the caller removes the staging folder
+    if queue is not None and i != len(expected):
         raise CheckpointError(
             f"rank {rank}: the source yielded {i} tensors, the plan has {len(expected)}; first "
             f"missing {expected[i].name!r} ({plan.files[expected[i].file].name})"
         )
-    return peak
+    if queue is None:
+        return 0, 0
+    return headers + queue.peak_copy_bytes, queue.peak_queued_bytes
 
 
 def _write_metadata_files(

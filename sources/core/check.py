@@ -347,6 +347,7 @@ class CheckedSource(WeightSource):
         board = Board(next_tag("pass")) if multi else None
         count, last = 0, None
         sums: list[tuple[str, torch.Tensor]] = []
+        inner = stream = None
         if board is not None:
             activate(board)
         try:
@@ -354,7 +355,7 @@ class CheckedSource(WeightSource):
             if multi and self.agree and not self._agreed:
                 verify_metadata_agreement(metadata, timeout_s=self.timeout_s, board=board)
                 self._agreed = True
-            stream = make_iter()
+            stream = inner = make_iter()
             if not getattr(self.source, "checks_stream", False):
                 expected = self._expected()
                 shapes = [local_shape(m, self.rank) for m in expected] if local else None
@@ -394,6 +395,12 @@ class CheckedSource(WeightSource):
             discard_groups()
             raise
         finally:
+            # Close the wrapped pass now (not at garbage collection), while this pass's board is
+            # still active: a source that posted collectives ahead (overlap) waits them out here.
+            for it in (stream, inner):
+                close = getattr(it, "close", None)
+                if callable(close):
+                    close()
             if board is not None:
                 deactivate(board)
 

@@ -2,7 +2,8 @@
 
 Invariant: counters are per rank and per pass (reset when a pass starts), and count only work the
 source itself issued: tensors and bytes it yielded, collectives it launched, and the peak of extra
-bytes it held for gathering beyond the module's own storage.
+bytes it held for gathering beyond the module's own storage (and, of those, the peak held by
+collectives posted ahead of the unit being yielded, when the source overlaps).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ class PassStats:
     collectives: int = 0
     bytes_received: int = 0
     peak_extra_bytes: int = 0
+    #: of ``peak_extra_bytes``: the most bytes held by collectives posted ahead of the unit being
+    #: yielded (overlap; 0 when off or when nothing was posted ahead)
+    ahead_peak_bytes: int = 0
     seconds: float = 0.0
     _t0: float = field(default=0.0, repr=False)
     _extra: int = field(default=0, repr=False)

@@ -18,10 +18,22 @@ Anything else -- ``_StridedShard`` (FSDP+TP), ``Partial``, ``Shard(d>0)``, two s
 goes through ``DTensor.full_tensor()`` (``fallback_full``), which is correct there where a
 hand-rolled concat is not; the local shard is cast (and staged) first, without ``redistribute``.
 
-Streams (CUDA): work runs on the caller's current stream, whatever it is (vLLM's packed NCCL
-producer resumes the iterator inside a side stream). Before packing, the current stream waits for
-the default stream (where the optimizer wrote the shards); before handing out a tensor produced on
-another stream, the current stream waits for that stream and the tensor is recorded on it.
+Posting and collecting. ``BatchedGather.post()`` packs and issues the collective without waiting
+for it; iterating waits for it (bounded on gloo) and unpacks. ``FSDPSource`` posts the next group
+before it yields this one's tensors (``prefetch.GatherPipeline``); posting is always done by the
+thread that iterates, at the same point of the plan on every rank, so every rank issues the same
+collectives in the same order. ``drain()`` waits out a posted gather whose tensors nobody will read
+(a consumer that stopped early): every rank posted it, so it completes, and the group stays aligned.
+
+Streams (CUDA). Without a side stream (``stream=None``, what ``overlap=False`` gives) work runs on
+the caller's current stream, whatever it is (vLLM's packed NCCL producer resumes the iterator inside
+a side stream): before packing, the current stream waits for the default stream (where the optimizer
+wrote the shards). With a side stream (the default), packing and the collective run on it: the side
+stream first waits for the default stream and for the stream current at ``post()``; an event is
+recorded on it after the collective, and each tensor is unpacked on the stream current when the
+consumer resumes the iterator, after that stream waited for the event; the gathered buffer is
+``record_stream``-ed on that stream, so the allocator does not hand its memory to the next gather
+before the unpack ran.
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.layout import chunk_rows
+from ..core.logs import get_logger
 from ..core.stats import PassStats
 
 __all__ = [
@@ -45,9 +58,13 @@ __all__ = [
     "batchable_axis",
     "local_of",
     "after_default_stream",
+    "side_stream",
+    "overlap_default",
 ]
 
 _ALIGN = 16
+
+logger = get_logger(__name__)
 
 
 def local_of(dt) -> torch.Tensor:
@@ -119,8 +136,37 @@ class ShardPiece:
     nbytes: int = 0  # c * row_numel * itemsize (one rank's block of this parameter)
 
 
+def overlap_default() -> bool:
+    """Sources' default for ``overlap=None``: on, unless ``WEIGHTSYNC_OVERLAP`` is ``0``/``false``/
+    ``off``/``no`` (a switch for debugging and for A/B runs of a whole test suite or job)."""
+    import os
+
+    return os.environ.get("WEIGHTSYNC_OVERLAP", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def side_stream(device: torch.device):
+    """The side stream gathers on ``device`` run on when they overlap the consumer (one per device,
+    created on first use), or None off CUDA."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=torch.device("cuda", index))
+    return stream
+
+
+_SIDE_STREAMS: dict[int, object] = {}
+
+
 class BatchedGather:
-    """One all-gather for ``pieces`` over ``group`` (``n`` ranks, this rank at ``index``)."""
+    """One all-gather for ``pieces`` over ``group`` (``n`` ranks, this rank at ``index``).
+
+    ``post()`` packs and issues it (at most once); iterating posts it if needed, waits for it and
+    yields each piece's full tensor; ``drain()`` waits for a posted gather nobody will iterate.
+    Memory accounted in ``stats``: from ``post()`` the send block (released once the collective
+    completed) and the gathered buffer (released when iteration ends or ``drain()`` returns).
+    """
 
     def __init__(
         self,
@@ -132,6 +178,7 @@ class BatchedGather:
         device: torch.device,
         stats: PassStats,
         timeout_s: float,
+        stream=None,
     ) -> None:
         self.pieces = pieces
         self.timeout_s = timeout_s
@@ -140,6 +187,13 @@ class BatchedGather:
         self.index = index
         self.device = device
         self.stats = stats
+        self.stream = stream if device.type == "cuda" else None
+        self._send: torch.Tensor | None = None
+        self._recv: torch.Tensor | None = None
+        self._work = None
+        self._event = None
+        self._posted_on = None
+        self._state = "new"  # new -> posted -> done (waited) -> released
         off = 0
         for p in pieces:
             rows = p.full_shape[0]
@@ -156,11 +210,22 @@ class BatchedGather:
                 )
         self.block_bytes = off
 
-    def __iter__(self) -> Iterator[tuple[object, torch.Tensor]]:
-        n, block = self.n, self.block_bytes
-        after_default_stream(self.device)
+    @property
+    def held_bytes(self) -> int:
+        """Bytes this gather holds once posted: send block + gathered buffer."""
+        return (self.n + 1) * self.block_bytes
+
+    @property
+    def what(self) -> str:
+        return (
+            f"all-gather of {len(self.pieces)} tensor(s) {self.pieces[0].key!r}..{self.pieces[-1].key!r}"
+        )
+
+    def _pack(self) -> None:
+        block = self.block_bytes
         send = torch.empty(block, dtype=torch.uint8, device=self.device)
         self.stats.hold(block)
+        self._send = send
         for p in self.pieces:
             seg = send[p.offset : p.offset + p.nbytes].view(p.wire_dtype).view(
                 p.rows_per_rank, p.row_numel
@@ -171,20 +236,81 @@ class BatchedGather:
                 seg[:rows].copy_(p.local.detach().reshape(rows, p.row_numel))
             if rows < p.rows_per_rank:
                 seg[rows:].zero_()
-        recv = torch.empty(n * block, dtype=torch.uint8, device=self.device)
-        self.stats.hold(n * block)
-        what = f"all-gather of {len(self.pieces)} tensor(s) {self.pieces[0].key!r}..{self.pieces[-1].key!r}"
-        _all_gather(recv, send, self.group, what=what, timeout_s=self.timeout_s)
+        self._recv = torch.empty(self.n * block, dtype=torch.uint8, device=self.device)
+        self.stats.hold(self.n * block)
+
+    def post(self) -> "BatchedGather":
+        """Pack this rank's shards and issue the all-gather, without waiting for it (idempotent)."""
+        if self._state != "new":
+            return self
+        self._posted_on = _current_stream(self.device)
+        if self.stream is None:
+            after_default_stream(self.device)
+            self._pack()
+            self._work = _post_all_gather(self._recv, self._send, self.group)
+        else:
+            side = self.stream
+            side.wait_stream(torch.cuda.default_stream(self.device))  # the optimizer's writes
+            side.wait_stream(torch.cuda.current_stream(self.device))  # whatever the caller did
+            with torch.cuda.stream(side):
+                self._pack()
+                self._work = _post_all_gather(self._recv, self._send, self.group)
+                self._event = side.record_event()
+        self._state = "posted"
         self.stats.collectives += 1
-        self.stats.bytes_received += (n - 1) * block
-        del send
-        self.stats.hold(-block)
-        gathered_on = _current_stream(self.device)
-        table = recv.view(n, block)
+        return self
+
+    def _wait(self) -> None:
+        """Wait for the posted collective (bounded on gloo); release the send block."""
+        if self._state != "posted":
+            return
+        self._state = "done"
+        work, self._work = self._work, None
         try:
+            if work is not None:
+                _wait_all_gather(work, self.group, what=self.what, timeout_s=self.timeout_s)
+        finally:
+            self._send = None
+            self.stats.hold(-self.block_bytes)
+        self.stats.bytes_received += (self.n - 1) * self.block_bytes
+
+    def _release(self) -> None:
+        if self._state in ("posted", "done"):
+            if self._state == "posted":  # never waited: the send block is still accounted
+                self._send = None
+                self.stats.hold(-self.block_bytes)
+            self._recv = None
+            self.stats.hold(-self.n * self.block_bytes)
+            self._state = "released"
+
+    def drain(self) -> None:
+        """Wait out a posted gather whose tensors will not be read, then free its buffers.
+
+        Every rank posted the same collective at the same point of the plan, so it completes once
+        the peers reach it; the wait is bounded (``timeout_s``) on gloo, and its error (a peer that
+        failed or never came) is logged, not raised: this runs while another error propagates."""
+        try:
+            if self._state == "posted":
+                self._wait()
+        except Exception as e:  # noqa: BLE001 - the pass is already failing; say why this one stopped
+            logger.warning("abandoned %s: %s", self.what, e)
+        finally:
+            self._release()
+
+    def __iter__(self) -> Iterator[tuple[object, torch.Tensor]]:
+        self.post()
+        try:
+            self._wait()
+            n, block = self.n, self.block_bytes
+            recv = self._recv
+            gathered_on = self._posted_on
+            table = recv.view(n, block)
             for p in self.pieces:
                 # Unpack lazily, on the stream current at this resume, after the gather's stream.
-                _sync_from(gathered_on, self.device)
+                if self._event is not None:
+                    torch.cuda.current_stream(self.device).wait_event(self._event)
+                else:
+                    _sync_from(gathered_on, self.device)
                 cols = table[:, p.offset : p.offset + p.nbytes].view(p.wire_dtype)
                 out = torch.empty(
                     (n * p.rows_per_rank, p.row_numel), dtype=p.wire_dtype, device=self.device
@@ -195,22 +321,26 @@ class BatchedGather:
                     recv.record_stream(torch.cuda.current_stream(self.device))
                 yield p.key, full
         finally:
-            del table, recv
-            self.stats.hold(-n * block)
+            self.drain()
 
 
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, *, what: str, timeout_s: float) -> None:
-    """One all-gather. On gloo (CPU) it is bounded: ``groups.wait_bounded`` raises
-    ``SyncTimeoutError`` naming the absent ranks, or ``PeerFailedError`` as soon as a checked
-    pass's board reports another rank's failure, instead of blocking for the group's timeout.
-    Device backends are left to their own watchdog: polling would synchronize the host."""
+def _post_all_gather(out: torch.Tensor, inp: torch.Tensor, group):
+    """Issue one all-gather; return the work to wait for (gloo), or None (device backends: issued
+    on the current stream, which then waits for it on the device, not on the host)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     if dist.get_backend(group) != "gloo":
         fn(out, inp, group=group)
-        return
+        return None
+    return fn(out, inp, group=group, async_op=True)
+
+
+def _wait_all_gather(work, group, *, what: str, timeout_s: float) -> None:
+    """On gloo the wait is bounded: ``groups.wait_bounded`` raises ``SyncTimeoutError`` naming the
+    absent ranks, or ``PeerFailedError`` as soon as a checked pass's board reports another rank's
+    failure, instead of blocking for the group's timeout. Device backends are left to their own
+    watchdog: polling would synchronize the host."""
     from ..core.waits import wait_bounded
 
-    work = fn(out, inp, group=group, async_op=True)
     wait_bounded(work, ranks=dist.get_process_group_ranks(group), what=what, timeout_s=timeout_s)
 
 

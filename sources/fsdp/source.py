@@ -18,9 +18,23 @@ Invariants (each is tested multi-rank in ``tests/test_fsdp.py``):
   that need no gather (plain parameters, ignored parameters, Replicate-only DTensors already in
   the wire dtype) are yielded as detached aliases of the module's storage (no copy): valid until
   the trainer next updates the module. The source itself never writes to the module.
-* **Memory**: beyond what the consumer keeps, the source holds one gather group at a time: the
-  send buffer (this rank's share, ~1/n of the group) + the gathered buffer (the group's wire bytes,
-  rows padded to a multiple of n) + the tensor being unpacked. Units are not held across other
+* **Overlap** (``overlap=True``, the default; ``prefetch.GatherPipeline``): the next gather group's
+  collective is posted (packed and issued, not waited for) before the current group's tensors are
+  yielded, so it runs while the consumer handles them. The collectives, their order, the names,
+  bytes and checks are exactly those of ``overlap=False``; posting happens in the iterating thread at
+  the same plan points on every rank. On CUDA the packing and the collective run on a side stream
+  that first waits for the default stream (the optimizer's writes) and for the caller's current
+  stream; the consumer's stream waits for the gather's event before a tensor is unpacked on it
+  (``gather.BatchedGather``). A pass stopped early (the consumer raised, or closed the generator)
+  waits out the gathers it posted ahead (bounded) before returning: when every rank stops at the
+  same point the groups stay aligned and the next pass works (``prefetch``'s docstring says what
+  happens when ranks stop at different points). ``overlap=None`` reads ``WEIGHTSYNC_OVERLAP``
+  (``0`` turns it off; for debugging and A/B runs).
+* **Memory**: beyond what the consumer keeps, the source holds the gather group being yielded and the
+  groups posted ahead: per group the send buffer (this rank's share, ~1/n of the group) + the
+  gathered buffer (the group's wire bytes, rows padded to a multiple of n), plus the tensor being
+  unpacked. Ahead: one group by default, or groups of at most ``prefetch_bytes`` together (the next
+  group always, whatever its size); ``overlap=False``: none. Units are not held across other
   units: a unit split by checkpoint order is gathered once per run instead. With
   ``CPUOffloadPolicy`` the packing copy stages each shard to the gather device; the module's
   parameters stay where they were.
@@ -59,7 +73,10 @@ from .gather import (
     fallback_full,
     gather_device,
     local_of,
+    overlap_default,
+    side_stream,
 )
+from .prefetch import GatherPipeline
 from .plan import dtensor_layout, fsdp_units, is_dtensor, is_member, plan_steps
 from ..core.logs import current_rank, get_logger
 from .lora import LoraMerge, LoraPlan, UnsupportedAdapterError, merge_lora
@@ -96,6 +113,11 @@ class FSDPSource(WeightSource):
             handle; models without experts are unaffected. Fused experts transformers cannot map
             back to checkpoint names raise ``UnmappedParameterError`` (naming the parameter and
             rank) at construction, on every rank, before any collective.
+        overlap: post the next gather group before yielding this one's tensors (see the module
+            docstring). None: on unless the environment sets ``WEIGHTSYNC_OVERLAP=0``.
+        prefetch_bytes: with overlap, the most bytes (send + gathered buffers) of gather groups
+            posted ahead of the group being yielded; the next group is always posted, whatever its
+            size. None: exactly one group ahead (peak extra memory ~ two groups).
         check: check each pass's stream against metadata on this rank.
         agree: verify on the first pass that every rank holds the same metadata.
         rank: this trainer rank (default: the default process group's rank).
@@ -116,6 +138,8 @@ class FSDPSource(WeightSource):
         include_buffers: bool = True,
         transforms: Sequence[TensorTransform] = (),
         expert_layout: str | None = None,
+        overlap: bool | None = None,
+        prefetch_bytes: int | None = None,
         check: bool = True,
         agree: bool = True,
         rank: int | None = None,
@@ -127,6 +151,12 @@ class FSDPSource(WeightSource):
             isinstance(group_bytes, bool) or not isinstance(group_bytes, int) or group_bytes <= 0
         ):
             raise ValueError(f"group_bytes= must be a positive int or None, got {group_bytes!r}")
+        if prefetch_bytes is not None and (
+            isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) or prefetch_bytes < 0
+        ):
+            raise ValueError(f"prefetch_bytes= must be a non-negative int or None, got {prefetch_bytes!r}")
+        if overlap is not None and not isinstance(overlap, bool):
+            raise TypeError(f"overlap= must be a bool or None, got {overlap!r}")
         for t in transforms:
             if not isinstance(t, TensorTransform):
                 raise TypeError(
@@ -137,6 +167,8 @@ class FSDPSource(WeightSource):
         self.lora = LoraPlan.for_module(module, rank=rank)  # unsupported adapters raise here
         self.wire = WirePolicy.build(dtype, keep_fp32)
         self.group_bytes = group_bytes
+        self.overlap = overlap_default() if overlap is None else overlap
+        self.prefetch_bytes = prefetch_bytes
         self.include_buffers = include_buffers
         self.transforms = tuple(transforms)
         hf = module if self.lora is None else self.lora.hf_model
@@ -398,53 +430,74 @@ class FSDPSource(WeightSource):
         wds = self._wire_dtypes
         steps = self._plan(tensors)
         emit = self._emit if self.lora is None else self._merger(stats)
-        for step in steps:
-            if step.kind == "plain":
-                i = step.indices[0]
-                yield from emit(i, self._plain(tensors[i], wds[i]))
-            elif step.kind == "full":
-                i = step.indices[0]
-                full = fallback_full(tensors[i], wds[i], step.device, stats)
-                stats.hold(full.numel() * full.element_size())
-                yield from emit(i, full)
-                stats.hold(-full.numel() * full.element_size())
-            elif step.mesh.size(step.axis) == 1:
-                # A one-rank shard axis holds the whole tensor: nothing to gather. Cast/stage it
-                # (an alias when already in the wire dtype on the gather device, like a plain
-                # tensor), so a world-size-1 FSDP2 model costs what a plain module does.
-                after_default_stream(step.device)
-                for i in step.indices:
-                    local = local_of(tensors[i]).to(device=step.device, dtype=wds[i])
-                    yield from emit(i, local.contiguous())
-            else:
-                mesh, axis = step.mesh, step.axis
-                keys = self._item_keys
-                pieces = [
-                    ShardPiece(keys[i], local_of(tensors[i]), tuple(tensors[i].shape), wds[i])
-                    for i in step.indices
-                ]
-                index_of = {keys[i]: i for i in step.indices}
-                gather = BatchedGather(
-                    pieces,
-                    group=mesh.get_group(axis),
-                    n=mesh.size(axis),
-                    index=mesh.get_local_rank(axis),
-                    device=step.device,
-                    stats=stats,
-                    timeout_s=self.timeout_s,
-                )
-                for name, full in gather:
-                    yield from emit(index_of[name], full)
+        keys = self._item_keys
+
+        def make(k: int) -> BatchedGather:
+            step = steps[k]
+            mesh, axis = step.mesh, step.axis
+            pieces = [
+                ShardPiece(keys[i], local_of(tensors[i]), tuple(tensors[i].shape), wds[i])
+                for i in step.indices
+            ]
+            return BatchedGather(
+                pieces,
+                group=mesh.get_group(axis),
+                n=mesh.size(axis),
+                index=mesh.get_local_rank(axis),
+                device=step.device,
+                stats=stats,
+                timeout_s=self.timeout_s,
+                stream=side_stream(step.device) if self.overlap else None,
+            )
+
+        pipe = GatherPipeline(steps, make, overlap=self.overlap, prefetch_bytes=self.prefetch_bytes)
+        try:
+            for k, step in enumerate(steps):
+                if step.kind == "plain":
+                    i = step.indices[0]
+                    pipe.ahead(k)
+                    yield from emit(i, self._plain(tensors[i], wds[i]))
+                elif step.kind == "full":
+                    i = step.indices[0]
+                    full = fallback_full(tensors[i], wds[i], step.device, stats)
+                    stats.hold(full.numel() * full.element_size())
+                    pipe.ahead(k)  # after the fallback's collective: never in flight across it
+                    yield from emit(i, full)
+                    stats.hold(-full.numel() * full.element_size())
+                elif step.mesh.size(step.axis) == 1:
+                    # A one-rank shard axis holds the whole tensor: nothing to gather. Cast/stage it
+                    # (an alias when already in the wire dtype on the gather device, like a plain
+                    # tensor), so a world-size-1 FSDP2 model costs what a plain module does.
+                    pipe.ahead(k)
+                    after_default_stream(step.device)
+                    for i in step.indices:
+                        local = local_of(tensors[i]).to(device=step.device, dtype=wds[i])
+                        yield from emit(i, local.contiguous())
+                else:
+                    gather = pipe.take(k)
+                    pipe.ahead(k)
+                    index_of = {keys[i]: i for i in step.indices}
+                    for name, full in gather:
+                        yield from emit(index_of[name], full)
+        finally:
+            pipe.close()
+            stats.ahead_peak_bytes = max(stats.ahead_peak_bytes, pipe.peak_ahead_bytes)
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors of every owned name, in metadata order (collective over each mesh)."""
         stats = self._start_pass()
-        stream = self._raw_full(stats)
-        if self.check:
-            stream = check_stream(stream, self._expected(), rank=self.rank)
-        for name, tensor in stream:
-            stats.yielded(tensor.numel() * tensor.element_size())
-            yield name, tensor
+        raw = self._raw_full(stats)
+        stream = check_stream(raw, self._expected(), rank=self.rank) if self.check else raw
+        try:
+            for name, tensor in stream:
+                stats.yielded(tensor.numel() * tensor.element_size())
+                yield name, tensor
+        finally:
+            # A pass stopped early (consumer raised / closed us, or a check failed): close the raw
+            # pass now, not at garbage collection, so the gathers it posted ahead are waited out
+            # before this generator returns (``prefetch.GatherPipeline.close``).
+            stream.close()
+            raw.close()
         stats.stop()
         logger.debug("iter_full pass: %s", stats.as_dict())
 
@@ -501,7 +554,7 @@ class FSDPSource(WeightSource):
     def __repr__(self) -> str:
         return (
             f"FSDPSource({type(self._module).__name__}, dtype={self.wire.dtype}, "
-            f"group_bytes={self.group_bytes})"
+            f"group_bytes={self.group_bytes}, overlap={self.overlap})"
         )
 
 

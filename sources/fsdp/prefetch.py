@@ -1,0 +1,121 @@
+"""Overlap: the next gather group is in flight while the consumer handles this one.
+
+``GatherPipeline`` walks a pass's plan (``plan.Step`` list) and decides, step by step, which
+batched gathers are posted (``BatchedGather.post()``: packed and issued, not waited for) before the
+current step's tensors are yielded. What it guarantees:
+
+* **Same collectives, same order, on every rank.** Whether and when a gather is posted is a pure
+  function of the plan, ``overlap`` and ``prefetch_bytes`` -- all identical across ranks -- and the
+  posting is done by the thread that iterates the source, at fixed points (right before a step's
+  first tensor is yielded). So every rank issues exactly the collectives of the non-overlapped pass,
+  in the same order, only earlier; a consumer's own collectives (vLLM's broadcasts) interleave with
+  them at the same points on every rank (the TRL hang came from a second thread posting gathers at
+  times that differed across ranks).
+* **Bounded bytes in flight.** Gathers posted ahead of the step being yielded hold at most
+  ``prefetch_bytes`` (send block + gathered buffer of each), except that the next gather is always
+  allowed alone whatever its size (as ``group_bytes`` lets a larger tensor gather alone).
+  ``prefetch_bytes=None`` (the default): exactly one group ahead. So the source's extra memory is the
+  group being yielded plus what is ahead: two groups by default.
+* **Never across a synchronous collective.** The ``full_tensor()`` fallback (``Step.kind ==
+  "full"``) is a collective issued and completed in place; nothing is posted past it, and at that
+  step nothing is in flight (what AReaL does before an incompatible collective). Steps without a
+  collective (plain tensors, one-rank shard axes) are looked past.
+* **Early stop.** ``close()`` drains every gather posted and not consumed: it waits for it (bounded
+  on gloo) and frees it. When every rank stops at the same step (a consumer that raises on every
+  rank alike, a driver that closes the pass on every rank), every rank posted the same gathers, so
+  they all complete and the process groups stay aligned: the next pass works. When ranks stop at
+  different points the groups cannot stay aligned, overlapped or not (a rank waits in a gather the
+  other never posts): the waiting ranks raise ``SyncTimeoutError`` / ``PeerFailedError`` within
+  ``timeout_s`` on gloo (their device backend's timeout otherwise) and the mesh's process groups
+  must be rebuilt before the next pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from .gather import BatchedGather
+from .plan import Step
+
+__all__ = ["GatherPipeline", "step_role"]
+
+
+def step_role(step: Step) -> str:
+    """``"gather"`` (a multi-rank batched gather: may be posted ahead), ``"sync"`` (a
+    collective run in place: the lookahead stops there) or ``"free"`` (no collective)."""
+    if step.kind == "full":
+        return "sync"
+    if step.kind == "batched" and step.mesh.size(step.axis) > 1:
+        return "gather"
+    return "free"
+
+
+class GatherPipeline:
+    """Posts the batched gathers of ``steps`` ahead of the consumer (see the module docstring).
+
+    ``make(k)`` builds step ``k``'s ``BatchedGather`` (only called for ``"gather"`` steps, once).
+    Use: at each step ``k`` call ``take(k)`` for a gather step (its gather, posted) and ``ahead(k)``
+    before yielding the step's first tensor; ``close()`` in a ``finally``.
+    """
+
+    def __init__(
+        self,
+        steps: Sequence[Step],
+        make: Callable[[int], BatchedGather],
+        *,
+        overlap: bool,
+        prefetch_bytes: int | None,
+    ) -> None:
+        self.roles = [step_role(s) for s in steps]
+        self.make = make
+        self.overlap = overlap
+        self.prefetch_bytes = prefetch_bytes
+        self._posted: dict[int, BatchedGather] = {}  # posted, not yet taken
+        self._built: dict[int, BatchedGather] = {}  # built by a lookahead that could not post it
+        self._next = 0  # first step not yet considered for posting
+        self.peak_ahead_bytes = 0
+
+    def take(self, k: int) -> BatchedGather:
+        """Step ``k``'s gather, posted (now, if the lookahead did not reach it)."""
+        gather = self._posted.pop(k, None)
+        if gather is None:
+            gather = self._gather(k).post()
+            self._built.pop(k, None)
+        self._next = max(self._next, k + 1)
+        return gather
+
+    def ahead(self, k: int) -> None:
+        """Post gathers after step ``k`` within the bound (nothing when overlap is off)."""
+        if not self.overlap:
+            return
+        j = max(self._next, k + 1)
+        held = sum(g.held_bytes for g in self._posted.values())
+        while j < len(self.roles):
+            role = self.roles[j]
+            if role == "sync":
+                break
+            if role == "gather":
+                if self._posted and self.prefetch_bytes is None:
+                    break
+                nxt = self._gather(j)
+                if self._posted and held + nxt.held_bytes > self.prefetch_bytes:
+                    break
+                del self._built[j]
+                self._posted[j] = nxt.post()
+                held += nxt.held_bytes
+                self.peak_ahead_bytes = max(self.peak_ahead_bytes, held)
+            j += 1
+        self._next = j
+
+    def _gather(self, k: int) -> BatchedGather:
+        gather = self._built.get(k)
+        if gather is None:
+            gather = self._built[k] = self.make(k)
+        return gather
+
+    def close(self) -> None:
+        """Drain every gather posted and not taken (bounded; errors are logged, not raised)."""
+        posted, self._posted = self._posted, {}
+        self._built.clear()
+        for k in sorted(posted):
+            posted[k].drain()

@@ -1,0 +1,168 @@
+"""FSDPSource overlap (issue 19): gathers posted ahead of the consumer, on a 2-rank gloo world.
+
+Oracle: the same source with ``overlap=False`` (the sequential pass every other test checks against
+``save_pretrained``), in the same world. One world checks:
+
+* the stream (names, order, dtypes, bytes) and the collective count are the same with overlap on
+  (one group ahead, the default), off, several groups ahead (``prefetch_bytes``) and small groups;
+* the bytes in flight ahead stay within the bound (``PassStats.ahead_peak_bytes``), and the whole
+  pass's extra memory within two groups;
+* a consumer that raises mid-pass on every rank -- at the first tensor, inside a group, at a group's
+  first tensor, at the last tensor -- or closes the generator, plain and under ``checked()``, leaves
+  nothing held and nothing half-posted: the next pass on the same source equals the reference on
+  every rank; so does a pass started while an abandoned one is still open.
+
+``WEIGHTSYNC_OVERLAP=0`` turns overlap off for every source built with the default (run any FSDP
+test file that way to check the sequential path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from fsdp_worlds import pack, shard, tiny_model, unpack
+from worlds import run_world
+
+pytestmark = pytest.mark.slow
+
+
+class ConsumerFailed(RuntimeError):
+    pass
+
+
+def _bytes_equal(got: list, want: list) -> bool:
+    if [n for n, _ in got] != [n for n, _ in want]:
+        return False
+    return all(
+        g.dtype == w.dtype
+        and g.shape == w.shape
+        and torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8))
+        for (_, g), (_, w) in zip(got, want)
+    )
+
+
+def _cpu(pairs) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t.detach().clone()) for n, t in pairs]
+
+
+def _raise_at(source, index: int) -> str:
+    """Consume until tensor ``index``, then raise in the consumer; returns the error seen."""
+    try:
+        for k, (_name, _t) in enumerate(source.iter_full()):
+            if k == index:
+                raise ConsumerFailed(f"consumer failed at tensor {k}")
+    except ConsumerFailed as e:
+        return str(e)
+    return "no error"
+
+
+def _close_at(source, index: int) -> None:
+    it = source.iter_full()
+    for _ in range(index + 1):
+        next(it)
+    it.close()
+
+
+def world_overlap(rank: int, world_size: int) -> bytes:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from weightsync.sources import FSDPSource, checked
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = tiny_model("qwen3", tied=False, seed=1, layers=4)
+    shard(model, mesh)
+    facts: dict[str, Any] = {}
+
+    off = FSDPSource(model, dtype=torch.bfloat16, overlap=False)
+    ref = _cpu(off.iter_full())
+    facts["n"] = len(ref)
+    facts["off"] = off.last_pass.as_dict()
+    variants = {
+        "on": FSDPSource(model, dtype=torch.bfloat16),
+        "deep": FSDPSource(model, dtype=torch.bfloat16, prefetch_bytes=1 << 30),
+        "small_one": FSDPSource(model, dtype=torch.bfloat16, group_bytes=4096),
+        "small_deep": FSDPSource(model, dtype=torch.bfloat16, group_bytes=4096, prefetch_bytes=20_000),
+        "small_off": FSDPSource(model, dtype=torch.bfloat16, group_bytes=4096, overlap=False),
+    }
+    for key, src in variants.items():
+        facts[f"{key}_overlap"] = src.overlap
+        facts[f"{key}_equal"] = _bytes_equal(_cpu(src.iter_full()), ref)
+        facts[key] = src.last_pass.as_dict()
+        facts[f"{key}_held_after"] = src.last_pass._extra
+
+    # Early stops, on every rank at the same point; each followed by a full pass on the same source.
+    src = variants["on"]
+    steps = src._plan(src._resolve())
+    group_first = len(steps[0].indices) + len(steps[1].indices)  # first tensor of the third step
+    stops = {"first": 0, "inside": 2, "group_first": group_first, "last": len(ref) - 1}
+    for label, index in stops.items():
+        facts[f"raise_{label}"] = _raise_at(src, index)
+        facts[f"raise_{label}_held"] = src.last_pass._extra
+        facts[f"raise_{label}_next"] = _bytes_equal(_cpu(src.iter_full()), ref)
+    _close_at(src, 2)
+    facts["close_held"] = src.last_pass._extra
+    facts["close_next"] = _bytes_equal(_cpu(src.iter_full()), ref)
+    chk = checked(variants["deep"], timeout_s=20)
+    facts["checked_raise"] = _raise_at(chk, 3)
+    facts["checked_next"] = _bytes_equal(_cpu(chk.iter_full()), ref)
+    _close_at(chk, 1)
+    facts["checked_close_next"] = _bytes_equal(_cpu(chk.iter_full()), ref)
+    # A pass abandoned without being closed (a traceback holding it): a new pass still lines up,
+    # because every rank posted the same gathers before abandoning it.
+    src = variants["deep"]
+    it = src.iter_full()
+    for _ in range(3):
+        next(it)
+    facts["abandoned_next"] = _bytes_equal(_cpu(src.iter_full()), ref)
+    it.close()
+    facts["after_abandoned_next"] = _bytes_equal(_cpu(src.iter_full()), ref)
+    return pack(facts)
+
+
+@pytest.fixture(scope="module")
+def overlap_world():
+    return unpack(run_world(world_overlap, 2, timeout=300))
+
+
+def test_same_stream_and_collectives_with_overlap_on_and_off(overlap_world):
+    for rank, f in overlap_world.items():
+        assert f["off"]["ahead_peak_bytes"] == 0 and f["small_off"]["ahead_peak_bytes"] == 0
+        for key in ("on", "deep", "small_one", "small_deep", "small_off"):
+            assert f[f"{key}_equal"], (rank, key)
+            assert f[f"{key}_held_after"] == 0, (rank, key)
+            assert f[key]["tensors"] == f["n"]
+        assert f["on_overlap"] and not f["small_off_overlap"]
+        for key in ("on", "deep"):
+            assert f[key]["collectives"] == f["off"]["collectives"], (rank, key)
+            assert f[key]["bytes_received"] == f["off"]["bytes_received"], (rank, key)
+        for key in ("small_one", "small_deep"):
+            assert f[key]["collectives"] == f["small_off"]["collectives"] > f["off"]["collectives"]
+            assert f[key]["bytes_received"] == f["small_off"]["bytes_received"]
+
+
+def test_bytes_in_flight_stay_within_the_bound(overlap_world):
+    for rank, f in overlap_world.items():
+        off_peak = f["off"]["peak_extra_bytes"]  # one group + the tensor being unpacked
+        # default: one group ahead, never more than the largest group the sequential pass held
+        assert 0 < f["on"]["ahead_peak_bytes"] <= off_peak, (rank, f["on"])
+        assert f["on"]["peak_extra_bytes"] <= 2 * off_peak, (rank, f["on"], off_peak)
+        # prefetch_bytes: several small groups ahead, within the bytes asked for
+        one = f["small_one"]["ahead_peak_bytes"]
+        deep = f["small_deep"]["ahead_peak_bytes"]
+        assert 0 < one < deep <= 20_000, (rank, one, deep)
+        assert f["deep"]["ahead_peak_bytes"] > f["on"]["ahead_peak_bytes"]
+
+
+def test_consumer_raising_or_closing_mid_pass_leaves_every_rank_ready(overlap_world):
+    for rank, f in overlap_world.items():
+        for label in ("first", "inside", "group_first", "last"):
+            assert f[f"raise_{label}"].startswith("consumer failed"), (rank, label, f[f"raise_{label}"])
+            assert f[f"raise_{label}_held"] == 0, (rank, label)  # posted gathers drained and freed
+            assert f[f"raise_{label}_next"], (rank, label)
+        assert f["close_held"] == 0 and f["close_next"], rank
+        assert f["checked_raise"].startswith("consumer failed"), f["checked_raise"]
+        assert f["checked_next"] and f["checked_close_next"], rank
+        assert f["abandoned_next"] and f["after_abandoned_next"], rank
