@@ -81,13 +81,13 @@ def megatron_world(rank, world_size, *, a, mode):
     from weightsync.sources.megatron.moe import MegatronMoEExporter
 
     init_parallel(ep=world_size)
-    mcfg = moe_config(layers=a["layers"], hidden=a["hidden"], experts=a["experts"], moe_ffn=a["moe_ffn"],
-                      ep=world_size)
-    model = build_gpt(mcfg, vocab=512)
+    hf = _hf_config(a)
+    mcfg = moe_config(hf, ep=world_size)
+    model = build_gpt(hf, mcfg)
     per_expert = 3 * a["hidden"] * a["moe_ffn"] * 2
     batch = a["batch_experts"] * per_expert if mode != "unbounded" else 10**15
     layout = "fused" if mode == "fused" else "per_expert"
-    ex = MegatronMoEExporter(model, _hf_config(a), mcfg, expert_layout=layout, dtype=torch.bfloat16,
+    ex = MegatronMoEExporter(model, hf, mcfg, expert_layout=layout, dtype=torch.bfloat16,
                              expert_batch_bytes=batch)
     ex._placement()  # the one cached coordinate exchange (not per pass)
     rss0 = _rss_kib()

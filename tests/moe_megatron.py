@@ -1,9 +1,12 @@
-"""Test-side builders for megatron-core MoE ``GPTModel``s on CPU gloo worlds (helpers, no tests).
+"""Test-side helpers for megatron-core MoE ``GPTModel``s on CPU gloo worlds (no tests).
 
-MoE layers need the ``allgather`` token dispatcher to build on CPU. Legacy ``GroupedMLP`` asserts
-that the ``grouped_gemm`` package is importable at construction only (its forward needs it, its
-parameters do not), so ``build_gpt(..., expert_format="grouped")`` lifts that assertion for the
-build: the parameters, their layout and ``sharded_state_dict`` are megatron-core's own.
+Models come from the one builder (``weightsync.plugins.megatron_build``: the family table of the
+test's transformers config), with scenario knobs as ``TransformerConfig`` overrides; this module
+only adds what tests need around it: megatron's legacy ``GroupedMLP`` (it asserts that the
+``grouped_gemm`` package is importable at construction only -- its forward needs it, its
+parameters do not -- so ``build_gpt(..., expert_format="grouped")`` lifts that assertion for the
+build: the parameters, their layout and ``sharded_state_dict`` are megatron-core's own), random
+values per rank, and megatron's own ``dist_checkpointing`` as the oracle.
 """
 
 from __future__ import annotations
@@ -49,93 +52,40 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None)
         pass
 
 
-def moe_config(
-    *,
-    layers: int = 2,
-    hidden: int = 16,
-    experts: int = 4,
-    moe_ffn: int = 12,
-    ffn: int = 40,
-    shared_ffn: int | None = None,
-    shared_gate: bool = False,
-    expert_bias: bool = False,
-    moe_layer_freq: Any = 1,
-    expert_format: str = "sequential",
-    tp: int = 1,
-    pp: int = 1,
-    ep: int = 1,
-    etp: int | None = None,
-    qk_norm: bool = False,
-    qkv_bias: bool = False,
-):
-    from megatron.core.transformer import TransformerConfig
+def moe_config(hf, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+               expert_format: str = "sequential", **overrides: Any):
+    """The megatron-core ``TransformerConfig`` of transformers config ``hf`` from the one builder
+    (``weightsync.plugins.megatron_build.megatron_config``: the family table the source checks
+    against), at TP/PP/EP/ETP, with test-only knobs as ``TransformerConfig`` overrides
+    (``moe_shared_expert_gate=False``, ``moe_router_enable_expert_bias=True``...).
+    ``expert_format="grouped"``: megatron's legacy ``GroupedMLP``."""
+    from weightsync.plugins.megatron_build import MegatronParallel, megatron_config
 
-    return TransformerConfig(
-        num_layers=layers,
-        hidden_size=hidden,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=ffn,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        normalization="RMSNorm",
-        qk_layernorm=qk_norm,
-        add_qkv_bias=qkv_bias,
-        num_moe_experts=experts,
-        moe_ffn_hidden_size=moe_ffn,
-        moe_router_topk=2,
-        moe_token_dispatcher_type="allgather",
-        moe_shared_expert_intermediate_size=shared_ffn,
-        moe_shared_expert_gate=shared_gate,
-        moe_router_enable_expert_bias=expert_bias,
-        moe_router_score_function="sigmoid" if expert_bias else "softmax",
-        moe_layer_freq=moe_layer_freq,
-        moe_grouped_gemm=expert_format == "grouped",
-        moe_use_legacy_grouped_gemm=expert_format == "grouped",
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp if etp is not None else tp,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        bf16=False,
-        sequence_parallel=False,
-    )
+    build = dict(expert_tensor_parallel_size=etp if etp is not None else tp)
+    if expert_format == "grouped":
+        build.update(moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True)
+    return megatron_config(hf, MegatronParallel(tp=tp, pp=pp, ep=ep), overrides={**build, **overrides})
 
 
-def build_gpt(cfg, *, vocab: int = 64, expert_format: str = "sequential", seed: int = 0):
-    """A ``GPTModel`` (local spec) for ``cfg`` on this rank, every float tensor (router expert bias
-    included) filled with rank-independent-per-global-tensor random values is NOT attempted:
-    values come from megatron's own CPU initialisation plus a per-rank offset, which is what the
-    oracle (megatron's own checkpoint) must reproduce anyway."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+def build_gpt(hf, cfg, *, expert_format: str = "sequential", seed: int = 0):
+    """This rank's ``GPTModel`` for ``hf`` and its ``moe_config`` ``cfg``, built by the one builder
+    (``build_chunks``) under the parallel state ``init_parallel`` set; every float parameter (and the
+    router's expert bias) then refilled with distinct random values per rank and tensor (megatron's
+    init leaves zeros and ones), which megatron's own checkpoint (the oracle) records as they are."""
+    from weightsync.plugins.megatron_build import MegatronParallel, build_chunks
 
     torch.manual_seed(seed + int(os.environ.get("RANK", "0")) * 1000)
     patch = None
-    shim = cpu_cuda_shim()
-    shim.__enter__()
     if expert_format == "grouped":
         from megatron.core.transformer.moe import grouped_gemm_util as gg
 
         patch = gg.assert_grouped_gemm_is_available
         gg.assert_grouped_gemm_is_available = lambda: None
+    par = MegatronParallel(tp=cfg.tensor_model_parallel_size, pp=cfg.pipeline_model_parallel_size,
+                           ep=cfg.expert_model_parallel_size)
     try:
-        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
-        model = GPTModel(
-            config=cfg,
-            transformer_layer_spec=spec,
-            vocab_size=vocab,
-            max_sequence_length=32,
-            pre_process=_is_first(),
-            post_process=_is_last(),
-            share_embeddings_and_output_weights=False,
-            position_embedding_type="rope",
-        )
+        (model,) = build_chunks(hf, cfg, par)
     finally:
-        shim.__exit__(None, None, None)
         if patch is not None:
             gg.assert_grouped_gemm_is_available = patch
     with torch.no_grad():  # distinct values per rank and tensor (init may leave zeros / ones)
@@ -143,18 +93,6 @@ def build_gpt(cfg, *, vocab: int = 64, expert_format: str = "sequential", seed: 
             if t.is_floating_point() and "expert_bias" in name or (t.is_floating_point() and t.requires_grad):
                 t.copy_(torch.randn_like(t))
     return model
-
-
-def _is_first() -> bool:
-    from megatron.core import parallel_state as ps
-
-    return ps.is_pipeline_first_stage()
-
-
-def _is_last() -> bool:
-    from megatron.core import parallel_state as ps
-
-    return ps.is_pipeline_last_stage()
 
 
 def megatron_checkpoint(model, directory: str) -> None:

@@ -468,9 +468,7 @@ def _moe_world(rank, world_size, *, tmp):
     facts: dict = {}
     for phase, par in MOE_PHASES.items():
         init_parallel(**par)
-        mcfg = moe_config(layers=MOE["layers"], hidden=MOE["hidden"], experts=MOE["experts"],
-                          moe_ffn=MOE["moe_ffn"], qk_norm=True, **par)
-        model = build_gpt(mcfg)
+        model = build_gpt(hf, moe_config(hf, **par))
         os.makedirs(f"{tmp}/{phase}/megatron", exist_ok=True)
         megatron_checkpoint(model, f"{tmp}/{phase}/megatron")
         before = _params(model)
@@ -501,8 +499,9 @@ def _expected_moe_model(ck, hf) -> dict[str, torch.Tensor]:
 
     layers = range(hf.num_hidden_layers)
     want = _expected_moe(ck, HFMoENames(hf), list(layers))
-    want["model.embed_tokens.weight"] = ck["embedding.word_embeddings.weight"]
-    want["lm_head.weight"] = ck["output_layer.weight"]
+    # megatron pads the vocabulary rows (make_vocab_size_divisible_by x TP); the checkpoint has hf's
+    want["model.embed_tokens.weight"] = ck["embedding.word_embeddings.weight"][: hf.vocab_size]
+    want["lm_head.weight"] = ck["output_layer.weight"][: hf.vocab_size]
     want["model.norm.weight"] = ck["decoder.final_layernorm.weight"]
     for i in layers:
         p = f"model.layers.{i}."

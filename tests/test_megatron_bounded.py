@@ -58,8 +58,8 @@ def _rank_ep_peer_stops(rank, world_size):
     from weightsync.sources import MegatronSource
 
     init_parallel(ep=world_size)
-    model = build_gpt(moe_config(layers=2, experts=world_size, ep=world_size, qk_norm=True))
     hf = _hf_config("qwen3_moe", layers=2, experts=world_size, hidden=16, moe_ffn=12, shared=None)
+    model = build_gpt(hf, moe_config(hf, ep=world_size))
     src = MegatronSource(model, hf_config=hf, timeout_s=3.0)
     first = sum(1 for _ in src.iter_full())  # a whole pass on every rank: agreement done
     if rank == world_size - 1:

@@ -54,7 +54,7 @@ def _hf_config(family: str, *, layers: int, experts: int, hidden: int, moe_ffn: 
                   num_key_value_heads=2, vocab_size=64, num_experts_per_tok=2)
     if family == "qwen2_moe":
         kw = dict(moe_intermediate_size=moe_ffn, shared_expert_intermediate_size=shared,
-                  num_experts=experts, intermediate_size=40)
+                  num_experts=experts, intermediate_size=40, mlp_only_layers=list(range(dense_first)))
     elif family == "qwen3_moe":
         kw = dict(moe_intermediate_size=moe_ffn, num_experts=experts, intermediate_size=40,
                   head_dim=hidden // 4, mlp_only_layers=list(range(dense_first)))
@@ -65,6 +65,23 @@ def _hf_config(family: str, *, layers: int, experts: int, hidden: int, moe_ffn: 
                   n_group=2, topk_group=1, first_k_dense_replace=dense_first, intermediate_size=40,
                   q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4)
     return AutoConfig.for_model(family, **common, **kw)
+
+
+def _moe_layers(mcfg) -> list[int]:
+    """1 where a layer of ``mcfg`` is MoE: ``moe_layer_freq`` as a list, or megatron's every-k-th rule."""
+    f = mcfg.moe_layer_freq
+    return list(f) if isinstance(f, (list, tuple)) else [int(i % f == 0) for i in range(mcfg.num_layers)]
+
+
+def _knobs(shared, shared_gate, expert_bias) -> dict:
+    """``TransformerConfig`` overrides for a scenario's knobs where they differ from the family's own
+    mapping: a shared expert without its gate, or sigmoid routing with an expert bias."""
+    out: dict = {}
+    if shared and not shared_gate:
+        out["moe_shared_expert_gate"] = False
+    if expert_bias:
+        out.update(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
+    return out
 
 
 def _world(rank, world_size, *, ckpt, family, tp=1, pp=1, ep=1, etp=None, fmt="sequential", layers=2,
@@ -85,12 +102,11 @@ def _world(rank, world_size, *, ckpt, family, tp=1, pp=1, ep=1, etp=None, fmt="s
         assert ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024) == 1
     init_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
     freq = [0] * dense_first + [1] * (layers - dense_first)
-    mcfg = moe_config(layers=layers, hidden=hidden, experts=experts, moe_ffn=moe_ffn, shared_ffn=shared,
-                      shared_gate=shared_gate, expert_bias=expert_bias, moe_layer_freq=freq,
-                      expert_format=fmt, tp=tp, pp=pp, ep=ep, etp=etp)
-    model = build_gpt(mcfg, expert_format=fmt)
     hf = _hf_config(family, layers=layers, experts=experts, hidden=hidden, moe_ffn=moe_ffn,
                     shared=shared, dense_first=dense_first)
+    mcfg = moe_config(hf, tp=tp, pp=pp, ep=ep, etp=etp, expert_format=fmt, **_knobs(shared, shared_gate, expert_bias))
+    assert _moe_layers(mcfg) == freq, (mcfg.moe_layer_freq, freq)
+    model = build_gpt(hf, mcfg, expert_format=fmt)
     if not measure_rss:
         megatron_checkpoint(model, ckpt)
     moe_layers = [i for i in range(layers) if freq[i]]
@@ -306,13 +322,13 @@ def _source_world(rank, world_size, *, ckpt, family, tp=1, pp=1, ep=1, etp=None,
         hf.shared_expert_intermediate_size = shared
 
     def mcfg_at(tp, pp, ep, etp):
-        return moe_config(layers=layers, hidden=hidden, experts=experts, moe_ffn=moe_ffn, shared_ffn=shared,
-                          shared_gate=shared_gate, moe_layer_freq=freq, tp=tp, pp=pp, ep=ep, etp=etp,
-                          qk_norm=family == "qwen3_moe", qkv_bias=family == "qwen2_moe")
+        mcfg = moe_config(hf, tp=tp, pp=pp, ep=ep, etp=etp, **_knobs(shared, shared_gate, False))
+        assert _moe_layers(mcfg) == freq, (mcfg.moe_layer_freq, freq)
+        return mcfg
 
     init_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
     mcfg = mcfg_at(tp, pp, ep, etp)
-    model = build_gpt(mcfg)
+    model = build_gpt(hf, mcfg)
     megatron_checkpoint(model, ckpt)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     facts: dict = {}
@@ -337,7 +353,7 @@ def _source_world(rank, world_size, *, ckpt, family, tp=1, pp=1, ep=1, etp=None,
     dist.barrier()
     # Megatron's own resharding: the same checkpoint loaded at TP1/PP1/EP1 on every rank.
     init_parallel()
-    flat = build_gpt(mcfg_at(1, 1, 1, None), seed=77)
+    flat = build_gpt(hf, mcfg_at(1, 1, 1, None), seed=77)
     fresh = {n: t.clone() for n, t in MegatronSource(flat, hf_config=hf).iter_full()}
     megatron_load(flat, ckpt)
     ref = {n: t.clone() for n, t in MegatronSource(flat, hf_config=hf).iter_full()}
