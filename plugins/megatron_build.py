@@ -113,7 +113,7 @@ def megatron_config(
     mla = family.attention == "mla"
     if mla:  # no TE here; megatron refuses fused rope for rope_type="rope"
         build.update(transformer_impl="local", apply_rope_fusion=False)
-    return (MLATransformerConfig if mla else TransformerConfig)(
+    base = dict(
         activation_func=torch.nn.functional.silu,
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
@@ -123,8 +123,8 @@ def megatron_config(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        **{**fields, **build, **(overrides or {})},
     )
+    return (MLATransformerConfig if mla else TransformerConfig)(**{**base, **fields, **build, **(overrides or {})})
 
 
 class MLACoreAttention(torch.nn.Module):

@@ -39,6 +39,7 @@ def test_mla_oracle_part_dry_run_megatron_forward_equals_transformers_from_expor
     # megatron-core 0.17+ cannot build q_lora_rank=None from the local spec: the part skips it there.
     variants = [v for v in MLA_TENSORS if unsupported(v) is None]
     assert "q_lora" in variants
+    assert "q_lora_yarn" in variants  # the builder's YaRN mapping, compared forward to forward
     skipped = {s["name"] for s in doc["skips"]}
     assert not {f"deepseek_v3[{v}]" for v in variants} & skipped, doc["skips"]
     for v in variants:

@@ -13,6 +13,7 @@ def megatron(hf: Any) -> dict[str, Field]:
         ffn=("intermediate_size", hf.intermediate_size),
         topk=("num_experts_per_tok", hf.num_experts_per_tok),
         freq=("(every layer)", 1),
+        moe_router_pre_softmax=("(top-k weights renormalised)", False),
     )
 
 

@@ -24,6 +24,9 @@ def megatron(hf: Any, **more: tuple[str, Any]) -> dict[str, Field]:
         ffn=("moe_intermediate_size", hf.moe_intermediate_size),
         topk=("num_experts_per_tok", hf.num_experts_per_tok),
         freq=("mlp_only_layers / decoder_sparse_step", sparse_layers(hf)),
+        # transformers: softmax over every expert, top-k, renormalised only with norm_topk_prob;
+        # megatron: top-k of the logits then softmax (= renormalised) unless pre_softmax
+        moe_router_pre_softmax=("norm_topk_prob", not getattr(hf, "norm_topk_prob", False)),
         **more,
     )
 

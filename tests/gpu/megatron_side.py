@@ -1,14 +1,14 @@
 """The megatron-core side of the GPU evidence: a TP1 ``GPTModel`` that computes the same function as
 a transformers model of the same config, and its forward.
 
-Invariant: ``megatron_config(hf_config)`` maps every knob that changes the function -- RMSNorm eps,
-rope theta (``rotary_interleaved=False`` is HF's rotate_half), GQA groups and head_dim (kv_channels),
-qk-norm (Qwen3), qkv bias (Qwen2), tied embeddings, SiLU-GLU MLP, MoE top-k routing with HF's
-``norm_topk_prob`` (Megatron's top-k-then-softmax equals softmax-then-top-k-renormalised) -- and
-turns off everything that only Megatron does (dropout, query-key layer scaling, fused kernels).
-DeepSeek-V3 maps to an ``MLATransformerConfig`` (``mla_fields``): multi-latent attention with or
-without ``q_lora_rank``, HF's interleaved rope (Megatron's MLA rope de-interleaves the same way),
-sigmoid group-limited routing with the score-correction bias, shared experts, first-k dense layers.
+Invariant: ``megatron_config(hf_config)`` is weightsync's one builder's config for ``hf_config`` (the
+family table: RMSNorm eps, rope theta and fraction, GQA groups and head_dim, qk-norm, qkv bias, tied
+embeddings, SiLU-GLU MLP, MoE routing -- top-k with HF's ``norm_topk_prob``, sigmoid group-limited
+routing with the score-correction bias, shared experts, first-k dense layers -- and DeepSeek-V3's
+multi-latent attention), with everything that only Megatron does turned off (dropout, query-key
+layer scaling, fused kernels). So the oracle checks the family table itself: a field mapped wrong
+makes Megatron's logits differ from transformers'. ``forward_conditions`` names the configs whose
+forward the two frameworks compute differently although the export is right.
 The vocab is padded to a multiple of 128 on purpose, so the export's trimming is exercised.
 Weights are Megatron's own init, then perturbed per parameter (norm weights away from 1, biases away
 from 0) so a swapped or dropped tensor changes the logits.
@@ -35,7 +35,8 @@ __all__ = [
     "megatron_version",
     "allow_cpu_forward",
     "oracle_device",
-    "mla_fields",
+    "forward_conditions",
+    "ORACLE_OVERRIDES",
     "mla_core_attention",
 ]
 
@@ -78,67 +79,54 @@ def padded_vocab(vocab: int, multiple: int = 128) -> int:
 
 
 def megatron_config(hf_config: Any, *, dtype: torch.dtype, cpu: bool, init: bool = True) -> Any:
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """The ``TransformerConfig`` of ``hf_config`` from weightsync's one builder
+    (``weightsync.plugins.megatron_build.megatron_config``: the family table the CLI builds from and
+    ``MegatronSource`` checks against), so this oracle tests that table's mapping -- if a family
+    field were mapped wrong, Megatron's forward would not be transformers'. On top of it only what
+    this oracle needs of a forward (``ORACLE_OVERRIDES``): no dropout, no fused kernels, fp32
+    attention softmax and router, no load-balancing loss. ``forward_conditions`` refuses, naming the
+    field, the configs the two frameworks compute differently although the export is right."""
+    from weightsync.plugins.megatron_build import MegatronParallel
+    from weightsync.plugins.megatron_build import megatron_config as builder_config
 
-    c = hf_config
-    fam = type(c).__name__
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kw: dict[str, Any] = dict(
-        num_layers=c.num_hidden_layers,
-        hidden_size=c.hidden_size,
-        num_attention_heads=c.num_attention_heads,
-        num_query_groups=c.num_key_value_heads,
-        kv_channels=head_dim,
-        ffn_hidden_size=c.intermediate_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=c.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=fam == "Qwen2Config" or bool(getattr(c, "attention_bias", False)),
-        qk_layernorm=fam in ("Qwen3Config", "Qwen3MoeConfig"),
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        apply_query_key_layer_scaling=False,
-        attention_softmax_in_fp32=True,
-        rotary_interleaved=False,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
+    forward_conditions(hf_config)
+    overrides = dict(
+        ORACLE_OVERRIDES,
         fp16=dtype == torch.float16,
         use_cpu_initialization=cpu,
         perform_initialization=init,
-        apply_rope_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        init_method_std=0.02,
     )
-    if fam == "Qwen3MoeConfig":
-        kw.update(
-            num_moe_experts=c.num_experts,
-            moe_router_topk=c.num_experts_per_tok,
-            moe_ffn_hidden_size=c.moe_intermediate_size,
-            moe_router_pre_softmax=not c.norm_topk_prob,
-            moe_router_score_function="softmax",
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="allgather",
-            moe_layer_freq=1,
-        )
-    if fam == "DeepseekV3Config":
-        from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-        kw.update(mla_fields(c))
-        return MLATransformerConfig(**kw)
-    return TransformerConfig(**kw)
+    config = builder_config(hf_config, MegatronParallel(), dtype, overrides=overrides)
+    if getattr(config, "num_moe_experts", None):
+        config.moe_router_dtype = "fp32"  # transformers' routers run in fp32
+        config.moe_router_load_balancing_type = "none"
+        config.moe_aux_loss_coeff = 0.0
+    return config
 
 
-def mla_fields(c: Any) -> dict[str, Any]:
-    """The ``MLATransformerConfig`` fields of a transformers ``DeepseekV3Config`` that change the
-    function. Raises ``ValueError`` naming the field for what this mapping does not reproduce.
+#: ``TransformerConfig`` fields this oracle sets for a deterministic, unfused fp32-faithful forward.
+ORACLE_OVERRIDES: dict[str, Any] = dict(
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    apply_query_key_layer_scaling=False,
+    attention_softmax_in_fp32=True,
+    apply_rope_fusion=False,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    persist_layer_norm=False,
+    gradient_accumulation_fusion=False,
+    init_method_std=0.02,
+)
+
+
+def forward_conditions(c: Any) -> None:
+    """Raise ``ValueError`` naming the fields for a config whose forward megatron-core computes
+    differently from transformers although the weights (and so the export) are the same -- this
+    oracle compares logits, so it cannot take them. These are not refusals of the family: the
+    builder builds and ``MegatronSource`` exports such models.
+
+    DeepSeek-V3 (multi-latent attention):
 
     * transformers' ``q_a_layernorm`` / ``kv_a_layernorm`` use eps 1e-6 whatever ``rms_norm_eps``
       is, Megatron one ``layernorm_epsilon`` for every norm: the two agree only at 1e-6.
@@ -146,53 +134,17 @@ def mla_fields(c: Any) -> dict[str, Any]:
       experts, transformers' by its top 2: equal only when ``num_experts_per_tok // topk_group == 2``
       (DeepSeek-V3: 8 // 4).
     * Megatron's sigmoid router always renormalises the top-k probabilities (``norm_topk_prob``).
-    * Only the default rope (no YaRN scaling) and ``rope_interleave=True`` are mapped.
     """
-    rope = getattr(c, "rope_parameters", None) or {}
+    if type(c).__name__ != "DeepseekV3Config":
+        return
     problems = {
         "rms_norm_eps": c.rms_norm_eps == 1e-6,
         "num_experts_per_tok // topk_group": c.num_experts_per_tok // c.topk_group == 2,
         "norm_topk_prob": bool(c.norm_topk_prob),
-        "rope_parameters.rope_type": rope.get("rope_type", "default") == "default",
-        "rope_interleave": bool(getattr(c, "rope_interleave", True)),
-        "attention_bias": not getattr(c, "attention_bias", False),
     }
     bad = [k for k, ok in problems.items() if not ok]
     if bad:
-        raise ValueError(f"DeepseekV3Config: the Megatron oracle does not map {bad}")
-    layers = c.num_hidden_layers
-    return dict(
-        multi_latent_attention=True,
-        transformer_impl="local",  # megatron-core 0.19 resolves the MLA q/kv norms by this backend
-        q_lora_rank=c.q_lora_rank,
-        kv_lora_rank=c.kv_lora_rank,
-        qk_head_dim=c.qk_nope_head_dim,
-        qk_pos_emb_head_dim=c.qk_rope_head_dim,
-        v_head_dim=c.v_head_dim,
-        kv_channels=c.v_head_dim,  # the core attention's output width per head
-        num_query_groups=c.num_attention_heads,
-        qk_layernorm=True,  # the local spec builds q_layernorm / kv_layernorm only with it
-        rope_type="rope",
-        rotary_base=rope.get("rope_theta", 10000.0),
-        mscale=1.0,
-        mscale_all_dim=0.0,
-        add_qkv_bias=False,
-        num_moe_experts=c.n_routed_experts,
-        moe_ffn_hidden_size=c.moe_intermediate_size,
-        moe_router_topk=c.num_experts_per_tok,
-        moe_shared_expert_intermediate_size=c.moe_intermediate_size * c.n_shared_experts,
-        moe_layer_freq=[int(i >= c.first_k_dense_replace) for i in range(layers)],
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-        moe_router_num_groups=c.n_group,
-        moe_router_group_topk=c.topk_group,
-        moe_router_topk_scaling_factor=c.routed_scaling_factor,
-        moe_router_pre_softmax=False,
-        moe_router_dtype="fp32",  # transformers' router runs in fp32
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="allgather",
-    )
+        raise ValueError(f"DeepseekV3Config: Megatron's forward differs from transformers' for {bad}")
 
 
 def _layer_spec(config: Any, moe_format: str) -> Any:
@@ -281,22 +233,19 @@ def build_megatron(
     """A TP1 ``GPTModel`` of ``hf_config`` on ``device`` (``init_parallel`` first)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    from weightsync.sources import family_for
+
     cpu = not device.startswith("cuda")
     config = megatron_config(hf_config, dtype=dtype, cpu=cpu, init=init)
-    rope = getattr(hf_config, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     torch.manual_seed(seed)
     model = GPTModel(
         config=config,
         transformer_layer_spec=_layer_spec(config, moe_format),
         vocab_size=padded_vocab(hf_config.vocab_size),
-        max_sequence_length=hf_config.max_position_embeddings,
         pre_process=True,
         post_process=True,
-        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
-        position_embedding_type="rope",
-        rotary_percent=1.0,
-        rotary_base=int(theta),
+        # the family's GPTModel arguments (tied embeddings, rope base and fraction), as the builder's
+        **{k: f.value for k, f in family_for(hf_config).gpt_model_fields(hf_config).items()},
     )
     model = model.to(device=device).eval()
     if perturb:

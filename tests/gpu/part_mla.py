@@ -45,12 +45,20 @@ from part_oracle import BF16_REL, FP32_REL, MOE_BF16_POS_FRACTION  # noqa: E402
 VARIANTS: dict[str, dict[str, Any]] = {
     "q_lora": {},
     "no_q_lora": {"q_lora_rank": None},
+    # YaRN as DeepSeek-V3 ships it (factor, beta_fast/slow, mscale == mscale_all_dim): the builder maps
+    # it to megatron's rope_type="yarn" (families/deepseek_v3.py); this compares the two forwards.
+    "q_lora_yarn": {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+    }},
 }
 
 #: The attention tensors of one DeepSeek-V3 layer in the checkpoint, per variant.
 MLA_TENSORS = {
     "q_lora": ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
                "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"),
+    "q_lora_yarn": ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
+                    "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"),
     "no_q_lora": ("q_proj.weight", "kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight",
                   "o_proj.weight"),
 }
