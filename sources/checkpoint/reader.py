@@ -378,7 +378,7 @@ class SafetensorsSource(WeightSource):
     Args:
         path: the checkpoint folder (read on rank 0 only).
         dtype: wire dtype of floating tensors (None: the checkpoint's own dtypes); MoE routers and
-            gates keep theirs (``wire.DEFAULT_KEEP_FP32``), as in ``FSDPSource``.
+            gates keep theirs (``core.dtype_policy.DEFAULT_KEEP_FP32``), as in ``FSDPSource``.
         device: where ``iter_full`` puts each tensor (``"cuda"`` for vLLM's IPC/NCCL engines).
 
     Attributes: ``layout`` (rank 0: the validated ``CheckpointLayout``; None elsewhere),

@@ -143,7 +143,7 @@ class MegatronSource(WeightSource):
         hf_config: the transformers config of the target checkpoint (decides names and shapes).
         dtype: wire dtype; default Megatron's ``params_dtype``. Shards are cast before they move.
         keep_fp32: extra regular expressions (``re.search`` on the checkpoint name) of tensors that
-            keep their own dtype, on top of ``wire.DEFAULT_KEEP_FP32`` (routers, shared-expert gate,
+            keep their own dtype, on top of ``core.dtype_policy.DEFAULT_KEEP_FP32`` (routers, shared-expert gate,
             expert bias): the same policy as ``FSDPSource``. A Megatron tensor's own dtype is the
             one its config builds it in (``params_dtype``; the router's expert bias: fp32), so every
             rank declares it without holding the tensor.
