@@ -8,10 +8,14 @@ collectives posted ahead of the unit being yielded, when the source overlaps).
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
 __all__ = ["PassStats"]
+
+#: ``hold`` may be called from a source's helper thread (an FSDP gather unpacked ahead on CPU).
+_HOLD_LOCK = threading.Lock()
 
 
 @dataclass
@@ -42,8 +46,9 @@ class PassStats:
 
     def hold(self, nbytes: int) -> None:
         """Account ``nbytes`` of extra memory now held (negative to release)."""
-        self._extra += nbytes
-        self.peak_extra_bytes = max(self.peak_extra_bytes, self._extra)
+        with _HOLD_LOCK:
+            self._extra += nbytes
+            self.peak_extra_bytes = max(self.peak_extra_bytes, self._extra)
 
     def as_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if not k.startswith("_")}

@@ -64,6 +64,10 @@ __all__ = [
 
 _ALIGN = 16
 
+#: Pieces smaller than this (full bytes) are unpacked in place even with an ``unpacker``: a thread
+#: hand-off costs more than their copy.
+_HANDOFF_BYTES = 1 << 20
+
 logger = get_logger(__name__)
 
 
@@ -193,6 +197,10 @@ class BatchedGather:
         self._work = None
         self._event = None
         self._posted_on = None
+        #: CPU overlap: an executor that unpacks the next piece while this one is consumed (the host
+        #: copy then overlaps the consumer too); set by ``GatherPipeline``. None: unpack in place.
+        self.unpacker = None
+        self._packing = None  # CPU: the send block being packed ahead on a helper thread
         self._state = "new"  # new -> posted -> done (waited) -> released
         off = 0
         for p in pieces:
@@ -236,17 +244,31 @@ class BatchedGather:
                 seg[:rows].copy_(p.local.detach().reshape(rows, p.row_numel))
             if rows < p.rows_per_rank:
                 seg[rows:].zero_()
-        self._recv = torch.empty(self.n * block, dtype=torch.uint8, device=self.device)
-        self.stats.hold(self.n * block)
+
+    def _alloc_recv(self) -> None:
+        self._recv = torch.empty(self.n * self.block_bytes, dtype=torch.uint8, device=self.device)
+        self.stats.hold(self.n * self.block_bytes)
+
+    def pack_ahead(self, pool) -> None:
+        """CPU: pack this rank's send block on ``pool``'s thread now (a local copy, no collective),
+        so that ``post()`` later only issues the collective."""
+        if self._state == "new" and self._packing is None and self._send is None and self.device.type == "cpu":
+            self._packing = pool.submit(self._pack)
 
     def post(self) -> "BatchedGather":
-        """Pack this rank's shards and issue the all-gather, without waiting for it (idempotent)."""
+        """Pack this rank's shards (unless packed ahead) and issue the all-gather, without waiting
+        for it (idempotent)."""
         if self._state != "new":
             return self
         self._posted_on = _current_stream(self.device)
         if self.stream is None:
             after_default_stream(self.device)
-            self._pack()
+            if self._packing is not None:
+                packing, self._packing = self._packing, None
+                packing.result()
+            else:
+                self._pack()
+            self._alloc_recv()
             self._work = _post_all_gather(self._recv, self._send, self.group)
         else:
             side = self.stream
@@ -254,6 +276,7 @@ class BatchedGather:
             side.wait_stream(torch.cuda.current_stream(self.device))  # whatever the caller did
             with torch.cuda.stream(side):
                 self._pack()
+                self._alloc_recv()
                 self._work = _post_all_gather(self._recv, self._send, self.group)
                 self._event = side.record_event()
         self._state = "posted"
@@ -283,6 +306,27 @@ class BatchedGather:
             self.stats.hold(-self.n * self.block_bytes)
             self._state = "released"
 
+    def discard(self) -> None:
+        """Free a gather that was built (perhaps packed ahead) but will never be posted."""
+        if self._packing is not None:
+            packing, self._packing = self._packing, None
+            try:
+                packing.result()
+            except Exception:  # noqa: BLE001 - nothing will be sent from it
+                pass
+        if self._state == "new" and self._send is not None:
+            self._send = None
+            self.stats.hold(-self.block_bytes)
+        self._state = "released"
+
+    def _unpack(self, p: ShardPiece) -> torch.Tensor:
+        """``p``'s full tensor, a fresh allocation, read rank-major out of the gathered buffer."""
+        n = self.n
+        cols = self._recv.view(n, self.block_bytes)[:, p.offset : p.offset + p.nbytes].view(p.wire_dtype)
+        out = torch.empty((n * p.rows_per_rank, p.row_numel), dtype=p.wire_dtype, device=self.device)
+        out.view(n, p.rows_per_rank * p.row_numel).copy_(cols)
+        return out[: p.full_shape[0]].view(p.full_shape)
+
     def drain(self) -> None:
         """Wait out a posted gather whose tensors will not be read, then free its buffers.
 
@@ -299,28 +343,36 @@ class BatchedGather:
 
     def __iter__(self) -> Iterator[tuple[object, torch.Tensor]]:
         self.post()
+        pending = None  # the next piece's unpack, running on ``unpacker`` (CPU overlap)
         try:
             self._wait()
-            n, block = self.n, self.block_bytes
             recv = self._recv
             gathered_on = self._posted_on
-            table = recv.view(n, block)
-            for p in self.pieces:
+            pieces = self.pieces
+            for i, p in enumerate(pieces):
                 # Unpack lazily, on the stream current at this resume, after the gather's stream.
                 if self._event is not None:
                     torch.cuda.current_stream(self.device).wait_event(self._event)
                 else:
                     _sync_from(gathered_on, self.device)
-                cols = table[:, p.offset : p.offset + p.nbytes].view(p.wire_dtype)
-                out = torch.empty(
-                    (n * p.rows_per_rank, p.row_numel), dtype=p.wire_dtype, device=self.device
-                )
-                out.view(n, p.rows_per_rank * p.row_numel).copy_(cols)
-                full = out[: p.full_shape[0]].view(p.full_shape)
+                full = pending.result() if pending is not None else self._unpack(p)
+                pending = None
+                if (
+                    self.unpacker is not None
+                    and i + 1 < len(pieces)
+                    and self.n * pieces[i + 1].nbytes >= _HANDOFF_BYTES
+                ):
+                    pending = self.unpacker.submit(self._unpack, pieces[i + 1])
                 if self.device.type == "cuda":
                     recv.record_stream(torch.cuda.current_stream(self.device))
                 yield p.key, full
+                del full
         finally:
+            if pending is not None:  # reads the gathered buffer: done before it is freed
+                try:
+                    pending.result()
+                except Exception:  # noqa: BLE001 - an unpack nobody will read
+                    pass
             self.drain()
 
 

@@ -20,6 +20,13 @@ current step's tensors are yielded. What it guarantees:
   "full"``) is a collective issued and completed in place; nothing is posted past it, and at that
   step nothing is in flight (what AReaL does before an incompatible collective). Steps without a
   collective (plain tensors, one-rank shard axes) are looked past.
+* **Host copies overlap too (CPU).** On CPU one helper thread does the two local copies: it packs the
+  send block of the gather after the one posted ahead (so posting it costs the iterating thread
+  nothing), and unpacks a gather's tensors (the copy out of the gathered buffer into each fresh
+  tensor) one piece ahead of the consumer. It never issues or waits for a collective (posting and
+  waiting stay in the iterating thread, in plan order). It adds one send block (~1/n of a group)
+  and one unpacked tensor to the bound. Device tensors are packed on the side stream and unpacked on
+  the consumer's stream (asynchronous already).
 * **Early stop.** ``close()`` drains every gather posted and not consumed: it waits for it (bounded
   on gloo) and frees it. When every rank stops at the same step (a consumer that raises on every
   rank alike, a driver that closes the pass on every rank), every rank posted the same gathers, so
@@ -74,6 +81,7 @@ class GatherPipeline:
         self._built: dict[int, BatchedGather] = {}  # built by a lookahead that could not post it
         self._next = 0  # first step not yet considered for posting
         self.peak_ahead_bytes = 0
+        self._pool = None  # CPU: the one helper thread that unpacks the next piece
 
     def take(self, k: int) -> BatchedGather:
         """Step ``k``'s gather, posted (now, if the lookahead did not reach it)."""
@@ -106,16 +114,40 @@ class GatherPipeline:
                 self.peak_ahead_bytes = max(self.peak_ahead_bytes, held)
             j += 1
         self._next = j
+        # CPU: pack the gather after those already posted on the helper thread (a local copy, no
+        # collective), so that posting it later costs the iterating thread nothing.
+        while j < len(self.roles) and self.roles[j] == "free":
+            j += 1
+        if j < len(self.roles) and self.roles[j] == "gather":
+            gather = self._gather(j)
+            if gather.unpacker is not None:
+                gather.pack_ahead(gather.unpacker)
 
     def _gather(self, k: int) -> BatchedGather:
         gather = self._built.get(k)
         if gather is None:
             gather = self._built[k] = self.make(k)
+            if self.overlap and gather.device.type == "cpu":
+                gather.unpacker = self._unpacker()
         return gather
+
+    def _unpacker(self):
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-unpack")
+        return self._pool
 
     def close(self) -> None:
         """Drain every gather posted and not taken (bounded; errors are logged, not raised)."""
         posted, self._posted = self._posted, {}
-        self._built.clear()
-        for k in sorted(posted):
-            posted[k].drain()
+        built, self._built = self._built, {}
+        try:
+            for gather in built.values():
+                gather.discard()
+            for k in sorted(posted):
+                posted[k].drain()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None

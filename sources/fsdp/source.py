@@ -34,7 +34,9 @@ Invariants (each is tested multi-rank in ``tests/test_fsdp.py``):
   groups posted ahead: per group the send buffer (this rank's share, ~1/n of the group) + the
   gathered buffer (the group's wire bytes, rows padded to a multiple of n), plus the tensor being
   unpacked. Ahead: one group by default, or groups of at most ``prefetch_bytes`` together (the next
-  group always, whatever its size); ``overlap=False``: none. Units are not held across other
+  group always, whatever its size); ``overlap=False``: none. On CPU, overlap also packs the send
+  block of the group after those ahead and unpacks one tensor ahead of the consumer on a helper
+  thread (``prefetch``): one more send block (~1/n of a group) and one more tensor. Units are not held across other
   units: a unit split by checkpoint order is gathered once per run instead. With
   ``CPUOffloadPolicy`` the packing copy stages each shard to the gather device; the module's
   parameters stay where they were.
@@ -98,7 +100,7 @@ class FSDPSource(WeightSource):
         dtype: wire dtype for floating tensors (None: each tensor's own dtype). Cast happens on
             the local shard, before the gather.
         keep_fp32: extra regular expressions (``re.search`` on the checkpoint name) of tensors
-            that keep their own dtype, on top of ``wire.DEFAULT_KEEP_FP32`` (MoE routers/gates).
+            that keep their own dtype, on top of ``core.dtype_policy.DEFAULT_KEEP_FP32`` (MoE routers/gates).
         group_bytes: split a unit's gather into groups of at most this many wire bytes
             (None: one gather per contiguous run of a unit; a single larger tensor still
             gathers alone).
