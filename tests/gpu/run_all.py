@@ -32,6 +32,7 @@ MIN_PART_S = 30
 PARTS = [
     ("env", "tests/gpu/run_all.py", ["--env"], 90),
     ("ipc_fsdp", "tests/gpu/part_ipc.py", ["--source", "module,fsdp"], 150),
+    ("streams", "tests/gpu/part_streams.py", [], 90),
     ("ipc_megatron", "tests/gpu/part_ipc.py", ["--source", "megatron"], 150),
     ("ipc_lora", "tests/gpu/part_ipc.py", ["--source", "lora"], 150),
     ("ipc_safetensors", "tests/gpu/part_ipc.py", ["--source", "safetensors"], 150),

@@ -34,6 +34,13 @@ def test_ipc_round_trip_fsdp_source_through_vllm_ipc_engines():
         assert any(n.startswith(f"fsdp/{mode} refit 2: receiver logits") for n in names)
 
 
+def test_overlapped_gathers_keep_stream_order():
+    doc = _run("streams")
+    names = [c["name"] for c in doc["checks"]]
+    assert sum(n.startswith("pass ") for n in names) == 3
+    assert sum(n.startswith("control: ") for n in names) == 2  # the scenario can fail
+
+
 def test_ipc_round_trip_megatron_source_through_vllm_ipc_engines():
     doc = _run("ipc_megatron")
     assert any("receiver logits == trainer logits" in c["name"] for c in doc["checks"])

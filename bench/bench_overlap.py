@@ -1,0 +1,231 @@
+"""Overlap (issue 19): what posting the next gather ahead buys, measured against overlap off in the same run.
+
+Workload: a Qwen3-shaped transformers model (random init, fp32), FSDP2 over ``--world`` gloo ranks on
+CPU (each decoder layer + root), ``FSDPSource``. Variants, interleaved rep by rep (median reported),
+every rank running the same one between barriers:
+
+* ``gathers, overlap off`` / ``on``: one ``iter_full`` pass, tensors dropped -- the gathers alone;
+* ``send, overlap off`` / ``on``: the same pass feeding a consumer that "sends" each tensor at a fixed
+  bandwidth (``time.sleep(nbytes / bandwidth)`` on every rank), the bandwidth calibrated once so that
+  the consumer's total equals the overlap-off gathers (``--send-ratio`` times them): gathers and
+  consumer back to back cost ~2x the gathers; perfect overlap ~1x;
+* ``save_safetensors`` (overlap on, writes on the writer thread) against ``gathers, overlap on``
+  (the plain pass with the same gathers), and ``save_safetensors, sequential`` (overlap off,
+  ``write_queue_bytes=0``: the code before issue 19) against ``gathers, overlap off``;
+* ``disk floor``: rank 0 alone writes the checkpoint's byte count to one file (``pwrite``, 64 MB at a
+  time) and fsyncs it -- no gather, no tensor: no ``save_safetensors`` can beat
+  ``max(gathers, disk floor)`` here, which the last ratio compares against.
+
+Memory, rank 0: the source's tracked peak extra bytes (``PassStats.peak_extra_bytes``) and of it the
+bytes posted ahead (``ahead_peak_bytes``), against the stated bound (two gather groups -- the largest
+group held by the overlap-off pass, twice -- plus the send block packed ahead on CPU); the writer's peak queued bytes against
+``write_queue_bytes``; and the RSS rise over each variant (``bench_checkpoint.PeakRSS``).
+
+    python bench/bench_overlap.py
+    python bench/bench_overlap.py --hidden 1024 --layers 8 --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
+from worlds import run_world  # noqa: E402
+
+
+def _model(args) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=args.hidden // 16, vocab_size=args.vocab,
+        tie_word_embeddings=False,
+    )
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def _drain(source) -> None:
+    for _name, t in source.iter_full():
+        del t
+
+
+def _send(source, bandwidth: float) -> None:
+    """A consumer that spends ``nbytes / bandwidth`` seconds on each tensor (a simulated send)."""
+    for _name, t in source.iter_full():
+        time.sleep(t.numel() * t.element_size() / bandwidth)
+        del t
+
+
+def _disk_floor(path: str, nbytes: int) -> None:
+    """Write ``nbytes`` to one new file with ``pwrite`` (64 MB at a time) and fsync it: what the
+    checkpoint's bytes cost this disk alone, with no gather at all."""
+    buf = memoryview(bytearray(64 << 20))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        off = 0
+        while off < nbytes:
+            off += os.pwrite(fd, buf[: min(len(buf), nbytes - off)], off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def _worker(rank, world, args):
+    warnings.filterwarnings("ignore")
+    from bench_checkpoint import PeakRSS
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from weightsync.plugins.checkpoint import save_safetensors
+    from weightsync.sources import FSDPSource
+
+    model = _model(args)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    on = FSDPSource(model, overlap=True)
+    off = FSDPSource(model, overlap=False)
+    for s in (on, off):
+        _drain(s)  # warm-up (the first pass also agrees on metadata)
+    total = sum(math.prod(m.shape) * m.dtype.itemsize for m in on.metadata)
+    # Calibrate the simulated send: the consumer's total = send_ratio x the overlap-off gathers.
+    dist.barrier()
+    t0 = time.perf_counter()
+    _drain(off)
+    g = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(g, op=dist.ReduceOp.MAX)
+    bandwidth = total / (args.send_ratio * float(g))
+    root = args.dir
+    keys = ("gathers_off", "gathers_on", "send_off", "send_on", "save_on", "save_sync", "disk")
+    times: dict[str, list[float]] = {k: [] for k in keys}
+    rss: dict[str, list[int]] = {k: [] for k in keys}
+    stats: dict[str, dict] = {}
+    reports: dict[str, dict] = {}
+    runs = {
+        "gathers_off": lambda rep: _drain(off),
+        "gathers_on": lambda rep: _drain(on),
+        "send_off": lambda rep: _send(off, bandwidth),
+        "send_on": lambda rep: _send(on, bandwidth),
+        "save_on": lambda rep: save_safetensors(on, os.path.join(root, f"on-{rep}"), max_shard_bytes=args.shard),
+        "save_sync": lambda rep: save_safetensors(
+            off, os.path.join(root, f"sync-{rep}"), max_shard_bytes=args.shard, write_queue_bytes=0
+        ),
+        "disk": lambda rep: _disk_floor(os.path.join(root, "floor.bin"), total) if rank == 0 else None,
+    }
+    for rep in range(args.reps):
+        for k in keys:
+            dist.barrier()
+            with PeakRSS() as m:
+                t0 = time.perf_counter()
+                out = runs[k](rep)
+                times[k].append(time.perf_counter() - t0)
+            rss[k].append(m.grew)
+            src = on if k.endswith("_on") else off
+            stats[k] = src.last_pass.as_dict()
+            if out is not None:
+                reports[k] = out.metrics()
+        dist.barrier()
+        if rank == 0:
+            for sub in ("on", "sync"):
+                shutil.rmtree(os.path.join(root, f"{sub}-{rep}"), ignore_errors=True)
+    dist.barrier()
+    if rank != 0:
+        return None
+    return {
+        "seconds": {k: statistics.median(v) for k, v in times.items()},
+        "all": times,
+        "rss": {k: statistics.median(v) for k, v in rss.items()},
+        "stats": stats,
+        "reports": reports,
+        "total": total,
+        "bandwidth": bandwidth,
+        "tensors": len(on.metadata),
+        "steps": len(on._plan(on._resolve())),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--send-ratio", type=float, default=1.0, help="simulated send time / overlap-off gathers")
+    ap.add_argument("--max-shard-mb", type=float, default=200.0)
+    ap.add_argument("--dir", default=None, help="where save_safetensors writes (default: a temp folder in /tmp)")
+    args = ap.parse_args()
+    args.shard = int(args.max_shard_mb * 10**6)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # as bench_checkpoint: RSS follows live tensors
+    own = args.dir is None
+    args.dir = args.dir or tempfile.mkdtemp(prefix="bench-overlap-")
+    try:
+        r = run_world(_worker, args.world, timeout=3600, pg_timeout_s=900, args=args)[0]
+    finally:
+        if own:
+            shutil.rmtree(args.dir, ignore_errors=True)
+    s, st = r["seconds"], r["stats"]
+    mb = r["total"] / 1e6
+    print(
+        f"FSDPSource over a Qwen3 hidden {args.hidden} x {args.layers} layers, vocab {args.vocab} (fp32): "
+        f"{r['tensors']} tensors, {mb:.1f} MB, {r['steps']} plan steps; FSDP2 over {args.world} gloo ranks "
+        f"(CPU); median of {args.reps} (rank 0); simulated send at {r['bandwidth'] / 1e6:.0f} MB/s "
+        f"(= {args.send_ratio:g}x the overlap-off gathers)"
+    )
+    print(f"{'variant':<48} {'s':>8}   reps")
+    labels = {
+        "gathers_off": "gathers, overlap off",
+        "gathers_on": "gathers, overlap on",
+        "send_off": "gathers + simulated send, overlap off",
+        "send_on": "gathers + simulated send, overlap on",
+        "save_sync": "save_safetensors, sequential (overlap off, q=0)",
+        "save_on": "save_safetensors (overlap on, writer thread)",
+        "disk": "disk floor: pwrite + fsync of the bytes, rank 0",
+    }
+    for k, label in labels.items():
+        print(f"{label:<48} {s[k]:>8.3f}   " + " ".join(f"{v:.3f}" for v in r["all"][k]))
+    print(f"ratio send overlap on / off: x{s['send_on'] / s['send_off']:.2f} (target <= 0.65; "
+          f"back to back would be x1.00, perfect overlap ~x{max(s['gathers_on'], s['send_off'] - s['gathers_off']) / s['send_off']:.2f})")
+    print(f"ratio save_safetensors / plain pass, overlap on: x{s['save_on'] / s['gathers_on']:.2f} (target <= 1.25); "
+          f"sequential: x{s['save_sync'] / s['gathers_off']:.2f}; gathers on / off: x{s['gathers_on'] / s['gathers_off']:.2f}")
+    floor = max(s["gathers_on"], s["disk"])
+    print(f"ratio save_safetensors / max(plain pass, disk floor): x{s['save_on'] / floor:.2f} "
+          f"(sequential: x{s['save_sync'] / max(s['gathers_off'], s['disk']):.2f})")
+    # two groups, plus (CPU) the next group's send block packed ahead: 1/(n+1) of a group's footprint
+    off_peak = st["gathers_off"]["peak_extra_bytes"]
+    bound = 2 * off_peak + off_peak // (args.world + 1)
+    print(
+        f"source memory (rank 0, tracked): overlap off peak {st['gathers_off']['peak_extra_bytes'] / 1e6:.1f} MB "
+        f"(one group + the tensor being unpacked); overlap on peak {st['gathers_on']['peak_extra_bytes'] / 1e6:.1f} MB, "
+        f"of it posted ahead {st['gathers_on']['ahead_peak_bytes'] / 1e6:.1f} MB; bound (two groups + a send block) "
+        f"{bound / 1e6:.1f} MB: {'within' if st['gathers_on']['peak_extra_bytes'] <= bound else 'EXCEEDED'}"
+    )
+    rep = r["reports"]["save_on"]
+    qb = max(rep["write_queue_bytes"], 0)
+    print(
+        f"writer (rank 0): peak queued {rep['peak_queued_bytes'] / 1e6:.1f} MB vs write_queue_bytes "
+        f"{qb / 1e6:.1f} MB (bound max(that, largest tensor)); host copies {rep['peak_extra_bytes'] / 1e3:.1f} KB "
+        f"(headers); sequential writer queued {r['reports']['save_sync']['peak_queued_bytes']}"
+    )
+    print("RSS rise (rank 0, MB, median): " + "; ".join(f"{k} {v / 1e6:.1f}" for k, v in r["rss"].items()))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
