@@ -13,6 +13,11 @@ Oracle: the same source with ``overlap=False`` (the sequential pass every other 
   every rank; so does a pass started while an abandoned one is still open;
 * pieces large enough to be unpacked one ahead on the helper thread (CPU) stream the same bytes.
 
+And ``save_safetensors``'s writer thread: the same files, byte for byte, with the default queue, a
+queue that admits one tensor at a time and no thread (``write_queue_bytes=0``), within the queue's
+bound. (Its failure paths -- ENOSPC/EFBIG raised on the thread, a peer failing mid-stream -- are
+``tests/test_checkpoint.py``'s, which run with the thread on by default.)
+
 ``WEIGHTSYNC_OVERLAP=0`` turns overlap off for every source built with the default (run any FSDP
 test file that way to check the sequential path).
 """
@@ -191,3 +196,49 @@ def test_consumer_raising_or_closing_mid_pass_leaves_every_rank_ready(overlap_wo
         assert f["wide_big_pieces"] >= 6 and f["wide_equal"], rank
         assert f["wide_raise"].startswith("consumer failed") and f["wide_raise_held"] == 0, rank
         assert f["wide_raise_next"], rank
+
+
+def world_writer_queue(rank: int, world_size: int, *, base: str) -> bytes:
+    """``save_safetensors`` with the writer thread (default queue, a 1-byte queue that admits one
+    tensor at a time) and without (``write_queue_bytes=0``), sharded, on the same FSDP2 source."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from weightsync.plugins.checkpoint import save_safetensors
+    from weightsync.sources import FSDPSource
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = shard(tiny_model("qwen3", tied=False, seed=2, layers=3), mesh)
+    src = FSDPSource(model)
+    facts: dict[str, Any] = {"largest": max(t.numel() * t.element_size() for _, t in _cpu(src.iter_full()))}
+    for label, q in (("default", None), ("one", 1), ("sync", 0)):
+        kw = {} if q is None else {"write_queue_bytes": q}
+        facts[label] = save_safetensors(src, os.path.join(base, label), max_shard_bytes=20_000, **kw).metrics()
+    facts["bad_queue"] = None
+    try:
+        save_safetensors(src, os.path.join(base, "bad"), write_queue_bytes=-1)
+    except Exception as e:  # noqa: BLE001
+        facts["bad_queue"] = f"{type(e).__name__}: {e}"
+    return pack(facts)
+
+
+def test_writer_thread_writes_the_same_files_within_its_queue_bound(tmp_path):
+    import filecmp
+    import os
+
+    results = unpack(run_world(world_writer_queue, 2, timeout=300, base=str(tmp_path)))
+    f = results[0]
+    files = sorted(os.listdir(tmp_path / "sync"))
+    assert len([x for x in files if x.endswith(".safetensors")]) > 1  # sharded
+    for label in ("default", "one"):
+        assert sorted(os.listdir(tmp_path / label)) == files
+        for name in files:
+            assert filecmp.cmp(tmp_path / label / name, tmp_path / "sync" / name, shallow=False), (label, name)
+    assert f["sync"]["peak_queued_bytes"] == 0 and f["sync"]["write_queue_bytes"] == 0
+    assert 0 < f["default"]["peak_queued_bytes"] <= max(f["default"]["write_queue_bytes"], f["largest"])
+    assert 0 < f["one"]["peak_queued_bytes"] <= f["largest"]  # one tensor at a time
+    for label in ("default", "one", "sync"):
+        assert f[label]["peak_extra_bytes"] == f["sync"]["peak_extra_bytes"]  # headers only (CPU tensors)
+    for rank, facts in results.items():
+        assert facts["bad_queue"].startswith("CheckpointError") and "write_queue_bytes" in facts["bad_queue"], rank
