@@ -2,7 +2,8 @@
 random init, no downloads.
 
 Each preset keeps its family's structure (GQA, tied or untied embeddings, Qwen3's q/k norms,
-Qwen2's qkv biases, DeepSeek-V3's multi-head latent attention) at a size that trains in
+Qwen2's qkv biases, DeepSeek-V3's multi-head latent attention, GLM-4.5's partial rotary and
+sigmoid-routed MoE) at a size that trains in
 milliseconds on one CPU core.
 """
 
@@ -87,6 +88,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-deepseek-v3": dict(_DEEPSEEK_V3),
     # The same without q_lora_rank (DeepSeek-V2-Lite style): one q_proj instead of q_a/q_b.
     "tiny-deepseek-v3-no-q-lora": dict(_DEEPSEEK_V3, q_lora_rank=None),
+    # GLM-4.5 structure: partial rotary (half of each 24-wide head), q/k/v biases, q/k norms, layer 0
+    # dense (first-k), layer 1 MoE with a shared expert and sigmoid group-limited routing (2 groups,
+    # 1 kept, top 2) with e_score_correction_bias and a routed scaling factor. head_dim is not
+    # hidden / heads, and heads, kv heads and experts divide --tp 2 / --ep 2.
+    "tiny-glm4-moe": dict(
+        model_type="glm4_moe", tie_word_embeddings=False, head_dim=24, partial_rotary_factor=0.5,
+        attention_bias=True, use_qk_norm=True, moe_intermediate_size=32, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, **_COMMON,
+    ),
 }
 
 

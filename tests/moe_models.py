@@ -32,6 +32,14 @@ FAMILIES: dict[str, dict] = {
         num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, vocab_size=64,
         q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
     ),
+    # GLM-4.5: partial rotary, q/k/v biases, q/k norms, first-k dense, shared experts, sigmoid
+    # group-limited routing with e_score_correction_bias.
+    "glm4_moe": dict(
+        hidden_size=16, intermediate_size=40, moe_intermediate_size=12, n_routed_experts=6,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=64,
+        attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, routed_scaling_factor=2.5,
+    ),
 }
 
 

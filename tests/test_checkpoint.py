@@ -560,3 +560,38 @@ def test_export_cli_fsdp_two_ranks_then_overwrite(tmp_path):
     assert folder_diff(str(ref1), str(out)) == []
     r = _cli("export", "--model", "tiny-qwen3", "--out", str(tmp_path / "z"), "--max-shard-size", "5XB")
     assert r.returncode == 2 and "--max-shard-size" in r.stderr
+
+
+#: Family presets ``weightsync export`` writes in each layout it can build them in.
+FAMILY_EXPORTS = {
+    "tiny-glm4-moe": {"megatron-tp2-ep2": ("--layout", "megatron", "--tp", "2", "--ep", "2"), "fsdp-x2": ("--nproc", "2")},
+}
+
+
+@pytest.mark.parametrize("preset", sorted(FAMILY_EXPORTS))
+def test_export_cli_family_preset_loads_to_the_trainers_logits(preset, tmp_path):
+    """``weightsync export`` of a family's preset in each layout: the folder is save_pretrained's of
+    the preset model (seed 0: the trainer's model, the same in every layout) byte for byte, and
+    ``from_pretrained`` of it loads strictly and computes that model's logits bit for bit (eager
+    attention and experts on both sides, as ``build_model`` makes the trainer's)."""
+    from transformers import AutoModelForCausalLM
+    from worlds import run_cli
+
+    from weightsync.plugins.presets import build_model, load_config
+
+    trainer = build_model(load_config(preset), seed=0)
+    trainer.set_experts_implementation(MOE_FORWARD["experts_implementation"])
+    trainer.save_pretrained(tmp_path / "ref")
+    with torch.no_grad():
+        want = trainer.eval()(input_ids=ids()).logits.float()
+    for layout, args in FAMILY_EXPORTS[preset].items():
+        out = tmp_path / layout
+        nproc = 4 if "--ep" in args else 2
+        r = run_cli("export", "--model", preset, *args, "--out", str(out), nproc=nproc, timeout=600)
+        assert r.returncode == 0 and r.stdout.strip().endswith("PASS"), (layout, r.stdout, r.stderr[-3000:])
+        assert folder_diff(str(tmp_path / "ref"), str(out)) == [], layout
+        model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, attn_implementation="eager",
+                                                           **MOE_FORWARD)
+        assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), (layout, info)
+        with torch.no_grad():
+            assert torch.equal(model.eval()(input_ids=ids()).logits.float(), want), layout

@@ -69,7 +69,7 @@ def _world(rank, world_size, *, families):
 def test_fsdp2_moe_export_matches_save_pretrained():
     from moe_models import saved_state_dict, tiny_model
 
-    families = ("qwen3_moe", "deepseek_v3", "mixtral")
+    families = ("qwen3_moe", "deepseek_v3", "mixtral", "glm4_moe")
     from fsdp_worlds import unpack
 
     res = unpack(run_world(_world, 2, families=families, timeout=400))

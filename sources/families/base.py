@@ -211,6 +211,9 @@ class Family:
     #: ``hf_config -> {TransformerConfig field: Field}`` beyond the shared decoder and GQA fields
     #: (MoE, latent attention); ``megatron_fields`` is the whole mapping.
     megatron: Callable[[Any], dict[str, Field]] = lambda cfg: {}
+    #: ``hf_config -> {GPTModel argument: Field}`` beyond the shared ones (e.g. ``rotary_percent``
+    #: from a partial rotary factor); ``gpt_model_fields`` is the whole set.
+    gpt_model: Callable[[Any], dict[str, Field]] = lambda cfg: {}
     #: ``"dense"`` (fused ``linear_qkv``, ``ATTENTION``) or ``"mla"`` (``layer_table``'s attention).
     attention: str = "dense"
     #: ``(family, hf_config, fused_down) -> {suffix: Entry}``: the attention half of a layer, for a
@@ -253,7 +256,7 @@ class Family:
     def gpt_model_fields(self, hf_config: Any) -> dict[str, Field]:
         """``GPTModel`` constructor arguments a model of ``hf_config`` has (besides its config, spec,
         padded vocabulary and pipeline stage)."""
-        return {
+        out = {
             "share_embeddings_and_output_weights": Field(
                 "tie_word_embeddings", bool(getattr(hf_config, "tie_word_embeddings", False))
             ),
@@ -261,6 +264,8 @@ class Family:
             "rotary_base": Field("rope_parameters.rope_theta", rope_theta(hf_config)),
             "max_sequence_length": Field("max_position_embeddings", getattr(hf_config, "max_position_embeddings", 128)),
         }
+        out.update(self.gpt_model(hf_config))
+        return out
 
     def check_supported(self, hf_config: Any) -> None:
         why = self.unsupported(hf_config)

@@ -35,6 +35,7 @@ __all__ = [
     "hf_logits",
     "compare_logits",
     "digest",
+    "saved_digests",
     "checkpoint_layout",
 ]
 
@@ -45,6 +46,7 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
 }
 
 
@@ -101,6 +103,17 @@ def tiny_config(family: str, *, layers: int = 2, **overrides: Any) -> Any:
                   attention_bias=False)
         kw.update(overrides)
         return cfg_cls(**kw)
+    if family == "glm4_moe":
+        # GLM-4.5: partial rotary (40 of each 80-wide head), q/k/v biases, q/k norms, one dense
+        # layer first, then 16 routed experts in 4 groups (top-4 from the best 2 groups: the group
+        # rule both frameworks compute alike), one shared expert, score-correction bias, routed
+        # scaling factor.
+        return cfg_cls(**dict(common, num_hidden_layers=max(layers, 3)), head_dim=80,
+                       partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
+                       moe_intermediate_size=128, n_routed_experts=16, n_shared_experts=1,
+                       num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+                       routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-5,
+                       rope_theta=1_000_000.0, tie_word_embeddings=False)
     raise KeyError(family)
 
 
@@ -147,6 +160,21 @@ def build_hf(config: Any, *, device: str | torch.device, dtype: torch.dtype, see
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
     return model.eval()
+
+
+def saved_digests(model: torch.nn.Module) -> dict[str, str]:
+    """``{name: digest}`` of what transformers' ``save_pretrained`` writes for ``model`` (its own
+    dtypes; per-expert names for fused in-memory experts), read back from the files."""
+    from safetensors import safe_open
+
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        out: dict[str, str] = {}
+        for fn in sorted(os.listdir(d)):
+            if fn.endswith(".safetensors"):
+                with safe_open(os.path.join(d, fn), "pt") as f:
+                    out.update({k: digest(f.get_tensor(k)) for k in f.keys()})
+    return out
 
 
 def digest(t: torch.Tensor) -> str:

@@ -134,17 +134,27 @@ def forward_conditions(c: Any) -> None:
       experts, transformers' by its top 2: equal only when ``num_experts_per_tok // topk_group == 2``
       (DeepSeek-V3: 8 // 4).
     * Megatron's sigmoid router always renormalises the top-k probabilities (``norm_topk_prob``).
+
+    GLM-4.5 (``Glm4MoeConfig``): the same router, so the same two routing conditions (the group
+    rule only matters when some groups are dropped, ``topk_group < n_group``).
     """
-    if type(c).__name__ != "DeepseekV3Config":
+    name = type(c).__name__
+    if name == "DeepseekV3Config":
+        problems = {
+            "rms_norm_eps": c.rms_norm_eps == 1e-6,
+            "num_experts_per_tok // topk_group": c.num_experts_per_tok // c.topk_group == 2,
+            "norm_topk_prob": bool(c.norm_topk_prob),
+        }
+    elif name == "Glm4MoeConfig":
+        problems = {
+            "num_experts_per_tok // topk_group": c.topk_group == c.n_group or c.num_experts_per_tok // c.topk_group == 2,
+            "norm_topk_prob": bool(c.norm_topk_prob),
+        }
+    else:
         return
-    problems = {
-        "rms_norm_eps": c.rms_norm_eps == 1e-6,
-        "num_experts_per_tok // topk_group": c.num_experts_per_tok // c.topk_group == 2,
-        "norm_topk_prob": bool(c.norm_topk_prob),
-    }
     bad = [k for k, ok in problems.items() if not ok]
     if bad:
-        raise ValueError(f"DeepseekV3Config: Megatron's forward differs from transformers' for {bad}")
+        raise ValueError(f"{name}: Megatron's forward differs from transformers' for {bad}")
 
 
 def _layer_spec(config: Any, moe_format: str) -> Any:
@@ -159,7 +169,14 @@ def _layer_spec(config: Any, moe_format: str) -> Any:
     grouped = experts == "grouped"
     if backend == "te":
         import transformer_engine  # noqa: F401  (raises here, reported as a skip, when absent)
-
+    freq = getattr(config, "moe_layer_freq", 1)
+    if num_experts and not isinstance(freq, int) and not all(freq):
+        # dense layers among MoE layers (GLM-4.5's first_k_dense_replace): megatron's decoder-block
+        # spec builds each layer as moe_layer_freq says, as the builder does
+        config.moe_grouped_gemm = grouped
+        return specs.get_gpt_decoder_block_spec(config, use_transformer_engine=backend == "te",
+                                                normalization="RMSNorm")
+    if backend == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=grouped, qk_layernorm=config.qk_layernorm
         )

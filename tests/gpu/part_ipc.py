@@ -13,17 +13,24 @@ transformers receiver can only match the trainer's logits through ``FSDPSource``
 ``SafetensorsSource(folder, dtype=bfloat16, device="cuda")`` feeds vLLM's IPC engine from the files
 (see ``run_safetensors``).
 
+``--family`` takes a comma list of ``hf_side.FAMILIES`` (default qwen3; the checks of any other
+family start with its name): e.g. ``glm4_moe`` -- partial rotary, q/k/v biases, q/k norms, a dense
+first layer, routed + shared experts, a sigmoid router whose score-correction bias stays fp32 in a
+bf16 model.
+
 Checked, packed and unpacked, each over two refits (the second after the trainer's weights changed):
 * exported names/shapes equal what transformers' ``save_pretrained`` writes for the config;
 * the receiver got exactly the exported tensors, bit for bit, in order, and every receiver parameter
-  was written;
+  was written; with a transformers trainer (FSDP, ``ModuleSource``), what it got on the first sync is
+  ``save_pretrained`` of the trainer's model, name by name and byte for byte;
 * the receiver's logits on a fixed batch equal the trainer's (FSDP, bf16: the FSDP2 forward of the
   same transformers model; Megatron, fp32 with TF32 off: Megatron's own forward, 2e-4 relative).
 
 ``--dry-run`` runs it all on CPU with gloo and a loopback transport instead of CUDA IPC (Megatron's
 forward with ``megatron_side.allow_cpu_forward``).
 
-    python tests/gpu/part_ipc.py --source fsdp,megatron,module,safetensors [--dry-run] [--json out.json]
+    python tests/gpu/part_ipc.py --source fsdp,megatron,module,safetensors [--family qwen3,glm4_moe]
+        [--dry-run] [--json out.json]
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ BF16_SAME_IMPL_REL = 1e-2
 #: adapter paths rounded separately) differs from a merged one by 2-5% in bf16. The transformers
 #: trainers run in bf16 (the usual wire dtype).
 DTYPES = {"module": "bfloat16", "fsdp": "bfloat16", "lora": "float32", "megatron": "float32"}
+#: The model of ``--family``'s default; check names of other families start with the family.
+DEFAULT_FAMILY = "qwen3"
 
 
 def _init_dist(device: str) -> None:
@@ -67,19 +76,23 @@ def _init_dist(device: str) -> None:
     )
 
 
-def _build_trainer(kind: str, cfg, device: str, dtype, facts: Facts):
-    """(model, source, trainer_logits_fn, module whose parameters the refit mutates)."""
+def _build_trainer(kind: str, cfg, device: str, dtype, facts: Facts, label: str = ""):
+    """(model, source, trainer_logits_fn, module whose parameters the refit mutates, ``{name:
+    digest}`` of ``save_pretrained`` of the trainer's transformers model before sharding, or None
+    where the trainer is not one: LoRA, Megatron). ``label`` names the checks (default ``kind``)."""
     import torch
 
-    from hf_side import build_hf, fixed_batch, hf_logits
+    from hf_side import build_hf, fixed_batch, hf_logits, saved_digests
 
     ids = fixed_batch(cfg.vocab_size, device=device)
+    label = label or kind
     if kind in ("fsdp", "module", "lora"):
         model = build_hf(cfg, device=device, dtype=dtype, seed=11)
+        saved = saved_digests(model) if kind != "lora" else None
         if kind == "module":
             from vllm.distributed.weight_transfer import ModuleSource
 
-            return model, ModuleSource(model), (lambda: hf_logits(model, ids)), model
+            return model, ModuleSource(model), (lambda: hf_logits(model, ids)), model, saved
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -107,24 +120,24 @@ def _build_trainer(kind: str, cfg, device: str, dtype, facts: Facts):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         sharded = sum(1 for p in model.parameters() if type(p).__name__ == "DTensor")
-        facts.check(f"{kind}: model is FSDP2-sharded", sharded == len(list(model.parameters())),
+        facts.check(f"{label}: model is FSDP2-sharded", sharded == len(list(model.parameters())),
                     f"{sharded} DTensor parameters")
         cmp_fsdp = _cmp(hf_logits(model, ids), plain_logits)
-        facts.check(f"{kind}: FSDP2 forward equals the plain forward (harness sanity)",
+        facts.check(f"{label}: FSDP2 forward equals the plain forward (harness sanity)",
                     cmp_fsdp["rel_err"] <= BF16_SAME_IMPL_REL, cmp_fsdp)
-        return model, FSDPSource(model), (lambda: hf_logits(model, ids)), model
+        return model, FSDPSource(model), (lambda: hf_logits(model, ids)), model, saved
     if kind == "megatron":
         from megatron_side import allow_cpu_forward, build_megatron, describe, init_parallel, megatron_logits
 
         from weightsync.sources import MegatronSource
 
         init_parallel(device)
+        if not device.startswith("cuda"):  # before the build: a MoE router allocates its expert bias there
+            allow_cpu_forward()
         model = build_megatron(cfg, dtype=dtype, device=device, seed=11)
         log(f"[ipc] megatron trainer: {describe(model)}")
-        if not device.startswith("cuda"):
-            allow_cpu_forward()
         fn = lambda: megatron_logits(model, ids, cfg.vocab_size)  # noqa: E731
-        return model, MegatronSource(model, hf_config=cfg), fn, model
+        return model, MegatronSource(model, hf_config=cfg), fn, model, None
     raise KeyError(kind)
 
 
@@ -146,26 +159,34 @@ def run_source(kind: str, family: str, device: str, mode: str, client, facts: Fa
         except ImportError as e:
             facts.skip("lora", f"peft is not importable here ({e}): run bash .ci/kit-extras before shipping .kit")
             return
+    from weightsync.sources.core.dtype_policy import WirePolicy
+
     cfg = tiny_config(family)
     ids = fixed_batch(cfg.vocab_size, device="cpu")
     dtype = getattr(torch, DTYPES[kind])
-    model, src, trainer_logits, mutable = _build_trainer(kind, cfg, device, dtype, facts)
+    label = kind if family == DEFAULT_FAMILY else f"{family} {kind}"
+    model, src, trainer_logits, mutable, saved = _build_trainer(kind, cfg, device, dtype, facts, label)
     layout = checkpoint_layout(cfg)
     meta = {m.name: tuple(m.shape) for m in src.metadata}
     want = {k: v[1] for k, v in layout.items()}
-    facts.check(f"{kind}: metadata names == save_pretrained names", set(meta) == set(want),
+    facts.check(f"{label}: metadata names == save_pretrained names", set(meta) == set(want),
                 f"only in metadata {sorted(set(meta) - set(want))[:5]}, "
                 f"only in checkpoint {sorted(set(want) - set(meta))[:5]}")
     bad_shapes = {k: (meta[k], want[k]) for k in set(meta) & set(want) if meta[k] != want[k]}
-    facts.check(f"{kind}: metadata shapes == save_pretrained shapes", not bad_shapes, bad_shapes or len(meta))
-    wire = {str(m.dtype) for m in src.metadata}
-    facts.check(f"{kind}: wire dtype is the model's {DTYPES[kind]}", wire == {str(dtype)}, wire)
+    facts.check(f"{label}: metadata shapes == save_pretrained shapes", not bad_shapes, bad_shapes or len(meta))
+    # Routers and score-correction biases (the wire policy's keep-fp32 names) may be fp32 in a bf16
+    # model, as transformers keeps them; every other tensor travels in the model's dtype.
+    keeps = WirePolicy.build(None).keeps
+    wire = {str(m.dtype) for m in src.metadata if not keeps(m.name)}
+    kept = {str(m.dtype) for m in src.metadata if keeps(m.name)}
+    facts.check(f"{label}: wire dtype is the model's {DTYPES[kind]} (kept-fp32 names: {sorted(kept)})",
+                wire == {str(dtype)} and kept <= {str(dtype), "torch.float32"}, (wire, kept))
     cross_impl = kind in ("megatron", "lora")
     tol = FP32_CROSS_IMPL_REL if cross_impl else BF16_SAME_IMPL_REL
     ref_name = {"megatron": "Megatron fwd", "lora": "PEFT unmerged fwd"}.get(kind, "same model")
 
     for packed in (False, True):
-        tag = f"{kind}/{'packed' if packed else 'unpacked'}"
+        tag = f"{label}/{'packed' if packed else 'unpacked'}"
         client.call("build", (cfg, dtype, 1000 + packed, True))
         eng = trainer_engine(mode, client=client, source=src, packed=packed, buffer_bytes=PACKED_BUFFER_BYTES)
         try:
@@ -189,6 +210,11 @@ def run_source(kind: str, family: str, device: str, mode: str, client, facts: Fa
                     facts.check(f"{tag}: refit 2 exported new values", exported != first, "digests changed")
                 else:
                     first = exported
+                    if saved is not None and not packed:  # the trainer as built (later passes follow refits)
+                        diff = sorted(n for n in set(saved) | {n for n, _ in got} if saved.get(n) != dict(got).get(n))
+                        facts.check(f"{tag} refit 1: receiver tensors == save_pretrained of the trainer's model "
+                                    "(bitwise: names, dtypes, shapes, bytes)", not diff,
+                                    f"{len(saved)} tensors" if not diff else f"differ: {diff[:5]}")
                 ref = trainer_logits().cpu()
                 c = _cmp(client.call("logits", ids), ref)
                 facts.check(
@@ -318,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", default="module,fsdp,megatron",
                     help="comma list: module,fsdp,lora,megatron,safetensors")
-    ap.add_argument("--family", default="qwen3")
+    ap.add_argument("--family", default=DEFAULT_FAMILY, help="comma list of hf_side.FAMILIES")
     ap.add_argument("--dry-run", action="store_true", help="CPU: gloo + loopback transport")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -342,12 +368,14 @@ def main(argv: list[str] | None = None) -> int:
         from receiver import start_receiver
 
         client = start_receiver(mode, device)
-        for kind in kinds:
-            try:
-                run = run_safetensors if kind == "safetensors" else run_source
-                run(kind, args.family, device, mode, client, facts)
-            except Exception as e:  # noqa: BLE001 - next source still runs
-                facts.error(f"{kind}: round trip", e)
+        for family in [f for f in args.family.split(",") if f]:
+            for kind in kinds:
+                try:
+                    run = run_safetensors if kind == "safetensors" else run_source
+                    run(kind, family, device, mode, client, facts)
+                except Exception as e:  # noqa: BLE001 - next source still runs
+                    what = kind if family == DEFAULT_FAMILY else f"{family} {kind}"
+                    facts.error(f"{what}: round trip", e)
     except Exception as e:  # noqa: BLE001
         facts.error("setup", e)
     finally:
