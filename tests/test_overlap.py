@@ -242,3 +242,58 @@ def test_writer_thread_writes_the_same_files_within_its_queue_bound(tmp_path):
         assert f[label]["peak_extra_bytes"] == f["sync"]["peak_extra_bytes"]  # headers only (CPU tensors)
     for rank, facts in results.items():
         assert facts["bad_queue"].startswith("CheckpointError") and "write_queue_bytes" in facts["bad_queue"], rank
+
+
+# ---- MegatronSource: the next unit's point-to-point transfer posted ahead ------------------------
+
+
+def world_megatron_overlap(rank: int, world_size: int) -> bytes:
+    """4 ranks: a dense Qwen2 at TP2 x PP2 (bf16 wire: peers cast before sending), then a Qwen3-MoE at
+    TP2 x EP2 (the lookahead stops at every MoE layer's export); each exported with overlap on and off."""
+    import megatron_worlds as mw
+    from moe_megatron import build_gpt, init_parallel, moe_config
+    from test_moe_megatron import _hf_config
+
+    from weightsync.sources import MegatronSource
+
+    facts: dict[str, Any] = {}
+    cfg = mw.hf_config("qwen2")
+    mw.init_parallel(2, 2)
+    model = mw.megatron_model(cfg)
+    mw.randomize_norms_and_biases(model)
+    facts["max_piece_bytes"] = max(p.numel() * 2 for p in model.parameters())  # bf16
+    for label, on in (("on", True), ("off", False)):
+        src = MegatronSource(model, hf_config=cfg, dtype=torch.bfloat16, overlap=on)
+        facts[f"dense_{label}"] = _cpu(src.iter_full())
+        facts[f"dense_{label}_stats"] = src.last_pass.as_dict()
+        facts[f"dense_{label}_again"] = _cpu(src.iter_full())  # a second pass on the same source
+    hf = _hf_config("qwen3_moe", layers=2, experts=4, hidden=16, moe_ffn=12, shared=None)
+    init_parallel(tp=2, ep=2)
+    moe = build_gpt(hf, moe_config(hf, tp=2, ep=2))
+    for label, on in (("on", True), ("off", False)):
+        src = MegatronSource(moe, hf_config=hf, overlap=on)
+        facts[f"moe_{label}"] = _cpu(src.iter_full())
+        facts[f"moe_{label}_stats"] = src.last_pass.as_dict()
+    return pack(facts)
+
+
+def test_megatron_overlap_same_stream_collectives_and_bound():
+    """Overlap on: the same tensors, bytes and collectives as off, on every rank; rank 0 receives the
+    next unit while the consumer holds this one (ahead_peak_bytes > 0), peers still have one cast
+    piece out at a time; a second pass on the same source equals the first (nothing left posted)."""
+    res = unpack(run_world(world_megatron_overlap, 4, timeout=500))
+    f0 = res[0]
+    assert f0["dense_on"] and _bytes_equal(f0["dense_on"], f0["dense_off"])
+    assert _bytes_equal(f0["dense_on_again"], f0["dense_off"])
+    assert f0["moe_on"] and _bytes_equal(f0["moe_on"], f0["moe_off"])
+    for r, f in res.items():
+        for kind in ("dense", "moe"):
+            on, off = f[f"{kind}_on_stats"], f[f"{kind}_off_stats"]
+            assert on["collectives"] == off["collectives"] and on["bytes_received"] == off["bytes_received"], (r, kind)
+            assert off["ahead_peak_bytes"] == 0, (r, kind)
+        if r:
+            assert f["dense_on"] == [] and f["moe_on"] == []
+    assert f0["dense_on_stats"]["ahead_peak_bytes"] > 0  # rank 0 had a transfer in flight ahead
+    for r in (1, 2, 3):  # a peer sends one cast piece at a time, overlap or not
+        assert res[r]["dense_on_stats"]["peak_extra_bytes"] <= res[r]["max_piece_bytes"], r
+        assert res[r]["dense_on_stats"]["ahead_peak_bytes"] == 0, r

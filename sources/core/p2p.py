@@ -11,6 +11,10 @@ Invariants:
   side makes this rank raise ``SyncTimeoutError`` naming the peer and ``what`` -- on the receiver
   and on every sender alike. Waiting on each request keeps the tensors alive until the transfer
   finished, whatever stream the caller is on.
+* ``post_gather`` is the same transfer split in two -- post now, ``finish`` later -- so a source can
+  have the next unit's transfer in flight while its consumer handles this one (overlap). Posting
+  order is the pairing order: every participant must post in the same unit order (p2p messages
+  between two ranks match first-posted to first-posted).
 """
 
 from __future__ import annotations
@@ -21,10 +25,13 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .waits import wait_p2p
+from .logs import get_logger
 from .stats import PassStats
+from .waits import wait_p2p
 
-__all__ = ["Piece", "gather_to"]
+__all__ = ["Piece", "PostedGather", "gather_to", "post_gather"]
+
+logger = get_logger(__name__)
 
 
 class Piece(NamedTuple):
@@ -33,6 +40,72 @@ class Piece(NamedTuple):
     src: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+class PostedGather:
+    """A ``gather_to`` whose sends and receives are posted and not yet waited for
+    (``post_gather``). ``finish()`` waits (bounded) and returns what ``gather_to`` returns;
+    ``drain()`` waits it out without raising (a consumer stopped the pass early: every rank posted
+    the same transfers, so they complete and the peers stay aligned) and drops the buffers.
+    ``held_bytes``: receive buffers plus pieces cast for sending, the memory it holds until then."""
+
+    def __init__(self, out: list[torch.Tensor] | None, waits: list, peer_of: str, what: str, held_bytes: int) -> None:
+        self._out, self._waits, self._peer_of, self._what = out, waits, peer_of, what
+        self.held_bytes = held_bytes
+
+    def finish(self, timeout_s: float) -> list[torch.Tensor] | None:
+        rank = dist.get_rank()
+        for peer, w, _keep in self._waits:
+            if self._peer_of == "dst":
+                what = f"send of {self._what} from rank {rank} to rank {peer}"
+            else:
+                what = f"receive of {self._what} on rank {rank} from rank {peer}"
+            wait_p2p(w, peer=peer, what=what, timeout_s=timeout_s)
+        self._waits = []
+        return self._out
+
+    def drain(self, timeout_s: float) -> None:
+        try:
+            self.finish(timeout_s)
+        except Exception as e:  # noqa: BLE001  (the pass is being abandoned; its own error wins)
+            logger.warning("rank %d: abandoned transfer of %s did not complete: %s", dist.get_rank(), self._what, e)
+        self._out = None
+
+
+def post_gather(
+    pieces: Sequence[Piece],
+    dst: int,
+    *,
+    local: Callable[[int], torch.Tensor],
+    device: torch.device,
+    what: str,
+    stats: PassStats,
+) -> PostedGather:
+    """Post ``gather_to``'s sends (a source rank) or receives (``dst``) without waiting."""
+    rank = dist.get_rank()
+    held = 0
+    if rank == dst:
+        out: list[torch.Tensor] = []
+        waits = []
+        for i, p in enumerate(pieces):
+            if p.src == rank:
+                out.append(local(i))
+                continue
+            buf = torch.empty(p.shape, dtype=p.dtype, device=device)
+            waits.append((p.src, dist.irecv(buf, src=p.src), None))
+            stats.collectives += 1
+            stats.bytes_received += buf.numel() * buf.element_size()
+            held += buf.numel() * buf.element_size()
+            out.append(buf)
+        return PostedGather(out, waits, "src", what, held)
+    sends = []
+    for i, p in enumerate(pieces):
+        if p.src == rank:
+            t = local(i)
+            # the request holds the tensor until the transfer finished, whatever stream the caller is on
+            sends.append((dst, dist.isend(t, dst=dst), t))
+            stats.collectives += 1
+    return PostedGather(None, sends, "dst", what, held)
 
 
 def gather_to(
@@ -50,28 +123,4 @@ def gather_to(
 
     ``what`` names the transfer in errors (e.g. the HF parameter). ``stats`` counts each send or
     receive as a collective and the received bytes; memory held is the caller's to account."""
-    rank = dist.get_rank()
-    if rank == dst:
-        out: list[torch.Tensor] = []
-        waits = []
-        for i, p in enumerate(pieces):
-            if p.src == rank:
-                out.append(local(i))
-                continue
-            buf = torch.empty(p.shape, dtype=p.dtype, device=device)
-            waits.append((p.src, dist.irecv(buf, src=p.src)))
-            stats.collectives += 1
-            stats.bytes_received += buf.numel() * buf.element_size()
-            out.append(buf)
-        for src, w in waits:
-            wait_p2p(w, peer=src, what=f"receive of {what} on rank {rank} from rank {src}", timeout_s=timeout_s)
-        return out
-    sends = []
-    for i, p in enumerate(pieces):
-        if p.src == rank:
-            t = local(i)
-            sends.append((t, dist.isend(t, dst=dst)))
-            stats.collectives += 1
-    for _t, w in sends:
-        wait_p2p(w, peer=dst, what=f"send of {what} from rank {rank} to rank {dst}", timeout_s=timeout_s)
-    return None
+    return post_gather(pieces, dst, local=local, device=device, what=what, stats=stats).finish(timeout_s)

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.layout import chunk_rows
+from ..core.overlap import overlap_default
 from ..core.logs import get_logger
 from ..core.stats import PassStats
 
@@ -138,14 +139,6 @@ class ShardPiece:
     row_numel: int = 0  # prod(full_shape[1:])
     offset: int = 0  # byte offset inside one rank's block
     nbytes: int = 0  # c * row_numel * itemsize (one rank's block of this parameter)
-
-
-def overlap_default() -> bool:
-    """Sources' default for ``overlap=None``: on, unless ``WEIGHTSYNC_OVERLAP`` is ``0``/``false``/
-    ``off``/``no`` (a switch for debugging and for A/B runs of a whole test suite or job)."""
-    import os
-
-    return os.environ.get("WEIGHTSYNC_OVERLAP", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def side_stream(device: torch.device):

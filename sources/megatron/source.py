@@ -21,6 +21,15 @@ Invariants:
   ``torch.chunk`` falls back to one owner (the stage's first TP rank), which gathers the trimmed
   rows from its TP peers. Under PP the owners of later stages do not start at rank 0, which vLLM's
   NCCL engine rejects -- that is why the mode is a constructor choice.
+* Overlap (``overlap=True``, the default; ``mode="full"``): the next unit's point-to-point gather
+  (``p2p.post_gather``: rank 0's receives) is posted before the current unit's tensors are handed
+  on, so the peers' next sends run while the consumer sends. Exactly one unit ahead (extra memory
+  on rank 0: two units' pieces; peers: one cast piece, as without overlap), never across a MoE
+  layer's export (its transfers keep their place). Both sides of every pair post in plan order, so
+  transfers pair up as without overlap; names, bytes, order and checks are unchanged. A pass stopped early on rank 0 waits out what it posted; its
+  peers, which yield nothing, still send the later units -- as without overlap, a pass abandoned on
+  rank 0 alone leaves them to time out (``timeout_s`` on gloo), and the process groups must be
+  rebuilt before the next pass. ``overlap=False`` (or ``WEIGHTSYNC_OVERLAP=0``): the sequential pass.
 * Every pass checks this rank's stream against ``metadata`` (``check_stream``) and the first pass
   verifies that all ranks hold the same metadata before any byte moves.
 * Tied embeddings export ``model.embed_tokens.weight`` only (from the first stage); the last
@@ -62,7 +71,8 @@ from .mla import mla_geometry, resolve_kinds
 from .plan import Geometry, Unit, build_plan, mlp_kind
 from .topology import Topology, megatron_topology
 from .walk import Bound, model_chunks, walk_chunks
-from ..core.p2p import Piece, gather_to
+from ..core.overlap import overlap_default
+from ..core.p2p import Piece, PostedGather, gather_to, post_gather
 from ..core.experts import DEFAULT_EXPERT_BATCH_BYTES, ExpertLayout
 from ..core.stats import PassStats
 from ..core.dtype_policy import WirePolicy
@@ -155,6 +165,8 @@ class MegatronSource(WeightSource):
         expert_batch_bytes: bound on the expert bytes rank 0 receives at once (MoE only).
         check: check each pass's stream against ``metadata`` on this rank.
         timeout_s: bound on the first pass's cross-rank metadata agreement.
+        overlap: post the next unit's transfer before yielding this one's tensors (``mode="full"``;
+            module docstring). None: on unless the environment sets ``WEIGHTSYNC_OVERLAP=0``.
 
     Raises at construction (on every rank, before any byte moves): ``UnmappedParameterError`` for an
     unknown architecture, an MLA variant DeepseekV3 cannot express (``megatron.mla``), a Megatron
@@ -175,9 +187,14 @@ class MegatronSource(WeightSource):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         expert_layout: ExpertLayout | None = None,
         expert_batch_bytes: int = DEFAULT_EXPERT_BATCH_BYTES,
+        overlap: bool | None = None,
     ) -> None:
         if mode not in ("full", "local"):
             raise ValueError(f"MegatronSource mode must be 'full' or 'local', got {mode!r}")
+        if overlap is not None and not isinstance(overlap, bool):
+            raise TypeError(f"overlap= must be a bool or None, got {overlap!r}")
+        #: post the next unit's transfer before yielding this one's tensors (module docstring)
+        self.overlap: bool = overlap_default() if overlap is None else overlap
         self.mode: Mode = mode
         self.check = check
         self.timeout_s = timeout_s
@@ -526,6 +543,37 @@ class MegatronSource(WeightSource):
         stats.hold(sum(t.numel() * t.element_size() for t, p in zip(got, pieces) if p.src != rank))
         return got
 
+    def _post(self, unit: Unit, stats: PassStats) -> PostedGather:
+        """``unit``'s gather to rank 0, posted (``p2p.post_gather``); its ``held_bytes`` is the
+        memory it holds until finished (receive buffers, pieces cast for sending), already in ``stats``."""
+        stage_ranks = self._topo.stage_ranks(unit.stage)
+        wd = self._wd[unit.key]
+        pieces = [Piece(src, self._piece_shape(unit, stage_ranks.index(src)), wd) for src in self._senders(unit)]
+        before = stats._extra
+        posted = post_gather(
+            pieces, 0, local=lambda i: self._piece(unit, stats), device=self._device,
+            what=repr(unit.names[0]), stats=stats,
+        )
+        stats.hold(posted.held_bytes)
+        posted.held_bytes = stats._extra - before
+        return posted
+
+    def _ahead(self, k: int, posted: dict[int, PostedGather], stats: PassStats) -> None:
+        """Overlap, on rank 0 (the receiver) only: post step ``k + 1``'s receives now, unless a MoE
+        layer's export follows step ``k`` (its transfers keep their place) or rank 0 holds step
+        ``k + 1`` whole. Peers post each send at its own step, as without overlap: rank 0's receive
+        being posted is what lets the next send run while rank 0's consumer handles this unit, and a
+        peer never has more than one cast piece out. Between any two ranks the transfers are posted
+        in plan order on both sides, so they pair up as without overlap."""
+        j = k + 1
+        if (
+            not self.overlap or self._topo.rank != 0 or j >= len(self._steps)
+            or self._steps[k][2] is not None or j in posted or self._steps[j][1] is not None
+        ):
+            return
+        posted[j] = self._post(self._steps[j][0], stats)
+        stats.ahead_peak_bytes = max(stats.ahead_peak_bytes, posted[j].held_bytes)
+
     # ---- full mode ----------------------------------------------------------------------------
 
     def _full_pass(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -533,6 +581,7 @@ class MegatronSource(WeightSource):
         if self._moe is not None:
             self._moe.stats = stats
         tensors = sent = peak = held = 0
+        posted: dict[int, PostedGather] = {}  # step -> its transfer, posted ahead (overlap)
         try:
             self._start()
             # Ranks of other data-parallel replicas have no dense unit to send, but with expert
@@ -541,7 +590,7 @@ class MegatronSource(WeightSource):
             if not dense and self._moe is None:
                 return
             casts, peak = precast(self._precast, self.dtype) if self._precast else (iter(()), 0)
-            for unit, local, moe_layer in self._steps:
+            for k, (unit, local, moe_layer) in enumerate(self._steps):
                 if local is not None:
                     if local.precast:
                         t = next(casts)
@@ -560,21 +609,31 @@ class MegatronSource(WeightSource):
                         yield name, out
                     del outs
                 elif dense:
-                    pieces = self._gather_to(unit, 0, stats)
+                    mine = posted.pop(k, None) or self._post(unit, stats)
+                    self._ahead(k, posted, stats)
+                    pieces = mine.finish(self.timeout_s)
+                    copies = 0
                     if pieces is not None:
                         outs = unit.kind.concat(pieces, **self._geometry_kw(unit))
                         # Outputs that are views of a received piece are already held; count the copies.
                         have = {p.untyped_storage().data_ptr() for p in pieces}
-                        stats.hold(sum(nbytes(o.shape, o.dtype) for o in outs if o.untyped_storage().data_ptr() not in have))
+                        copies = sum(nbytes(o.shape, o.dtype) for o in outs if o.untyped_storage().data_ptr() not in have)
+                        stats.hold(copies)
                         del pieces
                         for name, out in zip(unit.names, outs):
                             stats.yielded(nbytes(out.shape, out.dtype))
                             yield name, out
                         del outs
-                    stats.hold(-stats._extra)
+                    stats.hold(-(mine.held_bytes + copies))
+                    del mine
+                if local is not None:
+                    self._ahead(k, posted, stats)  # (after the yields: a whole unit is host work)
                 if moe_layer is not None:
                     yield from self._moe.export(moe_layer)  # type: ignore[union-attr]
         finally:
+            for g in posted.values():  # a consumer stopped early: wait out what was posted ahead
+                g.drain(self.timeout_s)
+                stats.hold(-g.held_bytes)
             stats.tensors += tensors
             stats.bytes += sent
             stats.peak_extra_bytes = max(stats.peak_extra_bytes, peak + held)
