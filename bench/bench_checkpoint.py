@@ -174,6 +174,21 @@ def _worker(rank, world, args):
     }
 
 
+def writing_world(worker, args, *, prefix: str) -> dict:
+    """Run ``worker`` on ``args.world`` gloo ranks writing under ``args.dir`` (default: a temporary
+    folder, removed afterwards) and return rank 0's result. Allocations >= 128 KiB are mmap-ed and
+    unmapped on free (glibc's dynamic threshold off), so RSS follows live tensor memory instead of
+    what the allocator keeps: the ranks (forked from a server started here) inherit this."""
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    own = args.dir is None
+    args.dir = args.dir or tempfile.mkdtemp(prefix=prefix)
+    try:
+        return run_world(worker, args.world, timeout=3600, pg_timeout_s=900, args=args)[0]
+    finally:
+        if own:
+            shutil.rmtree(args.dir, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=1024)
@@ -193,14 +208,7 @@ def main() -> None:
         ap.error("--device cuda runs one rank (--world 1)")
     # Allocations >= 128 KiB are mmap-ed and unmapped on free (glibc's dynamic threshold off), so RSS
     # follows live tensor memory instead of what the allocator keeps: the ranks inherit this.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    own = args.dir is None
-    args.dir = args.dir or tempfile.mkdtemp(prefix="bench-checkpoint-")
-    try:
-        r = run_world(_worker, args.world, timeout=3600, pg_timeout_s=900, args=args)[0]
-    finally:
-        if own:
-            shutil.rmtree(args.dir, ignore_errors=True)
+    r = writing_world(_worker, args, prefix="bench-checkpoint-")
     rep, s = r["report"], r["seconds"]
     mb = rep["total_size"] / 1e6
     print(

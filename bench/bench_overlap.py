@@ -33,7 +33,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 
@@ -43,7 +42,6 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
-from worlds import run_world  # noqa: E402
 
 
 def _model(args) -> torch.nn.Module:
@@ -172,14 +170,9 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where save_safetensors writes (default: a temp folder in /tmp)")
     args = ap.parse_args()
     args.shard = int(args.max_shard_mb * 10**6)
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # as bench_checkpoint: RSS follows live tensors
-    own = args.dir is None
-    args.dir = args.dir or tempfile.mkdtemp(prefix="bench-overlap-")
-    try:
-        r = run_world(_worker, args.world, timeout=3600, pg_timeout_s=900, args=args)[0]
-    finally:
-        if own:
-            shutil.rmtree(args.dir, ignore_errors=True)
+    from bench_checkpoint import writing_world
+
+    r = writing_world(_worker, args, prefix="bench-overlap-")
     s, st = r["seconds"], r["stats"]
     mb = r["total"] / 1e6
     print(

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 from ..core.errors import UnmappedParameterError
 from .base import Entry, Family, Field, MoERoles, moe_fields, rope_theta
 
-__all__ = ["FAMILY", "MLA", "MLATensor", "MEGATRON_REFUSALS", "hf_rope"]
+__all__ = ["FAMILY", "MLA", "MLATensor", "MEGATRON_REFUSALS", "hf_rope", "sigmoid_moe_fields"]
 
 
 class MLATensor(NamedTuple):
@@ -141,6 +141,12 @@ def _attention_fields(hf: Any) -> dict[str, Field]:
 
 
 def megatron(hf: Any) -> dict[str, Field]:
+    return {**_attention_fields(hf), **sigmoid_moe_fields(hf)}
+
+
+def sigmoid_moe_fields(hf: Any) -> dict[str, Field]:
+    """DeepSeek-style MoE (``first_k_dense_replace`` dense layers, ``n_shared_experts``, sigmoid
+    group-limited routing with ``e_score_correction_bias``): the fields GLM-4.5 shares."""
     first = getattr(hf, "first_k_dense_replace", 0) or 0
     shared = (getattr(hf, "n_shared_experts", 0) or 0) * hf.moe_intermediate_size
     moe = moe_fields(
@@ -157,7 +163,7 @@ def megatron(hf: Any) -> dict[str, Field]:
         moe_router_load_balancing_type=("(no aux loss)", "none"),
         moe_aux_loss_coeff=("(no aux loss)", 0.0),
     )
-    return {**_attention_fields(hf), **moe}
+    return moe
 
 
 def unsupported(hf: Any) -> str | None:

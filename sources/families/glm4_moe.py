@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Family, Field, MoERoles, flag, moe_fields
+from .base import Family, Field, MoERoles, flag
+from .deepseek_v3 import sigmoid_moe_fields
 
 __all__ = ["FAMILY", "partial_rotary_factor"]
 
@@ -42,22 +43,8 @@ def partial_rotary_factor(hf: Any) -> float:
 
 
 def megatron(hf: Any) -> dict[str, Field]:
-    first = getattr(hf, "first_k_dense_replace", 0) or 0
-    shared = (getattr(hf, "n_shared_experts", 0) or 0) * hf.moe_intermediate_size
-    return moe_fields(
-        experts=("n_routed_experts", hf.n_routed_experts),
-        ffn=("moe_intermediate_size", hf.moe_intermediate_size),
-        topk=("num_experts_per_tok", hf.num_experts_per_tok),
-        freq=("first_k_dense_replace", [int(i >= first) for i in range(hf.num_hidden_layers)]),
-        moe_shared_expert_intermediate_size=("n_shared_experts * moe_intermediate_size", shared or None),
-        moe_router_enable_expert_bias=("(e_score_correction_bias)", True),
-        moe_router_score_function=("(sigmoid router)", "sigmoid"),
-        moe_router_num_groups=("n_group", hf.n_group),
-        moe_router_group_topk=("topk_group", hf.topk_group),
-        moe_router_topk_scaling_factor=("routed_scaling_factor", hf.routed_scaling_factor),
-        moe_router_load_balancing_type=("(no aux loss)", "none"),
-        moe_aux_loss_coeff=("(no aux loss)", 0.0),
-    )
+    """DeepSeek-V3's MoE fields (same HF names, same routing); GQA attention comes from the flags."""
+    return sigmoid_moe_fields(hf)
 
 
 def gpt_model(hf: Any) -> dict[str, Field]:
