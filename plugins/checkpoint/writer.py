@@ -146,9 +146,12 @@ def _default_config(source: WeightSource, model: nn.Module | None) -> Any:
     return cfg
 
 
-def _validate_args(max_shard_bytes: Any, metadata: Any, rank: int) -> dict[str, str]:
+def _validate_args(max_shard_bytes: Any, metadata: Any, write_queue_bytes: Any, rank: int) -> dict[str, str]:
+    """Check the user's arguments (errors name them) and return the user's safetensors metadata."""
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise CheckpointError(f"rank {rank}: max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    if isinstance(write_queue_bytes, bool) or not isinstance(write_queue_bytes, int) or write_queue_bytes < 0:
+        raise CheckpointError(f"rank {rank}: write_queue_bytes must be a non-negative int, got {write_queue_bytes!r}")
     user = dict(metadata or {})
     for k, v in user.items():
         if not isinstance(k, str) or not isinstance(v, str):
@@ -227,11 +230,7 @@ def save_safetensors(
     writer = -1
     committing = False
     try:
-        user = _validate_args(max_shard_bytes, metadata, rank)
-        if isinstance(write_queue_bytes, bool) or not isinstance(write_queue_bytes, int) or write_queue_bytes < 0:
-            raise CheckpointError(
-                f"rank {rank}: write_queue_bytes must be a non-negative int, got {write_queue_bytes!r}"
-            )
+        user = _validate_args(max_shard_bytes, metadata, write_queue_bytes, rank)
         stream_source = checked(source, timeout_s=timeout_s)
         meta = list(stream_source.metadata)
         if multi:
@@ -280,6 +279,14 @@ def save_safetensors(
             else f"checkpoint {path} was not written ({path} is as it was; {who})"
         )
         raise CheckpointError(f"rank {rank}: {outcome}: {type(e).__name__}: {e}") from e
+    return _report(verdict, plan, path=path, seconds=time.perf_counter() - t0, writer=writer,
+                   write_queue_bytes=write_queue_bytes, max_shard_bytes=max_shard_bytes)
+
+
+def _report(verdict: str, plan: CheckpointPlan, *, path: str, seconds: float, writer: int,
+            write_queue_bytes: int, max_shard_bytes: int) -> SaveReport:
+    """The ``SaveReport`` every rank returns, from the writer's verdict
+    (``"peak,queued|existed|file|file..."``, the same string on every rank) and the plan."""
     peaks_s, existed_s, *files = verdict.split("|")
     peak_s, queued_s = peaks_s.split(",")
     return SaveReport(
@@ -287,7 +294,7 @@ def save_safetensors(
         files=files,
         num_tensors=len(plan.tensors),
         total_size=plan.total_size,
-        seconds=time.perf_counter() - t0,
+        seconds=seconds,
         peak_extra_bytes=int(peak_s),
         peak_queued_bytes=int(queued_s),
         write_queue_bytes=write_queue_bytes,
