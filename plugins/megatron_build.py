@@ -32,8 +32,13 @@ megatron-core 0.17+ cannot build MLA without ``q_lora_rank`` from the local spec
 have): that raises ``ValueError`` here; megatron-core 0.16 builds it.
 
 Supported: dense llama / mistral / qwen2 / qwen3, MoE qwen3_moe / qwen2_moe (shared expert + gate)
-/ mixtral, and MLA + MoE deepseek_v3 (first-k dense layers, shared experts, sigmoid group-limited
-routing with ``e_score_correction_bias``). Other families raise ``ValueError`` naming ``model_type``.
+/ mixtral / glm4_moe (partial rotary: ``rotary_percent``), MLA + MoE deepseek_v3 (first-k dense
+layers, shared experts, sigmoid group-limited routing with ``e_score_correction_bias``) and gpt_oss
+(attention sinks as ``softmax_type="learnable"``, alternating sliding-window attention, clamped
+SwiGLU as ``quick_gelu`` + ``glu_linear_offset`` + ``activation_func_clamp_value``, biases
+everywhere: MoE at expert_tensor_parallel_size 1, the only size megatron-core supports MoE biases
+at; YaRN rope as ``GPTModel``'s ``position_embedding_type="yarn"`` with its ``yarn_*`` config
+attributes). Other families raise ``ValueError`` naming ``model_type``.
 """
 
 from __future__ import annotations
@@ -95,20 +100,21 @@ def megatron_config(
     its family's table (``Family.megatron_fields``, the one ``MegatronSource`` checks a model
     against) plus the parallel sizes, ``dtype`` and this builder's CPU choices. ``overrides``: fields
     to set differently (oracle knobs, or a variant that must be refused)."""
+    import dataclasses
+
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     family = _family(hf)
-    why = family.unbuildable(hf)
-    if why:
-        raise ValueError(why)
-    fields = {k: f.value for k, f in family.megatron_fields(hf).items()}
+    fields = _fields(hf)
+    if isinstance(fields.get("activation_func"), str):
+        fields["activation_func"] = _activation(fields["activation_func"])
     build: dict[str, Any] = {}
     if fields.get("num_moe_experts"):
         build.update(
             moe_token_dispatcher_type="allgather",  # the others allocate CUDA buffers at construction
             moe_grouped_gemm=False,
             expert_model_parallel_size=par.ep,
-            expert_tensor_parallel_size=par.tp,
+            expert_tensor_parallel_size=_expert_tp(hf, par),
         )
     mla = family.attention == "mla"
     if mla:  # no TE here; megatron refuses fused rope for rope_type="rope"
@@ -124,7 +130,42 @@ def megatron_config(
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
     )
-    return (MLATransformerConfig if mla else TransformerConfig)(**{**base, **fields, **build, **(overrides or {})})
+    cls = MLATransformerConfig if mla else TransformerConfig
+    every = {**base, **fields, **build, **(overrides or {})}
+    # GPTModel reads its YaRN settings as plain config attributes (``yarn_*``), not dataclass fields
+    known = {f.name for f in dataclasses.fields(cls)}
+    extra = {k: every.pop(k) for k in list(every) if k.startswith("yarn_") and k not in known}
+    config = cls(**every)
+    for k, v in extra.items():
+        setattr(config, k, v)
+    return config
+
+
+def _fields(hf: Any) -> dict[str, Any]:
+    """The family table's ``TransformerConfig`` values for ``hf`` (``ValueError`` if unbuildable)."""
+    family = _family(hf)
+    why = family.unbuildable(hf)
+    if why:
+        raise ValueError(why)
+    return {k: f.value for k, f in family.megatron_fields(hf).items()}
+
+
+def _expert_tp(hf: Any, par: MegatronParallel) -> int:
+    """The expert tensor-parallel size: the TP size, but 1 for MoE layers with biases
+    (``add_bias_linear``: megatron-core supports MoE biases at expert_tensor_parallel_size=1 only)."""
+    fields = _fields(hf)
+    return 1 if fields.get("num_moe_experts") and fields.get("add_bias_linear") else par.tp
+
+
+def _activation(name: str) -> Callable[..., Any]:
+    """The activation function a family table names (tables import neither torch nor megatron)."""
+    if name == "silu":
+        return torch.nn.functional.silu
+    if name == "quick_gelu":  # x * sigmoid(1.702 x): GPT-OSS's gate activation
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        return quick_gelu
+    raise ValueError(f"no activation function {name!r} in the builder (silu, quick_gelu)")
 
 
 class MLACoreAttention(torch.nn.Module):
@@ -223,6 +264,7 @@ def build_megatron_gpt(
         pipeline_model_parallel_size=par.pp,
         virtual_pipeline_model_parallel_size=par.vpp,
         expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=_expert_tp(hf, par) if mcfg.num_moe_experts else None,
     )
     torch.manual_seed(seed)
     return build_chunks(hf, mcfg, par, spec_hook=spec_hook)

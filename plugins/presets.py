@@ -3,7 +3,7 @@ random init, no downloads.
 
 Each preset keeps its family's structure (GQA, tied or untied embeddings, Qwen3's q/k norms,
 Qwen2's qkv biases, DeepSeek-V3's multi-head latent attention, GLM-4.5's partial rotary and
-sigmoid-routed MoE) at a size that trains in
+sigmoid-routed MoE, GPT-OSS's sinks, sliding windows and biased fused experts) at a size that trains in
 milliseconds on one CPU core.
 """
 
@@ -97,6 +97,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         attention_bias=True, use_qk_norm=True, moe_intermediate_size=32, n_routed_experts=4,
         n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
         routed_scaling_factor=2.5, norm_topk_prob=True, **_COMMON,
+    ),
+    # GPT-OSS structure: attention sinks, q/k/v/o biases, layer 0 sliding-window (8 tokens) and layer
+    # 1 full attention, YaRN rope (transformers' defaults), every layer MoE with a biased router and
+    # biased experts (clamped SwiGLU), held fused, transposed and gate/up-interleaved as transformers
+    # saves them. Every expert dim differs (E 4, I 48, H 64).
+    "tiny-gpt-oss": dict(
+        _COMMON, model_type="gpt_oss", tie_word_embeddings=False, intermediate_size=48, head_dim=16,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=8, attention_bias=True,
+        max_position_embeddings=131072,  # YaRN's factor 32 x original 4096, as released
     ),
 }
 

@@ -1,7 +1,8 @@
 """Hugging Face checkpoint names of one MoE layer, for sources that do not hold a transformers model.
 
 Invariant: the only hand-written facts used here are *which transformers in-memory module* plays
-each MoE role (router, router bias, shared expert, shared-expert gate: the family's ``MoERoles``,
+each MoE role (router, router bias, router linear bias, shared expert, shared-expert gate: the
+family's ``MoERoles``,
 ``sources/families/``); every
 checkpoint name and shape is then read off a meta-device transformers model built from the same
 ``hf_config`` and passed through transformers' own save-time reversal
@@ -33,7 +34,8 @@ class HFMoELayer:
 
     layer: int
     router: tuple[str, tuple[int, ...]]
-    router_bias: tuple[str, tuple[int, ...]] | None
+    router_bias: tuple[str, tuple[int, ...]] | None  # score-correction bias (Megatron expert_bias)
+    router_linear_bias: tuple[str, tuple[int, ...]] | None  # the router linear's bias (Megatron router.bias)
     experts: ExpertLayerSpec
     shared: tuple[tuple[str, tuple[int, ...]], ...] | None  # (gate, up, down)
     shared_gate: tuple[str, tuple[int, ...]] | None
@@ -115,6 +117,7 @@ class HFMoENames:
             layer=layer,
             router=one(self.roles.router, "router"),  # type: ignore[arg-type]
             router_bias=one(self.roles.router_bias, "router bias"),
+            router_linear_bias=one(self.roles.router_linear_bias, "router linear bias"),
             experts=spec,
             shared=shared,
             shared_gate=one(self.roles.shared_gate, "shared-expert gate"),

@@ -42,12 +42,24 @@ FAMILIES: dict[str, dict] = {
     ),
 }
 
+#: Families whose checkpoint keeps the fused in-memory expert tensors (``save_pretrained`` does not
+#: split them): GPT-OSS -- ``[E, H, 2I]`` gate/up interleaved, ``[E, I, H]``, biases, a biased
+#: router, attention sinks, sliding-window layers.
+FUSED_CHECKPOINT_FAMILIES: dict[str, dict] = {
+    "gpt_oss": dict(
+        hidden_size=16, intermediate_size=12, num_local_experts=6, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=64,
+        sliding_window=4, attention_bias=True,
+    ),
+}
+
 
 def tiny_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(family, **{**FAMILIES[family], **overrides})
+    base = FAMILIES[family] if family in FAMILIES else FUSED_CHECKPOINT_FAMILIES[family]
+    cfg = AutoConfig.for_model(family, **{**base, **overrides})
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # distinct, non-trivial values everywhere (router bias included)
         for _, t in list(model.named_parameters()) + list(model.named_buffers()):

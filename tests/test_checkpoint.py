@@ -565,6 +565,7 @@ def test_export_cli_fsdp_two_ranks_then_overwrite(tmp_path):
 #: Family presets ``weightsync export`` writes in each layout it can build them in.
 FAMILY_EXPORTS = {
     "tiny-glm4-moe": {"megatron-tp2-ep2": ("--layout", "megatron", "--tp", "2", "--ep", "2"), "fsdp-x2": ("--nproc", "2")},
+    "tiny-gpt-oss": {"megatron-tp2-ep2": ("--layout", "megatron", "--tp", "2", "--ep", "2"), "fsdp-x2": ("--nproc", "2")},
 }
 
 

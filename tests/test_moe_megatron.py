@@ -281,7 +281,10 @@ def test_te_grouped_names_map_to_the_same_pieces():
     fc1, fc2 = local_expert_weights(m, 1, 16)
     assert fc1 is m.linear_fc1.weight1 and fc2 is m.linear_fc2.weight1
     names = {f"mlp.experts.{n}" for n, _ in m.named_parameters()}
-    assert names == set(megatron_moe_suffixes(2, "te_grouped"))
+    claimed = set(megatron_moe_suffixes(2, "te_grouped"))
+    # the weights, and (absent here) the biases add_bias_linear would give the experts and the router
+    assert names == {n for n in claimed if not n.endswith(("bias0", "bias1", "router.bias"))}
+    assert claimed - names == {"mlp.router.bias"} | {f"mlp.experts.linear_fc{k}.bias{j}" for k in (1, 2) for j in (0, 1)}
 
 
 def test_per_expert_never_materializes_a_layer():

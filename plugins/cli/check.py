@@ -7,7 +7,8 @@ Three things must agree for a pass to be PASS:
 2. the metadata and the checkpoint transformers' ``save_pretrained`` writes for the same config
    (the oracle: names, shapes, and -- when no wire ``--dtype`` is asked for -- dtypes and bytes;
    with ``--expert-layout fused`` its per-expert tensors are folded into vLLM 0.33's fused names,
-   ``fold_experts``);
+   ``fold_experts``; with ``--expert-layout per_expert`` a checkpoint's fused experts (GPT-OSS) are
+   unfolded into vLLM's per-expert names, ``unfold_experts``);
 3. every rank's verdict (gathered, so a failure on any rank fails the check everywhere).
 
 ``--checkpoint PATH`` replaces the oracle of 2. with a checkpoint folder (``SafetensorsSource``'s
@@ -43,7 +44,7 @@ from ..presets import build_model, load_config
 from .build import build_source
 from .demo import format_bytes
 
-__all__ = ["run_check", "checkpoint_index", "fold_experts"]
+__all__ = ["run_check", "checkpoint_index", "fold_experts", "unfold_experts"]
 
 
 def checkpoint_index(model: torch.nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -93,6 +94,28 @@ def fold_experts(
         seen.add(int(m["e"]))
     for key, (dt, shape, seen) in experts.items():
         out[key] = (dt, (len(seen), *shape))
+    return out
+
+
+#: A checkpoint that keeps its experts fused (GPT-OSS): ``…experts.<leaf>`` ``[E, …]``.
+_FUSED_CHECKPOINT = re.compile(r"(?P<prefix>.+\.experts)\.(?P<leaf>gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)")
+
+
+def unfold_experts(
+    index: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The checkpoint index as ``--expert-layout per_expert`` sends a checkpoint that keeps its
+    experts fused (GPT-OSS): each fused ``[E, …]`` tensor as ``E`` slices ``…experts.{e}.<leaf>``
+    (vLLM's gpt_oss per-expert names); every other entry is kept (per-expert checkpoints are
+    unchanged). Same bytes, more tensors."""
+    out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for name, (dt, shape) in index.items():
+        m = _FUSED_CHECKPOINT.fullmatch(name)
+        if m is None:
+            out[name] = (dt, shape)
+            continue
+        for e in range(shape[0]):
+            out[f"{m['prefix']}.{e}.{m['leaf']}"] = (dt, tuple(shape[1:]))
     return out
 
 
@@ -170,6 +193,8 @@ def run_check(args: argparse.Namespace) -> int:
             oracle = folder.index if folder is not None else {}
         elif getattr(args, "expert_layout", None) == "fused":
             oracle = fold_experts(oracle)
+        elif getattr(args, "expert_layout", None) == "per_expert":
+            oracle = unfold_experts(oracle)
         code = _report(
             args, config, dtype, meta, oracle, verdicts, world, source,
             checkpoint=args.checkpoint, content=folder.bytes_differ if folder is not None else None,

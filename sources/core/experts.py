@@ -14,6 +14,14 @@ math lives once:
   names vLLM 0.33's routed-expert loader maps for fused checkpoints
   (``RoutedExperts.make_expert_params_mapping``: ``gate_proj``+``up_proj`` -> ``gate_up_proj``,
   ``w1``+``w3`` -> ``w13``; the down name is the checkpoint's own), chunked in two along dim 1.
+* Checkpoints that keep the fused tensors (``saved="fused"``: transformers' reversal leaves them as
+  they are -- GPT-OSS): the ``fused`` wire layout is the in-memory tensors under their own names, in
+  the layout the transformers experts module declares (``is_transposed``: ``[E, H, 2I]`` /
+  ``[E, I, H]``; ``is_concatenated=False``: gate and up alternate along the ``2I`` dim;
+  ``has_bias``: ``gate_up_proj_bias`` ``[E, 2I]`` / ``down_proj_bias`` ``[E, H]``). Their
+  ``per_expert`` layout is each fused tensor's slice ``[e]`` as ``{prefix}.{e}.{leaf}`` -- the
+  per-expert names vLLM 0.33's gpt_oss loader streams (``_try_load_streamed_expert``); transformers
+  itself never writes them.
 
 Memory invariants (the reason this file exists; verl #6691 stacked a whole layer into 8.6 GiB):
 
@@ -61,8 +69,16 @@ EXPERT_LAYOUTS: tuple[str, ...] = ("per_expert", "fused")
 #: Default bound on the bytes of routed experts a per-expert stream holds at once (per rank).
 DEFAULT_EXPERT_BATCH_BYTES = 256 * 1024 * 1024
 
-#: transformers-5 in-memory leaf names of fused routed experts (no ``.weight``).
+#: transformers-5 in-memory leaf names of fused routed experts (no ``.weight``), and of their biases.
 _FUSED_LEAVES = ("gate_up_proj", "down_proj")
+_BIAS_LEAVES = ("gate_up_proj_bias", "down_proj_bias")
+
+#: A fused tensor of one layer's experts: its in-memory leaf name.
+Part = Literal["gate_up", "gate_up_bias", "down", "down_bias"]
+_LEAF: dict[str, str] = {
+    "gate_up": "gate_up_proj", "gate_up_bias": "gate_up_proj_bias", "down": "down_proj", "down_bias": "down_proj_bias",
+}
+_PART: dict[str, str] = {leaf: part for part, leaf in _LEAF.items()}
 
 #: vLLM 0.33's fused gate/up name per checkpoint (gate, up) leaf pair (routed_experts.py).
 _VLLM_FUSED_GATE_UP = {("gate_proj", "up_proj"): "gate_up_proj", ("w1", "w3"): "w13"}
@@ -78,10 +94,10 @@ def check_expert_layout(expert_layout: str | None, *, where: str = "expert_layou
     return expert_layout
 
 
-def default_expert_layout() -> ExpertLayout:
-    """The layout the target checkpoint uses: every HF checkpoint of the supported families
-    (Qwen2/3-MoE, Mixtral, DeepSeek-V3) stores routed experts per expert."""
-    return "per_expert"
+def default_expert_layout(spec: "ExpertLayerSpec | None" = None) -> ExpertLayout:
+    """The layout the target checkpoint uses: ``spec.saved`` -- per expert for Qwen2/3-MoE,
+    Mixtral, DeepSeek-V3, GLM-4.5; fused for GPT-OSS -- and per expert without a spec."""
+    return spec.saved if spec is not None else "per_expert"
 
 
 @dataclass(frozen=True)
@@ -92,6 +108,11 @@ class ExpertLayerSpec:
     ``model.layers.3.block_sparse_moe.experts``); ``gate``/``up``/``down`` are the per-expert leaves
     (``gate_proj.weight`` / ``w1.weight`` ...). ``gate`` and ``up`` are ``[intermediate, hidden]``,
     ``down`` is ``[hidden, intermediate]``.
+
+    ``saved="fused"``: the checkpoint holds the in-memory fused tensors as they are (their names
+    are ``{prefix}.gate_up_proj`` ...); ``transposed`` / ``interleaved`` / ``bias`` describe that
+    in-memory layout (module docstring). The per-expert leaves above are then unused: per-expert
+    names are ``{prefix}.{e}.gate_up_proj`` ... (``expert_name(e, part)``).
     """
 
     prefix: str
@@ -101,18 +122,47 @@ class ExpertLayerSpec:
     gate: str = "gate_proj.weight"
     up: str = "up_proj.weight"
     down: str = "down_proj.weight"
+    saved: ExpertLayout = "per_expert"
+    transposed: bool = False
+    interleaved: bool = False
+    bias: bool = False
 
     def __post_init__(self) -> None:
         for field_name in ("num_experts", "hidden", "intermediate"):
             if getattr(self, field_name) <= 0:
                 raise ValueError(f"{self.prefix}: {field_name} must be positive, got {getattr(self, field_name)}")
+        if self.saved not in EXPERT_LAYOUTS:
+            raise ValueError(f"{self.prefix}: saved={self.saved!r} is not one of {EXPERT_LAYOUTS}")
+        if self.saved == "per_expert" and (self.transposed or self.interleaved or self.bias):
+            raise UnmappedParameterError(
+                f"{self.prefix}: a per-expert checkpoint of transposed / interleaved / biased experts "
+                "is not supported (transformers writes such experts fused)"
+            )
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        """This layer's fused tensors, in transformers' in-memory order."""
+        return ("gate_up", "gate_up_bias", "down", "down_bias") if self.bias else ("gate_up", "down")
 
     # -- names -----------------------------------------------------------------------------------
-    def expert_name(self, e: int, which: Literal["gate", "up", "down"]) -> str:
+    def expert_name(self, e: int, which: str) -> str:
+        """Per-expert wire name: ``which`` is ``gate``/``up``/``down`` (checkpoints stored per
+        expert) or a ``Part`` (checkpoints stored fused: vLLM's streamed per-expert names)."""
+        if self.saved == "fused":
+            return f"{self.prefix}.{e}.{_LEAF[which]}"
         return f"{self.prefix}.{e}.{getattr(self, which)}"
+
+    def fused_name(self, part: Part) -> str:
+        if part == "gate_up":
+            return self.fused_gate_up
+        if part == "down":
+            return self.fused_down
+        return f"{self.prefix}.{_LEAF[part]}"
 
     @property
     def fused_gate_up(self) -> str:
+        if self.saved == "fused":
+            return f"{self.prefix}.gate_up_proj"
         pair = (self.gate.removesuffix(".weight"), self.up.removesuffix(".weight"))
         if pair not in _VLLM_FUSED_GATE_UP:
             raise UnmappedParameterError(
@@ -123,47 +173,92 @@ class ExpertLayerSpec:
 
     @property
     def fused_down(self) -> str:
+        if self.saved == "fused":
+            return f"{self.prefix}.down_proj"
         return f"{self.prefix}.{self.down.removesuffix('.weight')}"
 
     # -- shapes ----------------------------------------------------------------------------------
     @property
     def gate_up_shape(self) -> tuple[int, int, int]:
-        return (self.num_experts, 2 * self.intermediate, self.hidden)
+        e, i, h = self.num_experts, self.intermediate, self.hidden
+        return (e, h, 2 * i) if self.transposed else (e, 2 * i, h)
 
     @property
     def down_shape(self) -> tuple[int, int, int]:
-        return (self.num_experts, self.hidden, self.intermediate)
+        e, i, h = self.num_experts, self.intermediate, self.hidden
+        return (e, i, h) if self.transposed else (e, h, i)
+
+    def fused_shape(self, part: Part) -> tuple[int, ...]:
+        return {
+            "gate_up": self.gate_up_shape, "down": self.down_shape,
+            "gate_up_bias": (self.num_experts, 2 * self.intermediate), "down_bias": (self.num_experts, self.hidden),
+        }[part]
 
     def expert_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of one expert's three matrices in ``dtype``."""
-        return 3 * self.intermediate * self.hidden * torch.empty((), dtype=dtype).element_size()
+        """Bytes of one expert's three matrices (and biases) in ``dtype``."""
+        n = 3 * self.intermediate * self.hidden + (2 * self.intermediate + self.hidden if self.bias else 0)
+        return n * torch.empty((), dtype=dtype).element_size()
 
     # -- wire entries ----------------------------------------------------------------------------
-    def entries(
-        self, layout: ExpertLayout, part: Literal["gate_up", "down", "all"] = "all"
-    ) -> list[tuple[str, tuple[int, ...]]]:
+    def entries(self, layout: ExpertLayout, part: str = "all") -> list[tuple[str, tuple[int, ...]]]:
         """``(name, full shape)`` of every wire tensor, in stream order.
 
         Stream order (what both sources yield, and their metadata declares): ``per_expert`` with
         ``part="all"`` is expert-major (``e.gate, e.up, e.down`` for e = 0..E-1: a batch of experts
-        completes before the next starts); ``part="gate_up"`` / ``"down"`` restrict to the tensors
-        that come from one fused parameter (FSDP streams ``gate_up_proj`` then ``down_proj``).
-        ``fused``: ``gate_up`` then ``down``.
+        completes before the next starts); a ``Part`` restricts to the tensors that come from one
+        fused parameter (FSDP streams ``gate_up_proj`` then ``down_proj``). ``fused``: ``parts``
+        order (``gate_up`` then ``down``; with biases each weight's bias after it).
         """
         i, h = self.intermediate, self.hidden
         out: list[tuple[str, tuple[int, ...]]] = []
+        parts = self.parts if part == "all" else (part,)
         if layout == "fused":
-            if part in ("gate_up", "all"):
-                out.append((self.fused_gate_up, self.gate_up_shape))
-            if part in ("down", "all"):
-                out.append((self.fused_down, self.down_shape))
-            return out
+            return [(self.fused_name(p), self.fused_shape(p)) for p in parts]
+        if self.saved == "fused":
+            return [(self.expert_name(e, p), self.fused_shape(p)[1:]) for e in range(self.num_experts) for p in parts]
         for e in range(self.num_experts):
             if part in ("gate_up", "all"):
                 out += [(self.expert_name(e, "gate"), (i, h)), (self.expert_name(e, "up"), (i, h))]
             if part in ("down", "all"):
                 out.append((self.expert_name(e, "down"), (h, i)))
         return out
+
+    # -- one expert from its gate / up / down pieces --------------------------------------------
+    def fill_expert(
+        self, slots: dict[str, torch.Tensor], gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+        biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Copy one expert's ``gate``/``up`` ``[I, H]``, ``down`` ``[H, I]`` (and ``biases``: gate
+        ``[I]``, up ``[I]``, down ``[H]``) into its slices of the fused tensors (``slots[part]``,
+        e.g. ``fused[e]``), in this spec's in-memory layout: no intermediate tensor."""
+        i = self.intermediate
+        rows = slots["gate_up"].t() if self.transposed else slots["gate_up"]  # [2I, H] view
+        g, u = (rows[0::2], rows[1::2]) if self.interleaved else (rows[:i], rows[i:])
+        g.copy_(gate)
+        u.copy_(up)
+        (slots["down"].t() if self.transposed else slots["down"]).copy_(down)
+        if self.bias:
+            if biases is None:
+                raise ValueError(f"{self.prefix}: these experts have biases; none were given")
+            b = slots["gate_up_bias"]
+            gb, ub = (b[0::2], b[1::2]) if self.interleaved else (b[:i], b[i:])
+            gb.copy_(biases[0])
+            ub.copy_(biases[1])
+            slots["down_bias"].copy_(biases[2])
+
+    def expert_tensors(
+        self, e: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+        biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Expert ``e``'s ``per_expert`` wire tensors from its pieces (``fill_expert``'s), in
+        ``entries("per_expert")`` order: the pieces themselves for a per-expert checkpoint; for a
+        fused one, each fused tensor's slice ``[e]``, built once."""
+        if self.saved == "per_expert":
+            return [(self.expert_name(e, "gate"), gate), (self.expert_name(e, "up"), up),
+                    (self.expert_name(e, "down"), down)]
+        slots = {p: gate.new_empty(self.fused_shape(p)[1:]) for p in self.parts}
+        self.fill_expert(slots, gate, up, down, biases)
+        return [(self.expert_name(e, p), slots[p]) for p in self.parts]
 
 
 def is_fused_expert_param(name: str, shape: Sequence[int]) -> bool:
@@ -194,6 +289,11 @@ def expert_names(
     streams (expert ``e``: gate = rows ``[0, I)``, up = ``[I, 2I)`` of ``gate_up_proj[e]``,
     down = ``down_proj[e]``); anything else raises ``UnmappedParameterError`` naming the parameter.
     Probes are built once per (shape, name pattern), so cost is independent of the layer count.
+
+    When the reversal returns the fused tensors unchanged (same names, same shapes: GPT-OSS), the
+    checkpoint holds them fused: the spec is ``saved="fused"`` with the in-memory layout the
+    transformers experts module itself declares (``is_transposed``, ``is_concatenated``,
+    ``has_bias``, set by transformers' ``use_experts_implementation``), its shapes checked.
     """
     from transformers.core_model_loading import revert_weight_conversion
 
@@ -212,6 +312,10 @@ def expert_names(
                 f"{module}: a fused experts module needs both gate_up_proj and down_proj, "
                 f"got {sorted(leaves)}"
             )
+        kept = _saved_fused(model, module, leaves, revert_weight_conversion)
+        if kept is not None:
+            specs[module] = kept
+            continue
         e, two_i, h = leaves["gate_up_proj"]
         if two_i % 2 or leaves["down_proj"] != (e, h, two_i // 2):
             raise UnmappedParameterError(
@@ -240,6 +344,53 @@ def expert_names(
             )
         specs[module] = spec
     return specs
+
+
+def _experts_module(model: torch.nn.Module, module: str) -> torch.nn.Module | None:
+    """The experts module at checkpoint path ``module`` (wrapper segments of the in-memory path
+    skipped), or None."""
+    from .naming import WRAPPER_SEGMENTS
+
+    try:
+        return model.get_submodule(module)
+    except AttributeError:
+        pass
+    for path, mod in model.named_modules():
+        if ".".join(p for p in path.split(".") if p not in WRAPPER_SEGMENTS) == module:
+            return mod
+    return None
+
+
+def _saved_fused(model, module: str, leaves: dict[str, tuple[int, ...]], revert) -> ExpertLayerSpec | None:
+    """The ``saved="fused"`` spec of ``module`` if it is a transformers experts module (it declares
+    its layout: ``use_experts_implementation``'s attributes) whose fused tensors transformers'
+    reversal keeps as they are, else None (the per-expert path decides, or refuses). Raises when the
+    declared layout does not fit the shapes."""
+    mod = _experts_module(model, module)
+    if mod is None or not all(hasattr(mod, a) for a in ("is_transposed", "is_concatenated", "has_bias")):
+        return None  # no layout declared by transformers: nothing to read it from
+    meta = {f"{module}.{leaf}": torch.empty(shape, device="meta") for leaf, shape in leaves.items()}
+    out = revert(model, meta)
+    if {n: tuple(t.shape) for n, t in out.items()} != {n: tuple(t.shape) for n, t in meta.items()}:
+        return None
+    transposed = bool(getattr(mod, "is_transposed", False))
+    interleaved = not bool(getattr(mod, "is_concatenated", True))
+    bias = bool(getattr(mod, "has_bias", False))
+    gu, dn = leaves["gate_up_proj"], leaves["down_proj"]
+    e, h, two_i = gu if transposed else (gu[0], gu[2], gu[1])
+    spec = ExpertLayerSpec(module, e, h, two_i // 2, saved="fused", transposed=transposed, interleaved=interleaved,
+                           bias=bias)
+    have = {"gate_up": gu, "down": dn}
+    for part in ("gate_up_bias", "down_bias") if bias else ():
+        t = getattr(mod, _LEAF[part], None)
+        have[part] = tuple(t.shape) if isinstance(t, torch.Tensor) else None
+    want = {p: spec.fused_shape(p) for p in spec.parts}
+    if two_i % 2 or have != want:
+        raise UnmappedParameterError(
+            f"{module}: transformers saves these experts fused, but their shapes {have} are not the layout "
+            f"the module declares (transposed={transposed}, interleaved={interleaved}, bias={bias}): {want}"
+        )
+    return spec
 
 
 def _common_prefix(module: str, out: dict[str, torch.Tensor], gate_leaf: str) -> str:
@@ -285,24 +436,28 @@ def _probe_leaves(model, module, e, i, h, revert) -> tuple[str, str, str]:
 
 def split_fused(
     spec: ExpertLayerSpec,
-    part: Literal["gate_up", "down"],
+    part: str,
     full: torch.Tensor,
     *,
     experts: range | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Per-expert ``(checkpoint name, view)`` of a full fused tensor, in ``spec.entries`` order.
 
-    ``full`` is ``[E, 2I, H]`` (``part="gate_up"``) or ``[E, H, I]`` (``"down"``); when
-    ``experts`` is given, ``full`` holds only those experts (``[len(experts), ...]``). Views of a
-    contiguous tensor are contiguous, so nothing is copied.
+    ``full`` is the ``part``'s fused tensor (``spec.fused_shape(part)``: ``[E, 2I, H]`` for
+    ``"gate_up"``, ``[E, H, I]`` for ``"down"`` ...); when ``experts`` is given, ``full`` holds only
+    those experts (``[len(experts), ...]``). Views of a contiguous tensor are contiguous, so
+    nothing is copied.
     """
-    want = spec.gate_up_shape if part == "gate_up" else spec.down_shape
     rng = experts if experts is not None else range(spec.num_experts)
-    want = (len(rng),) + want[1:]
+    want = (len(rng),) + spec.fused_shape(part)[1:]
     if tuple(full.shape) != want:
         raise ValueError(f"{spec.prefix} {part}: expected a {want} tensor, got {tuple(full.shape)}")
     if not full.is_contiguous():
         full = full.contiguous()
+    if spec.saved == "fused":  # each expert's slice under vLLM's streamed per-expert name
+        for k, e in enumerate(rng):
+            yield spec.expert_name(e, part), full[k]
+        return
     i = spec.intermediate
     for k, e in enumerate(rng):
         if part == "gate_up":
@@ -313,45 +468,60 @@ def split_fused(
 
 
 class FusedExpertBuffer:
-    """One layer's fused ``gate_up`` ``[E, 2I, H]`` and ``down`` ``[E, H, I]``, filled expert by
-    expert as pieces arrive.
+    """One layer's fused tensors (``spec.parts``: ``gate_up`` ``[E, 2I, H]`` and ``down``
+    ``[E, H, I]``, or the spec's own layout and biases), filled expert by expert as pieces arrive.
 
-    Invariant: exactly two preallocated tensors per layer; each ``put`` copies one expert's
-    pieces into its slot (so the caller may free them right away), and ``take`` returns the
-    tensors only once every expert has been put exactly once -- a missing or duplicated expert
-    raises naming it instead of shipping uninitialized memory.
+    Invariant: exactly one preallocated tensor per part; each ``put`` copies one expert's pieces
+    into its slices (``spec.fill_expert``, so the caller may free them right away), and ``take``
+    returns the tensors only once every expert has been put exactly once -- a missing or
+    duplicated expert raises naming it instead of shipping uninitialized memory.
     """
 
     def __init__(self, spec: ExpertLayerSpec, dtype: torch.dtype, device: Any = "cpu") -> None:
         self.spec = spec
-        self.gate_up = torch.empty(spec.gate_up_shape, dtype=dtype, device=device)
-        self.down = torch.empty(spec.down_shape, dtype=dtype, device=device)
+        self.tensors = {p: torch.empty(spec.fused_shape(p), dtype=dtype, device=device) for p in spec.parts}
         self._seen = torch.zeros(spec.num_experts, dtype=torch.bool)
 
     @property
-    def nbytes(self) -> int:
-        return self.gate_up.nbytes + self.down.nbytes
+    def gate_up(self) -> torch.Tensor:
+        return self.tensors["gate_up"]
 
-    def put(self, e: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+    @property
+    def down(self) -> torch.Tensor:
+        return self.tensors["down"]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def put(
+        self, e: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+        biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Expert ``e``'s ``gate``/``up`` ``[I, H]``, ``down`` ``[H, I]`` and, for biased experts,
+        ``biases`` (gate ``[I]``, up ``[I]``, down ``[H]``)."""
         s = self.spec
         if not 0 <= e < s.num_experts:
             raise IndexError(f"{s.prefix}: expert {e} out of range [0, {s.num_experts})")
         if self._seen[e]:
             raise ValueError(f"{s.prefix}: expert {e} was put twice")
-        i = s.intermediate
-        for what, t, want in (("gate", gate, (i, s.hidden)), ("up", up, (i, s.hidden)), ("down", down, (s.hidden, i))):
+        i, h = s.intermediate, s.hidden
+        given = [("gate", gate, (i, h)), ("up", up, (i, h)), ("down", down, (h, i))]
+        if s.bias:
+            if biases is None:
+                raise ValueError(f"{s.prefix}: expert {e} has biases; none were given")
+            given += [("gate bias", biases[0], (i,)), ("up bias", biases[1], (i,)), ("down bias", biases[2], (h,))]
+        for what, t, want in given:
             if tuple(t.shape) != want:
                 raise ValueError(f"{s.prefix}: expert {e} {what} has shape {tuple(t.shape)}, expected {want}")
-        self.gate_up[e, :i].copy_(gate)
-        self.gate_up[e, i:].copy_(up)
-        self.down[e].copy_(down)
+        s.fill_expert({p: t[e] for p, t in self.tensors.items()}, gate, up, down, biases)
         self._seen[e] = True
 
     def take(self) -> list[tuple[str, torch.Tensor]]:
         missing = (~self._seen).nonzero().flatten().tolist()
         if missing:
             raise ValueError(f"{self.spec.prefix}: experts {missing[:8]} never arrived")
-        return [(self.spec.fused_gate_up, self.gate_up), (self.spec.fused_down, self.down)]
+        return [(self.spec.fused_name(p), self.tensors[p]) for p in self.spec.parts]
 
 
 def expert_batches(num_experts: int, bytes_per_expert: int, max_bytes: int) -> list[range]:
@@ -370,7 +540,9 @@ class ExpertTransform:
     gives the metadata a fused parameter expands to; ``apply`` turns the gathered full tensor into
     exactly those ``(name, tensor)`` pairs, in the same order (views, no copy, for
     ``per_expert``; the tensor itself for ``fused``). One function feeds both, so metadata and
-    stream cannot drift apart.
+    stream cannot drift apart. The fused experts' biases (GPT-OSS) are handled alike.
+
+    ``expert_layout=None``: each layer in the layout its checkpoint holds (``spec.saved``).
     """
 
     def __init__(
@@ -380,8 +552,14 @@ class ExpertTransform:
         *,
         expert_layout: ExpertLayout | None = None,
     ) -> None:
-        self.layout: ExpertLayout = check_expert_layout(expert_layout) or default_expert_layout()
+        self.requested: ExpertLayout | None = check_expert_layout(expert_layout)
         self.specs = expert_names(model, fused) if fused else {}
+        saved = {spec.saved for spec in self.specs.values()}
+        #: the layout on the wire (with ``expert_layout=None``: the checkpoint's)
+        self.layout: ExpertLayout = self.requested or (saved.pop() if len(saved) == 1 else default_expert_layout())
+
+    def layout_of(self, spec: ExpertLayerSpec) -> ExpertLayout:
+        return self.requested or default_expert_layout(spec)
 
     @classmethod
     def for_module(cls, module: torch.nn.Module, *, expert_layout: ExpertLayout | None = None) -> "ExpertTransform":
@@ -401,24 +579,25 @@ class ExpertTransform:
 
     def handles(self, name: str) -> bool:
         module, _, leaf = name.rpartition(".")
-        return module in self.specs and leaf in _FUSED_LEAVES
+        spec = self.specs.get(module)
+        return spec is not None and (leaf in _FUSED_LEAVES or (spec.bias and leaf in _BIAS_LEAVES))
 
-    def _spec_part(self, name: str) -> tuple[ExpertLayerSpec, Literal["gate_up", "down"]]:
-        module, _, leaf = name.rpartition(".")
-        if module not in self.specs or leaf not in _FUSED_LEAVES:
+    def _spec_part(self, name: str) -> tuple[ExpertLayerSpec, str]:
+        if not self.handles(name):
             raise UnmappedParameterError(f"{name!r} is not a fused expert parameter of this model")
-        return self.specs[module], ("gate_up" if leaf == "gate_up_proj" else "down")
+        module, _, leaf = name.rpartition(".")
+        return self.specs[module], _PART[leaf]
 
     def entries(self, name: str) -> list[tuple[str, tuple[int, ...]]]:
         spec, part = self._spec_part(name)
-        return spec.entries(self.layout, part)
+        return spec.entries(self.layout_of(spec), part)
 
     def apply(self, name: str, full: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         spec, part = self._spec_part(name)
-        if self.layout == "fused":
-            want = spec.gate_up_shape if part == "gate_up" else spec.down_shape
+        if self.layout_of(spec) == "fused":
+            want = spec.fused_shape(part)
             if tuple(full.shape) != want:
                 raise ValueError(f"{name}: expected {want}, got {tuple(full.shape)}")
-            yield (spec.fused_gate_up if part == "gate_up" else spec.fused_down), full.contiguous()
+            yield spec.fused_name(part), full.contiguous()
             return
         yield from split_fused(spec, part, full)

@@ -2,7 +2,7 @@
 
 A ``Family`` is data over one shared table of Megatron-core ``GPTModel`` names (``ATTENTION``,
 ``DENSE_MLP``, ``GLOBAL``): which optional tensors its checkpoint carries for a given ``hf_config``
-(``qkv_bias``, ``qk_norm``...), the ``TransformerConfig`` fields it maps ``hf_config`` to
+(``qkv_bias``, ``qk_norm``, ``sinks``...), the ``TransformerConfig`` fields it maps ``hf_config`` to
 (``megatron``), its MoE roles, and what it refuses. A family whose attention is not the fused
 ``linear_qkv`` (DeepSeek-V3's latent attention) brings its own ``layer_table``.
 
@@ -66,7 +66,12 @@ class MoERoles:
     then read off transformers' own save-time reversal (``sources/moe_names.py``)."""
 
     router: str = "mlp.gate.weight"
+    #: the score-correction bias that only steers expert choice (DeepSeek ``e_score_correction_bias``;
+    #: Megatron's ``router.expert_bias`` buffer)
     router_bias: str | None = None
+    #: the router linear's own bias, added to its logits (GPT-OSS ``mlp.router.bias``; Megatron's
+    #: ``router.bias`` under ``add_bias_linear``)
+    router_linear_bias: str | None = None
     shared: str | None = None  # module holding gate_proj/up_proj/down_proj
     shared_gate: str | None = None
 
@@ -84,6 +89,8 @@ ATTENTION: dict[str, Entry] = {
     "self_attention.linear_proj.weight": Entry("row", ("self_attn.o_proj.weight",)),
     # Row-parallel biases are added after the reduce: replicated, not split.
     "self_attention.linear_proj.bias": Entry("replicated", ("self_attn.o_proj.bias",)),
+    # Attention sinks (GPT-OSS): one learnable softmax offset per query head, split over TP by head.
+    "self_attention.core_attention.softmax_offset": Entry("column", ("self_attn.sinks",)),
 }
 
 #: Dense (gated) MLP half of a decoder layer (local-spec names), in HF order.
@@ -206,6 +213,8 @@ class Family:
     qkv_bias: Callable[[Any], bool] = _never
     o_bias: Callable[[Any], bool] = _never
     qk_norm: Callable[[Any], bool] = _never
+    #: per-head attention sinks (``self_attn.sinks``; Megatron ``softmax_type="learnable"``)
+    sinks: Callable[[Any], bool] = _never
     mlp_bias: Callable[[Any], bool] = _never
     moe: MoERoles | None = None
     #: ``hf_config -> {TransformerConfig field: Field}`` beyond the shared decoder and GQA fields
@@ -239,6 +248,8 @@ class Family:
                 skip.add("self_attention.linear_proj.bias")
             if not self.qk_norm(hf_config):
                 skip |= {"self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"}
+            if not self.sinks(hf_config):
+                skip.add("self_attention.core_attention.softmax_offset")
             attention = {k: e for k, e in ATTENTION.items() if k not in skip}
         skip = set() if self.mlp_bias(hf_config) else {"mlp.linear_fc1.bias", "mlp.linear_fc2.bias"}
         return {**attention, **{k: e for k, e in DENSE_MLP.items() if k not in skip}}

@@ -110,7 +110,7 @@ class FSDPSource(WeightSource):
         expert_layout: wire layout of transformers-5 fused MoE experts
             (``experts.gate_up_proj`` / ``down_proj``): ``"per_expert"`` (what ``save_pretrained``
             writes) or ``"fused"`` (vLLM 0.33's fused names). None: the target checkpoint's
-            layout (``experts.default_expert_layout()``, per-expert for every supported family),
+            layout (``experts.default_expert_layout``: per expert, except GPT-OSS's fused experts),
             applied only when the module has fused experts that ``transforms`` does not already
             handle; models without experts are unaffected. Fused experts transformers cannot map
             back to checkpoint names raise ``UnmappedParameterError`` (naming the parameter and
@@ -575,12 +575,7 @@ def _expert_transform(
     expert layout transformers cannot map raises here, on every rank, before bytes move.
     """
     from ..core.errors import UnmappedParameterError
-    from ..core.experts import (
-        ExpertTransform,
-        check_expert_layout,
-        default_expert_layout,
-        is_fused_expert_param,
-    )
+    from ..core.experts import ExpertTransform, check_expert_layout, is_fused_expert_param
     from ..core.naming import _wrapper_paths, checkpoint_name
 
     check_expert_layout(expert_layout)
@@ -593,13 +588,14 @@ def _expert_transform(
                 fused.append(name)
         if not fused:
             return None
-        layout = default_expert_layout()
-        logger.info(
-            "%d fused expert parameter(s) (e.g. %s): exporting them %s, the target checkpoint's layout",
-            len(fused), fused[0], layout,
-        )
     try:
-        return ExpertTransform.for_module(module, expert_layout=expert_layout)
+        transform = ExpertTransform.for_module(module, expert_layout=expert_layout)
+        if expert_layout is None:
+            logger.info(
+                "%d fused expert parameter(s) (e.g. %s): exporting them %s, the target checkpoint's layout",
+                len(fused), fused[0], transform.layout,
+            )
+        return transform
     except UnmappedParameterError as e:
         r = current_rank() if rank is None else rank
         raise UnmappedParameterError(

@@ -1,8 +1,8 @@
 """Megatron-core MoE layers -> Hugging Face checkpoint tensors, gathered to rank 0 with bounded memory.
 
-One MoE layer of a ``GPTModel`` exports: router weight, router expert bias (a buffer), the routed
-experts (``per_expert`` or ``fused`` wire layout, ``sources/core/experts.py``), shared experts and the
-shared-expert gate. Names come from ``HFMoENames`` (transformers' own reversal), layout math from
+One MoE layer of a ``GPTModel`` exports: router weight, the router linear's bias (``add_bias_linear``:
+GPT-OSS), router expert bias (a buffer), the routed experts with their biases if any (``per_expert``
+or ``fused`` wire layout, ``sources/core/experts.py``), shared experts and the shared-expert gate. Names come from ``HFMoENames`` (transformers' own reversal), layout math from
 ``experts.py`` / ``layout.py``; this file only knows where Megatron keeps each piece:
 
 * routed experts live on the expert-parallel (EP) x expert-tensor-parallel (ETP) grid: global expert
@@ -11,7 +11,9 @@ shared-expert gate. Names come from ``HFMoENames`` (transformers' own reversal),
   ``SequentialMLP`` ``local_experts.{j}.linear_fc{1,2}.weight``; ``TEGroupedMLP``
   ``linear_fc1.weight{j}`` / ``linear_fc2.weight{j}`` (same shapes); legacy ``GroupedMLP``
   ``weight1`` ``[H, E_local * 2F/etp]`` and ``weight2`` ``[E_local * F/etp, H]``, input-by-output
-  (its forward views them as ``[E_local, H, 2F/etp]`` / ``[E_local, F/etp, H]``).
+  (its forward views them as ``[E_local, H, 2F/etp]`` / ``[E_local, F/etp, H]``). Expert biases
+  (``add_bias_linear``, which megatron-core allows only at ETP 1): ``linear_fc1.bias`` ``[2F]``
+  (``[gate; up]`` like the rows) and ``linear_fc2.bias`` ``[H]`` per expert (TE: ``bias{j}``).
 * router weight and expert bias are replicated over TP and EP; shared experts are split over the
   dense TP group like a dense MLP (``glu`` fc1, ``row`` fc2); the shared gate is replicated.
 
@@ -58,6 +60,7 @@ from ..core.dtype_policy import WirePolicy
 
 __all__ = [
     "expert_format",
+    "local_expert_biases",
     "local_expert_weights",
     "Coords",
     "MegatronMoEExporter",
@@ -102,19 +105,43 @@ def local_expert_weights(experts: torch.nn.Module, j: int, hidden: int) -> tuple
     return w1, w2
 
 
-def megatron_moe_suffixes(num_local_experts: int, fmt: str) -> list[str]:
-    """Layer-relative Megatron parameter names of one MoE MLP's routed experts, for binding checks."""
+def local_expert_biases(experts: torch.nn.Module, j: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(fc1 bias [2F], fc2 bias [H])`` of local expert ``j`` (``add_bias_linear``), else Nones."""
+    fmt = expert_format(experts)
     if fmt == "sequential":
-        return [
-            f"mlp.experts.local_experts.{j}.linear_fc{k}.weight"
+        e = experts.local_experts[j]
+        return e.linear_fc1.bias, e.linear_fc2.bias
+    if fmt == "te_grouped":
+        return getattr(experts.linear_fc1, f"bias{j}", None), getattr(experts.linear_fc2, f"bias{j}", None)
+    return None, None  # legacy GroupedMLP: megatron-core builds it without biases
+
+
+def megatron_moe_suffixes(num_local_experts: int, fmt: str) -> list[str]:
+    """Layer-relative Megatron parameter names the exporter may read of one MoE MLP's routed experts
+    (weights and, under ``add_bias_linear``, biases) and of its router's linear bias, for binding
+    checks. A model without biases simply has no such parameters; the exporter checks that their
+    presence matches the checkpoint (``hf_layer``)."""
+    router = ["mlp.router.bias"]
+    if fmt == "sequential":
+        return router + [
+            f"mlp.experts.local_experts.{j}.linear_fc{k}.{w}"
             for j in range(num_local_experts)
             for k in (1, 2)
+            for w in ("weight", "bias")
         ]
     if fmt == "te_grouped":
-        return [f"mlp.experts.linear_fc{k}.weight{j}" for j in range(num_local_experts) for k in (1, 2)]
+        return router + [
+            f"mlp.experts.linear_fc{k}.{w}{j}" for j in range(num_local_experts) for k in (1, 2) for w in ("weight", "bias")
+        ]
     if fmt == "grouped":
-        return ["mlp.experts.weight1", "mlp.experts.weight2"]
+        return router + ["mlp.experts.weight1", "mlp.experts.weight2"]
     raise ValueError(f"unknown expert format {fmt!r}")
+
+
+def _expert_biases(fc1_bias: torch.Tensor, fc2_bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(gate bias, up bias, down bias)`` of one expert (ETP 1: ``[gate; up]`` halves of fc1's)."""
+    gate, up = torch.chunk(fc1_bias, 2, dim=0)
+    return gate, up, fc2_bias
 
 
 def _expert_full(fc1: list[torch.Tensor], fc2: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -179,7 +206,7 @@ class _Piece:
     """One tensor moving to rank 0: who holds it and how rank 0 receives it."""
 
     src: int
-    kind: str  # "router" | "bias" | "fc1" | "fc2" | "shared1" | "shared2" | "sgate"
+    kind: str  # "router" | "rbias" | "bias" | "fc1" | "fc2" | "fc1b" | "fc2b" | "shared1" | "shared2" | "sgate"
     expert: int  # global expert (routed pieces), else -1
     shard: int  # ETP / TP shard index, else 0
     shape: tuple[int, ...]
@@ -211,7 +238,8 @@ class MegatronMoEExporter:
         the default keep-fp32 names); ``timeout_s`` bounds every point-to-point wait."""
         from .walk import model_chunks
 
-        self.layout: ExpertLayout = check_expert_layout(expert_layout) or default_expert_layout()
+        #: the requested wire layout; None: each layer's checkpoint layout (``layout_of``)
+        self.layout: ExpertLayout | None = check_expert_layout(expert_layout)
         if expert_batch_bytes <= 0:
             raise ValueError(f"expert_batch_bytes must be positive, got {expert_batch_bytes}")
         self.chunks = model_chunks(model)
@@ -231,6 +259,9 @@ class MegatronMoEExporter:
         self.local = _moe_modules(self.chunks)
         self._coords: list[Coords] | None = None
         self._stage_of: dict[int, int] | None = None
+
+    def layout_of(self, spec: Any) -> ExpertLayout:
+        return self.layout or default_expert_layout(spec)
 
     # -- metadata (no collective) ----------------------------------------------------------------
     def hf_layer(self, layer: int) -> HFMoELayer:
@@ -266,6 +297,18 @@ class MegatronMoEExporter:
                 f"{getattr(c, 'moe_router_enable_expert_bias', False)} but the HF family "
                 f"{'has' if hf.router_bias else 'has no'} e_score_correction_bias"
             )
+        biased = bool(getattr(c, "add_bias_linear", False))  # megatron: router and expert linears alike
+        if biased != (hf.router_linear_bias is not None) or biased != spec.bias:
+            raise UnmappedParameterError(
+                f"layer {layer}: Megatron add_bias_linear={biased} (router and expert biases) but the HF "
+                f"checkpoint has {'a' if hf.router_linear_bias else 'no'} router bias and "
+                f"{'biased' if spec.bias else 'unbiased'} experts"
+            )
+        if spec.bias and self.etp != 1:
+            raise UnmappedParameterError(
+                f"layer {layer}: expert biases with expert_tensor_parallel_size={self.etp} (megatron-core "
+                "supports MoE biases at expert_tensor_parallel_size=1 only)"
+            )
         return hf
 
     def _wd(self, names: list[str], own: torch.dtype | None = None) -> torch.dtype:
@@ -282,9 +325,11 @@ class MegatronMoEExporter:
     def dtypes(self, hf: HFMoELayer) -> dict[str, torch.dtype]:
         """Wire dtype per role of one layer: router, bias, experts, shared, sgate."""
         out = {"router": self._wd([hf.router[0]])}
+        if hf.router_linear_bias is not None:
+            out["rbias"] = self._wd([hf.router_linear_bias[0]])
         if hf.router_bias is not None:
             out["bias"] = self._wd([hf.router_bias[0]], torch.float32)
-        out["experts"] = self._wd([n for n, _ in hf.experts.entries(self.layout)])
+        out["experts"] = self._wd([n for n, _ in hf.experts.entries(self.layout_of(hf.experts))])
         if hf.shared is not None:
             out["shared"] = self._wd([n for n, _ in hf.shared])
         if hf.shared_gate is not None:
@@ -295,9 +340,11 @@ class MegatronMoEExporter:
         hf = self.hf_layer(layer)
         wd = self.dtypes(hf)
         out = [(hf.router[0], hf.router[1], wd["router"])]
+        if hf.router_linear_bias is not None:
+            out.append((hf.router_linear_bias[0], hf.router_linear_bias[1], wd["rbias"]))
         if hf.router_bias is not None:
             out.append((hf.router_bias[0], hf.router_bias[1], wd["bias"]))
-        out += [(n, s, wd["experts"]) for n, s in hf.experts.entries(self.layout)]
+        out += [(n, s, wd["experts"]) for n, s in hf.experts.entries(self.layout_of(hf.experts))]
         if hf.shared is not None:
             out += [(n, s, wd["shared"]) for n, s in hf.shared]
         if hf.shared_gate is not None:
@@ -351,6 +398,8 @@ class MegatronMoEExporter:
             )
 
         yield from one("router", hf.router, wd["router"])
+        if hf.router_linear_bias is not None:
+            yield from one("rbias", hf.router_linear_bias, wd["rbias"])
         if hf.router_bias is not None:
             yield from one("bias", hf.router_bias, wd["bias"])
         yield from self._export_experts(layer, hf, mlp, wd["experts"])
@@ -366,7 +415,7 @@ class MegatronMoEExporter:
         H, F = self.mcfg.hidden_size, self.mcfg.moe_ffn_hidden_size
         spec = hf.experts
         buf = None
-        if self.layout == "fused" and dist.get_rank() == 0:
+        if self.layout_of(spec) == "fused" and dist.get_rank() == 0:
             buf = FusedExpertBuffer(spec, wd, device=self._device(mlp))
             self.stats.hold(buf.nbytes)
         for batch in expert_batches(self.E, spec.expert_bytes(wd), self.expert_batch_bytes):
@@ -377,20 +426,22 @@ class MegatronMoEExporter:
                     h = self._holder(layer, ep=ep_rank, etp=r)
                     pieces.append(_Piece(h, "fc1", e, r, (2 * F // self.etp, H), wd))
                     pieces.append(_Piece(h, "fc2", e, r, (H, F // self.etp), wd))
+                if spec.bias:  # ETP 1 (hf_layer): one holder
+                    h = self._holder(layer, ep=ep_rank, etp=0)
+                    pieces.append(_Piece(h, "fc1b", e, 0, (2 * F,), wd))
+                    pieces.append(_Piece(h, "fc2b", e, 0, (H,), wd))
 
             def assemble(ps: list[_Piece], ts: list[torch.Tensor], batch=batch):
                 out = []
-                n = 2 * self.etp
+                n = 2 * self.etp + (2 if spec.bias else 0)
                 for k, e in enumerate(batch):
-                    gate, up, down = _expert_full(ts[k * n : (k + 1) * n : 2], ts[k * n + 1 : (k + 1) * n : 2])
+                    mine = ts[k * n : (k + 1) * n]
+                    gate, up, down = _expert_full(mine[0 : 2 * self.etp : 2], mine[1 : 2 * self.etp : 2])
+                    biases = _expert_biases(mine[-2], mine[-1]) if spec.bias else None
                     if buf is not None:
-                        buf.put(e, gate, up, down)
+                        buf.put(e, gate, up, down, biases)
                     else:
-                        out += [
-                            (spec.expert_name(e, "gate"), gate),
-                            (spec.expert_name(e, "up"), up),
-                            (spec.expert_name(e, "down"), down),
-                        ]
+                        out += spec.expert_tensors(e, gate, up, down, biases)
                 return out
 
             what = f"layer {layer}'s experts {batch[0]}..{batch[-1]}"
@@ -432,12 +483,23 @@ class MegatronMoEExporter:
 
         if p.kind == "router":
             t = mlp.router.weight
+        elif p.kind == "rbias":
+            t = mlp.router.bias
         elif p.kind == "bias":
             t = mlp.router.expert_bias
         elif p.kind in ("fc1", "fc2"):
             j = p.expert - ps.get_expert_model_parallel_rank() * self.E_local
             fc1, fc2 = local_expert_weights(mlp.experts, j, self.mcfg.hidden_size)
             t = fc1 if p.kind == "fc1" else fc2
+        elif p.kind in ("fc1b", "fc2b"):
+            j = p.expert - ps.get_expert_model_parallel_rank() * self.E_local
+            fc1b, fc2b = local_expert_biases(mlp.experts, j)
+            t = fc1b if p.kind == "fc1b" else fc2b
+            if t is None:
+                raise UnmappedParameterError(
+                    f"rank {dist.get_rank()}: Megatron expert {p.expert} has no {p.kind[:3]} bias "
+                    f"({type(mlp.experts).__name__}), the checkpoint's experts have biases"
+                )
         elif p.kind == "shared1":
             t = mlp.shared_experts.linear_fc1.weight
         elif p.kind == "shared2":

@@ -85,6 +85,8 @@ def _shapes(suffix: str, g: Geometry) -> tuple[tuple[int, ...], ...]:
         return ((h, q),)
     if suffix in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
         return ((d,),)
+    if suffix == "self_attention.core_attention.softmax_offset":  # attention sinks: one per query head
+        return ((g.heads,),)
     if suffix == "mlp.linear_fc1.weight":
         return ((g.ffn, h), (g.ffn, h))
     if suffix == "mlp.linear_fc1.bias":

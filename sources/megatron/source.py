@@ -159,9 +159,10 @@ class MegatronSource(WeightSource):
             rank declares it without holding the tensor.
         mode: ``"full"`` (``iter_full``, vLLM NCCL broadcast: owners ``(0,)``) or ``"local"``
             (``iter_local``, vLLM ``nccl_m2n``: owners are each stage's TP ranks; dense models only).
-        expert_layout: MoE routed experts on the wire: ``"per_expert"`` (default; what checkpoints
-            hold, ``...experts.{e}.gate_proj.weight``) or ``"fused"`` (``experts.gate_up_proj``
-            ``[E, 2I, H]`` / ``experts.down_proj`` ``[E, H, I]``, both accepted by vLLM 0.33).
+        expert_layout: MoE routed experts on the wire: ``"per_expert"``
+            (``...experts.{e}.gate_proj.weight``) or ``"fused"`` (``experts.gate_up_proj``
+            ``[E, 2I, H]`` / ``experts.down_proj`` ``[E, H, I]``), both accepted by vLLM 0.33;
+            None (default): the checkpoint's (per expert; fused for GPT-OSS, ``core/experts.py``).
         expert_batch_bytes: bound on the expert bytes rank 0 receives at once (MoE only).
         check: check each pass's stream against ``metadata`` on this rank.
         timeout_s: bound on the first pass's cross-rank metadata agreement.

@@ -43,10 +43,15 @@ def tp_split_dim(module: torch.nn.Module, attr: str, param: torch.Tensor) -> int
 
     TE modules: ``parallel_mode`` ("column" -> 0, "row" -> 1 for matrices; ``None`` = duplicated);
     their fused ``layer_norm_*`` and a row-parallel bias are replicated. Megatron-core's own layers:
-    the ``tensor_model_parallel`` / ``partition_dim`` attributes they set on their parameters.
+    the ``tensor_model_parallel`` / ``partition_dim`` attributes they set on their parameters --
+    except core attention's ``softmax_offset`` (per query head, dim 0), which has none.
     """
     if attr.startswith("layer_norm_"):
         return None
+    if attr == "softmax_offset":
+        # core attention's learnable softmax offset (attention sinks): one per local query head;
+        # megatron's sharded_state_dict splits it on dim 0 over TP, the parameter carries no tags
+        return 0 if param.dim() == 1 else None
     mode = getattr(module, "parallel_mode", _ABSENT)
     if mode is not _ABSENT and not isinstance(mode, str | type(None)):
         mode = _ABSENT  # not TE's attribute (e.g. a mock): fall back to the parameter's tags

@@ -47,6 +47,7 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 
@@ -114,6 +115,13 @@ def tiny_config(family: str, *, layers: int = 2, **overrides: Any) -> Any:
                        num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
                        routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-5,
                        rope_theta=1_000_000.0, tie_word_embeddings=False)
+    if family == "gpt_oss":
+        # GPT-OSS: sinks, q/k/v/o biases, sliding-window (8) and full layers alternating, YaRN rope
+        # (transformers' defaults: factor 32 over 4096), 8 biased experts held fused / transposed /
+        # gate-up interleaved, a biased router; the batch (24 tokens) is longer than the window.
+        return cfg_cls(**dict(common, intermediate_size=384, max_position_embeddings=131072), head_dim=80,
+                       num_local_experts=8, num_experts_per_tok=2, sliding_window=8, attention_bias=True,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False)
     raise KeyError(family)
 
 

@@ -137,6 +137,9 @@ def forward_conditions(c: Any) -> None:
 
     GLM-4.5 (``Glm4MoeConfig``): the same router, so the same two routing conditions (the group
     rule only matters when some groups are dropped, ``topk_group < n_group``).
+
+    GPT-OSS (``GptOssConfig``): megatron's ``quick_gelu`` is ``x * sigmoid(1.702 x)`` (transformers:
+    ``swiglu_alpha``); only the default rope and YaRN with its derived attention factor are mapped.
     """
     name = type(c).__name__
     if name == "DeepseekV3Config":
@@ -144,6 +147,13 @@ def forward_conditions(c: Any) -> None:
             "rms_norm_eps": c.rms_norm_eps == 1e-6,
             "num_experts_per_tok // topk_group": c.num_experts_per_tok // c.topk_group == 2,
             "norm_topk_prob": bool(c.norm_topk_prob),
+        }
+    elif name == "GptOssConfig":
+        rope = getattr(c, "rope_parameters", None) or {}
+        problems = {
+            "swiglu_alpha": c.swiglu_alpha == 1.702,
+            "rope_parameters.rope_type": rope.get("rope_type", "default") in ("default", "yarn"),
+            "rope_parameters.attention_factor": rope.get("attention_factor") is None,
         }
     elif name == "Glm4MoeConfig":
         problems = {
@@ -291,9 +301,10 @@ def perturb_(model: torch.nn.Module, *, seed: int) -> None:
 
 def allow_cpu_forward() -> None:
     """Dry run only: megatron-core's local-spec forward is CPU-clean except that rotary embedding
-    moves ``inv_freq`` to ``torch.cuda.current_device()`` and attention forks the CUDA RNG tracker;
-    point the first at the CPU and make the second a no-op, in this process.
-    (The causal mask, the other CUDA-only default, is passed explicitly on CPU.)"""
+    moves ``inv_freq`` to ``torch.cuda.current_device()``, attention forks the CUDA RNG tracker and
+    the unfused softmax allocates its own masks on "cuda" (sliding-window layers, or no mask given);
+    point the first at the CPU, make the second a no-op and build the masks on the CPU, in this
+    process. (``megatron_logits`` passes the causal mask explicitly on CPU as well.)"""
     if torch.cuda.is_available():
         return
     import contextlib
@@ -309,6 +320,16 @@ def allow_cpu_forward() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    # The masks megatron's unfused softmax builds itself (a sliding window always; causal without a
+    # mask) are allocated on "cuda": the same masks on the CPU.
+    from megatron.core.fusions import fused_softmax
+
+    def sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+
+    fused_softmax.get_sliding_window_causal_mask = sliding_window_causal_mask
+    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
 
 
 def oracle_device(dry_run: bool, facts: Any) -> str | None:

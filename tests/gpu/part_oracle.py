@@ -11,7 +11,9 @@ function, so this checks every name, split, concatenation, transpose and trim of
 including the ones a names-and-shapes check cannot see (q/k/v row grouping, gate/up order).
 
 Configs: dense Qwen3 (qk-norm, tied, head_dim != hidden/heads), Llama (untied), Qwen2 (qkv bias);
-Qwen3-MoE in every expert format megatron-core can build here (local SequentialMLP; legacy
+Qwen3-MoE, GLM-4.5 (partial rotary, sigmoid group-limited routing with expert bias, shared experts,
+a dense first layer) and GPT-OSS (sinks, alternating sliding windows, YaRN, clamped SwiGLU, biased
+router and experts held fused/transposed/interleaved) in every expert format megatron-core can build here (local SequentialMLP; legacy
 GroupedMLP where this megatron-core still has it; TEGroupedMLP where Transformer Engine is
 installed) -- formats that cannot be built are reported as skips with the reason.
 
@@ -38,6 +40,16 @@ from facts import Facts, log  # noqa: E402
 FP32_REL = 2e-4
 BF16_REL = 5e-2
 MOE_BF16_POS_FRACTION = 0.75
+
+
+def is_moe(family: str) -> bool:
+    """Whether ``family``'s tiny config has routed experts (every expert format is tried; the
+    HF->Megatron importer is dense-only)."""
+    from hf_side import tiny_config
+
+    cfg = tiny_config(family)
+    return bool(getattr(cfg, "num_local_experts", 0) or getattr(cfg, "num_experts", 0)
+                or getattr(cfg, "n_routed_experts", 0))
 
 
 def _export_into_hf(model, cfg, dtype, device, facts: Facts, tag: str):
@@ -131,7 +143,7 @@ def run_config(family: str, fmt: str, device: str, facts: Facts) -> None:
     from megatron_side import build_megatron, describe, experts_class, megatron_logits
 
     cfg = tiny_config(family)
-    moe = family.endswith("_moe")
+    moe = is_moe(family)
     tag = f"{family}[{fmt}]" if moe else family
     try:
         model = build_megatron(cfg, dtype=torch.float32, device=device, moe_format=fmt, seed=5)
@@ -197,12 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         return facts.finish(args.json)
     formats = args.formats.split(",") if args.formats else list(MOE_FORMATS)
     for family in families:
-        for fmt in formats if family.endswith("_moe") else ["local/sequential"]:
+        for fmt in formats if is_moe(family) else ["local/sequential"]:
             try:
                 run_config(family, fmt, device, facts)
             except Exception as e:  # noqa: BLE001 - next config still runs
                 facts.error(f"{family}[{fmt}]", e)
-        if not family.endswith("_moe"):
+        if not is_moe(family):
             try:
                 run_imported(family, device, facts)
             except Exception as e:  # noqa: BLE001

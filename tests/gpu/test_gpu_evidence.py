@@ -55,16 +55,18 @@ def test_megatron_export_logits_match_transformers_dense():
 def test_megatron_export_logits_match_transformers_moe():
     doc = _run("oracle_moe")
     assert any("local/sequential] bf16: transformers(export) logits" in c["name"] for c in doc["checks"])
-    assert any(c["name"].startswith("glm4_moe[local/sequential] fp32: transformers(export) logits")
-               for c in doc["checks"])
+    for family in ("glm4_moe", "gpt_oss"):
+        assert any(c["name"].startswith(f"{family}[local/sequential] fp32: transformers(export) logits")
+                   for c in doc["checks"])
 
 
 def test_ipc_round_trip_new_families_through_vllm_ipc_engines():
     doc = _run("ipc_families")
     names = [c["name"] for c in doc["checks"]]
-    for kind in ("fsdp", "megatron"):
-        assert any(n.startswith(f"glm4_moe {kind}/packed refit 2: receiver logits") for n in names)
-    assert any(n.startswith("glm4_moe fsdp/unpacked refit 1: receiver tensors == save_pretrained") for n in names)
+    for family in ("glm4_moe", "gpt_oss"):
+        for kind in ("fsdp", "megatron"):
+            assert any(n.startswith(f"{family} {kind}/packed refit 2: receiver logits") for n in names)
+        assert any(n.startswith(f"{family} fsdp/unpacked refit 1: receiver tensors == save_pretrained") for n in names)
 
 
 def test_megatron_mla_export_logits_match_transformers_deepseek_v3():
