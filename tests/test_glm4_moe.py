@@ -546,3 +546,14 @@ def test_check_cli_megatron_tp2_ep2():
     assert _listed(out) == {n: s for n, (_, s) in saved.items()}
     assert "tensors checked on 4 rank(s)" in out and "Traceback" not in r.stderr
     assert any(".mlp.shared_experts." in n for n in saved) and any(n.endswith("e_score_correction_bias") for n in saved)
+
+
+def test_demo_trains_and_syncs_the_preset():
+    """``weightsync demo --model tiny-glm4-moe`` (2 forked ranks): every sync verified bit for bit
+    in a transformers receiver (experts under its in-memory fused names)."""
+    from worlds import run_cli
+
+    r = run_cli("demo", "--model", PRESET, "--steps", "2", nproc=2, timeout=600)
+    assert r.returncode == 0, (r.stdout, r.stderr[-3000:])
+    assert re.search(r"weightsync demo: 2/2 syncs verified, .* \(2 ranks, glm4_moe, .*-> PASS", r.stdout), r.stdout
+    assert "before any sync: receiver logits equal trainer's: False" in r.stdout

@@ -580,3 +580,14 @@ def test_check_cli_fsdp_per_expert_bf16():
     assert out.strip().endswith("PASS") and "layout fsdp x2" in out
     assert _listed(out) == {n: s for n, (_, s) in per.items()}
     assert re.search(r"^\s+4\s+\S+ KB\s+float32\s+0,1$", out, re.M), out  # router weight + bias, 2 layers
+
+
+def test_demo_trains_and_syncs_the_preset():
+    """``weightsync demo --model tiny-gpt-oss`` (2 forked ranks): every sync verified bit for bit in
+    a transformers receiver."""
+    from worlds import run_cli
+
+    r = run_cli("demo", "--model", PRESET, "--steps", "2", nproc=2, timeout=600)
+    assert r.returncode == 0, (r.stdout, r.stderr[-3000:])
+    assert re.search(r"weightsync demo: 2/2 syncs verified, .* \(2 ranks, gpt_oss, .*-> PASS", r.stdout), r.stdout
+    assert "before any sync: receiver logits equal trainer's: False" in r.stdout

@@ -106,7 +106,9 @@ def run_demo(
     result = DemoResult()
     try:
         client = ReceiverClient(url)
-        source = FSDPSource(model)
+        # The receiver is a transformers model: MoE experts travel under its in-memory (fused) names,
+        # a layout vLLM loads too; a dense model has none and is unaffected.
+        source = FSDPSource(model, expert_layout="fused")
         info = LoopbackTrainerInitInfo(
             "127.0.0.1", port, 2, rank=rank, packed=packed, checksums=checksums
         )
