@@ -86,7 +86,7 @@ def megatron(hf: Any) -> dict[str, Field]:
         softmax_type=Field("(self_attn.sinks)", "learnable"),
         activation_func=Field("swiglu_alpha", "quick_gelu"),
         glu_linear_offset=Field("(up + 1)", 1.0),
-        activation_func_clamp_value=Field("swiglu_limit", float(hf.swiglu_limit)),
+        activation_func_clamp_value=Field("swiglu_limit", float(getattr(hf, "swiglu_limit", 7.0))),  # <5.20: fixed
         **_windows(hf),
         **_yarn(hf),
     )

@@ -591,6 +591,7 @@ class MegatronSource(WeightSource):
             if not dense and self._moe is None:
                 return
             casts, peak = precast(self._precast, self.dtype) if self._precast else (iter(()), 0)
+            transfers = self.overlap and any(s[1] is None for s in self._steps)  # none at TP1 on rank 0
             for k, (unit, local, moe_layer) in enumerate(self._steps):
                 if local is not None:
                     if local.precast:
@@ -627,7 +628,7 @@ class MegatronSource(WeightSource):
                         del outs
                     stats.hold(-(mine.held_bytes + copies))
                     del mine
-                if local is not None:
+                if local is not None and transfers:
                     self._ahead(k, posted, stats)  # (after the yields: a whole unit is host work)
                 if moe_layer is not None:
                     yield from self._moe.export(moe_layer)  # type: ignore[union-attr]

@@ -151,7 +151,7 @@ def forward_conditions(c: Any) -> None:
     elif name == "GptOssConfig":
         rope = getattr(c, "rope_parameters", None) or {}
         problems = {
-            "swiglu_alpha": c.swiglu_alpha == 1.702,
+            "swiglu_alpha": getattr(c, "swiglu_alpha", 1.702) == 1.702,  # transformers < 5.20: fixed 1.702
             "rope_parameters.rope_type": rope.get("rope_type", "default") in ("default", "yarn"),
             "rope_parameters.attention_factor": rope.get("attention_factor") is None,
         }

@@ -46,6 +46,17 @@ from facts import Facts, log  # noqa: E402
 #: packed buffer for the tiny model: above its largest tensor (the 1000x256 fp32 embedding),
 #: small enough that the transfer takes many chunks.
 PACKED_BUFFER_BYTES = 1_100_000
+
+
+def _buffer_bytes(src) -> int:
+    """The packed buffer for ``src``: ``PACKED_BUFFER_BYTES``, or its largest tensor if larger (a fused
+    expert tensor, e.g. GPT-OSS's ``gate_up_proj``, cannot be split across buffers)."""
+    import math
+
+    largest = max(math.prod(m.shape) * m.dtype.itemsize for m in src.metadata)
+    return max(PACKED_BUFFER_BYTES, largest)
+
+
 #: fp32 logits of two implementations (Megatron vs transformers, TF32 off) agree to this.
 FP32_CROSS_IMPL_REL = 2e-4
 #: bf16 logits of the same transformers model (FSDP2 forward vs plain forward, or two processes).
@@ -188,7 +199,7 @@ def run_source(kind: str, family: str, device: str, mode: str, client, facts: Fa
     for packed in (False, True):
         tag = f"{label}/{'packed' if packed else 'unpacked'}"
         client.call("build", (cfg, dtype, 1000 + packed, True))
-        eng = trainer_engine(mode, client=client, source=src, packed=packed, buffer_bytes=PACKED_BUFFER_BYTES)
+        eng = trainer_engine(mode, client=client, source=src, packed=packed, buffer_bytes=_buffer_bytes(src))
         try:
             first: list = []  # refit 1's export, compared with refit 2's
             for refit in (1, 2):
