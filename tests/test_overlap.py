@@ -130,21 +130,74 @@ def world_overlap(rank: int, world_size: int) -> bytes:
     # the next pass equal on every rank.
     from transformers import AutoModelForCausalLM, Qwen3Config
 
+    from weightsync.sources.fsdp.buffers import BufferPool
+    from weightsync.sources.fsdp.gather import BatchedGather
+
     torch.manual_seed(3)
     wide = AutoModelForCausalLM.from_config(Qwen3Config(
-        hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, vocab_size=1000, tie_word_embeddings=False,
     ))
     shard(wide, mesh)
-    wide_ref = _cpu(FSDPSource(wide, overlap=False).iter_full())
-    src = FSDPSource(wide)
-    facts["wide_equal"] = _bytes_equal(_cpu(src.iter_full()), wide_ref)
-    facts["wide_big_pieces"] = sum(t.numel() * t.element_size() >= 1 << 20 for _, t in wide_ref)
-    gate = next(k for k, (n, _) in enumerate(wide_ref) if n.endswith("layers.0.mlp.gate_proj.weight"))
-    facts["wide_raise"] = _raise_at(src, gate)
-    facts["wide_raise_held"] = src.last_pass._extra
-    facts["wide_raise_next"] = _bytes_equal(_cpu(src.iter_full()), wide_ref)
+    pools: list[tuple[int, int]] = []  # (taken, allocated) of each pass's buffer pools
+    early: list[bool] = []  # start_early calls that started an unpack
+    close, start_early = BufferPool.close, BatchedGather.start_early
+
+    def counting_close(self):
+        pools.append((self.taken, self.allocated))
+        close(self)
+
+    def counting_start_early(self):
+        out = start_early(self)
+        early.append(self._early is not None)
+        return out
+
+    BufferPool.close, BatchedGather.start_early = counting_close, counting_start_early
+    try:
+        wide_ref = _cpu(FSDPSource(wide, overlap=False).iter_full())
+        facts["wide_off_buffers"] = pools[:]
+        src = FSDPSource(wide)
+        del pools[:], early[:]
+        facts["wide_equal"] = _bytes_equal(_cpu(src.iter_full()), wide_ref)
+        facts["wide_on_buffers"] = pools[:]
+        facts["wide_big_pieces"] = sum(t.numel() * t.element_size() >= 1 << 20 for _, t in wide_ref)
+        gate = next(k for k, (n, _) in enumerate(wide_ref) if n.endswith("layers.0.mlp.gate_proj.weight"))
+        facts["wide_raise"] = _raise_at(src, gate)
+        facts["wide_raise_held"] = src.last_pass._extra
+        facts["wide_raise_next"] = _bytes_equal(_cpu(src.iter_full()), wide_ref)
+        # A slow consumer: each next gather has completed before this group's last tensor, so its
+        # first large piece is unpacked early (while this group is still consumed). Same bytes; a
+        # stop at a group's last tensor, with the next group's unpack started, leaves all ready.
+        del early[:]
+        slow = [(n, t.clone()) for n, t in _slowly(src.iter_full())]
+        facts["slow_equal"] = _bytes_equal(slow, wide_ref)
+        facts["slow_early"] = sum(early)
+        last0 = max(k for k, (n, _) in enumerate(wide_ref) if ".layers.0." in n)
+        del early[:]
+        facts["slow_raise"] = _raise_at(_Slow(src), last0)
+        facts["slow_raise_early"] = sum(early)
+        facts["slow_raise_held"] = src.last_pass._extra
+        facts["slow_raise_next"] = _bytes_equal(_cpu(src.iter_full()), wide_ref)
+    finally:
+        BufferPool.close, BatchedGather.start_early = close, start_early
     return pack(facts)
+
+
+def _slowly(pairs, pause: float = 0.01):
+    """A consumer that spends ``pause`` seconds on each tensor (the next gather completes meanwhile)."""
+    import time
+
+    for name, t in pairs:
+        time.sleep(pause)
+        yield name, t
+
+
+class _Slow:
+    def __init__(self, source):
+        self.source = source
+
+    def iter_full(self):
+        return _slowly(self.source.iter_full())
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +249,20 @@ def test_consumer_raising_or_closing_mid_pass_leaves_every_rank_ready(overlap_wo
         assert f["wide_big_pieces"] >= 6 and f["wide_equal"], rank
         assert f["wide_raise"].startswith("consumer failed") and f["wide_raise_held"] == 0, rank
         assert f["wide_raise_next"], rank
+        assert f["slow_equal"] and f["slow_early"] >= 3, (rank, f["slow_early"])  # 4 layers + the head
+        assert f["slow_raise"].startswith("consumer failed") and f["slow_raise_early"] >= 1, rank
+        assert f["slow_raise_held"] == 0 and f["slow_raise_next"], rank
+
+
+def test_gather_buffers_are_recycled_within_a_pass(overlap_world):
+    """CPU: send blocks and gathered buffers of a pass's groups reuse the memory of earlier groups
+    (buffers.BufferPool) -- 6 gathers (embeddings, 4 layers, head) need 12 buffers, far fewer are
+    allocated -- with overlap on and off, and the pass ends holding nothing (checked above)."""
+    for rank, f in overlap_world.items():
+        for key in ("wide_off_buffers", "wide_on_buffers"):
+            assert len(f[key]) == 2, (rank, key)  # one pool per role (send, gathered), closed once
+            taken, allocated = (sum(x) for x in zip(*f[key]))
+            assert taken == 12 and allocated <= 7, (rank, key, taken, allocated)
 
 
 def world_writer_queue(rank: int, world_size: int, *, base: str) -> bytes:

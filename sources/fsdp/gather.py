@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.layout import chunk_rows
+from .buffers import capacity
 from ..core.overlap import overlap_default
 from ..core.logs import get_logger
 from ..core.stats import PassStats
@@ -66,8 +67,8 @@ __all__ = [
 _ALIGN = 16
 
 #: Pieces smaller than this (full bytes) are unpacked in place even with an ``unpacker``: a thread
-#: hand-off costs more than their copy.
-_HANDOFF_BYTES = 1 << 20
+#: hand-off (~50 us) costs more than their copy.
+_HANDOFF_BYTES = 256 << 10
 
 logger = get_logger(__name__)
 
@@ -193,6 +194,17 @@ class BatchedGather:
         #: CPU overlap: an executor that unpacks the next piece while this one is consumed (the host
         #: copy then overlaps the consumer too); set by ``GatherPipeline``. None: unpack in place.
         self.unpacker = None
+        #: CPU: the pass's two ``buffers.BufferPool`` (send blocks, gathered buffers) this gather's
+        #: scratch buffers come from and go back to; set by ``GatherPipeline``. None: fresh allocations.
+        self.pools = None
+        self._send_cost = 0
+        self._recv_cost = 0
+        self._completed = False  # the collective was waited for and succeeded
+        self._early = None  # CPU overlap: (piece, future) of an unpack started before iteration
+        self._error: Exception | None = None  # the collective's error, met by ``start_early``
+        #: CPU overlap: called (by the iterating thread) once this gather has nothing left to unpack
+        #: ahead; returns True when no further call is needed. Set by ``GatherPipeline``.
+        self.tail_hook = None
         self._packing = None  # CPU: the send block being packed ahead on a helper thread
         self._state = "new"  # new -> posted -> done (waited) -> released
         off = 0
@@ -217,15 +229,40 @@ class BatchedGather:
         return (self.n + 1) * self.block_bytes
 
     @property
+    def adoptable(self) -> bool:
+        """One piece filling its blocks exactly: its full tensor is the gathered buffer (``_adopt``)."""
+        return len(self.pieces) == 1 and self.pieces[0].nbytes == self.block_bytes
+
+    @property
     def what(self) -> str:
         return (
             f"all-gather of {len(self.pieces)} tensor(s) {self.pieces[0].key!r}..{self.pieces[-1].key!r}"
         )
 
+    def _buffer(self, nbytes: int, role: int) -> tuple[torch.Tensor, int]:
+        """A uint8 scratch buffer of ``nbytes`` for ``role`` (0: send block, 1: gathered buffer) and
+        the bytes holding it costs (accounted here)."""
+        if self.pools is not None:
+            buf = self.pools[role].take(nbytes)
+            cost = capacity(buf)
+        else:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            cost = nbytes
+        self.stats.hold(cost)
+        return buf, cost
+
+    def _drop(self, buf: torch.Tensor | None, cost: int, role: int) -> None:
+        """Release a scratch buffer. It goes back to the pool (if any) only when no collective can
+        still touch it: never posted, or posted and completed (a wait that failed or was never
+        made leaves the backend free to write it later)."""
+        if buf is None:
+            return
+        if self.pools is not None and (self._state == "new" or self._completed):
+            self.pools[role].give(buf)
+        self.stats.hold(-cost)
+
     def _pack(self) -> None:
-        block = self.block_bytes
-        send = torch.empty(block, dtype=torch.uint8, device=self.device)
-        self.stats.hold(block)
+        send, self._send_cost = self._buffer(self.block_bytes, 0)
         self._send = send
         for p in self.pieces:
             seg = send[p.offset : p.offset + p.nbytes].view(p.wire_dtype).view(
@@ -239,8 +276,7 @@ class BatchedGather:
                 seg[rows:].zero_()
 
     def _alloc_recv(self) -> None:
-        self._recv = torch.empty(self.n * self.block_bytes, dtype=torch.uint8, device=self.device)
-        self.stats.hold(self.n * self.block_bytes)
+        self._recv, self._recv_cost = self._buffer(self.n * self.block_bytes, 1)
 
     def pack_ahead(self, pool) -> None:
         """CPU: pack this rank's send block on ``pool``'s thread now (a local copy, no collective),
@@ -285,18 +321,19 @@ class BatchedGather:
         try:
             if work is not None:
                 _wait_all_gather(work, self.group, what=self.what, timeout_s=self.timeout_s)
+            self._completed = True
         finally:
-            self._send = None
-            self.stats.hold(-self.block_bytes)
+            send, self._send = self._send, None
+            self._drop(send, self._send_cost, 0)
         self.stats.bytes_received += (self.n - 1) * self.block_bytes
 
     def _release(self) -> None:
         if self._state in ("posted", "done"):
-            if self._state == "posted":  # never waited: the send block is still accounted
-                self._send = None
-                self.stats.hold(-self.block_bytes)
-            self._recv = None
-            self.stats.hold(-self.n * self.block_bytes)
+            if self._state == "posted":  # never waited: the send block is still held
+                send, self._send = self._send, None
+                self._drop(send, self._send_cost, 0)
+            recv, self._recv = self._recv, None
+            self._drop(recv, self._recv_cost, 1)
             self._state = "released"
 
     def discard(self) -> None:
@@ -308,8 +345,8 @@ class BatchedGather:
             except Exception:  # noqa: BLE001 - nothing will be sent from it
                 pass
         if self._state == "new" and self._send is not None:
-            self._send = None
-            self.stats.hold(-self.block_bytes)
+            send, self._send = self._send, None
+            self._drop(send, self._send_cost, 0)
         self._state = "released"
 
     def _unpack(self, p: ShardPiece) -> torch.Tensor:
@@ -319,6 +356,16 @@ class BatchedGather:
         out = torch.empty((n * p.rows_per_rank, p.row_numel), dtype=p.wire_dtype, device=self.device)
         out.view(n, p.rows_per_rank * p.row_numel).copy_(cols)
         return out[: p.full_shape[0]].view(p.full_shape)
+
+    def _adopt(self, p: ShardPiece) -> torch.Tensor:
+        """A gather of one piece that fills its blocks exactly (no alignment padding): the gathered
+        buffer, read rank-major, IS the full tensor (padding rows, if any, at its end). Hand it
+        over instead of copying it out: the consumer owns the buffer from here (it is neither
+        recycled nor counted as held by this gather any more)."""
+        recv, self._recv = self._recv, None
+        self.stats.hold(-self._recv_cost)
+        self._recv_cost = 0
+        return recv.view(p.wire_dtype)[: p.full_shape[0] * p.row_numel].view(p.full_shape)
 
     def drain(self) -> None:
         """Wait out a posted gather whose tensors will not be read, then free its buffers.
@@ -332,13 +379,50 @@ class BatchedGather:
         except Exception as e:  # noqa: BLE001 - the pass is already failing; say why this one stopped
             logger.warning("abandoned %s: %s", self.what, e)
         finally:
+            _settle(self._early)  # it reads the gathered buffer: done before the buffer is freed
+            self._early = None
             self._release()
+
+    def _next_big(self, start: int) -> int | None:
+        """The first piece from ``start`` on worth a thread hand-off, or None."""
+        for j in range(start, len(self.pieces)):
+            if self.n * self.pieces[j].nbytes >= _HANDOFF_BYTES:
+                return j
+        return None
+
+    def start_early(self) -> bool:
+        """CPU overlap: if this posted gather already completed, unpack its first large piece on
+        ``unpacker`` now, before anyone iterates it (called by the previous group's iteration once
+        that has nothing left to unpack ahead). Never blocks: a gather still in flight is left
+        alone. True when an unpack is running (or there is none to run)."""
+        if self._early is not None or self._state != "posted" or self.unpacker is None:
+            return self._early is not None
+        work = self._work
+        if work is not None and not work.is_completed():
+            return False
+        try:
+            self._wait()  # completed: returns at once
+        except Exception as e:  # noqa: BLE001 - raised where it belongs: when this gather is read
+            self._error = e
+            return True
+        j = None if self.adoptable else self._next_big(0)
+        if j is not None:
+            self._early = (j, self.unpacker.submit(self._unpack, self.pieces[j]))
+        return True
 
     def __iter__(self) -> Iterator[tuple[object, torch.Tensor]]:
         self.post()
-        pending = None  # the next piece's unpack, running on ``unpacker`` (CPU overlap)
+        # CPU overlap: at most one piece unpacked ahead, on ``unpacker``: the next one worth a
+        # thread hand-off (pieces under ``_HANDOFF_BYTES`` in between are unpacked in place), so a
+        # large tensor after a run of norms is ready when the consumer reaches it. Once this gather
+        # has nothing left to unpack ahead, ``tail_hook`` lets the next posted gather start its own
+        # first unpack if its collective already completed (still one tensor ahead in all).
+        pending, self._early = self._early, None  # (piece index, future)
+        tail_done = False
         try:
             self._wait()
+            if self._error is not None:
+                raise self._error
             recv = self._recv
             gathered_on = self._posted_on
             pieces = self.pieces
@@ -348,25 +432,35 @@ class BatchedGather:
                     torch.cuda.current_stream(self.device).wait_event(self._event)
                 else:
                     _sync_from(gathered_on, self.device)
-                full = pending.result() if pending is not None else self._unpack(p)
-                pending = None
-                if (
-                    self.unpacker is not None
-                    and i + 1 < len(pieces)
-                    and self.n * pieces[i + 1].nbytes >= _HANDOFF_BYTES
-                ):
-                    pending = self.unpacker.submit(self._unpack, pieces[i + 1])
+                if pending is not None and pending[0] == i:
+                    full = pending[1].result()
+                    pending = None
+                elif self.adoptable:
+                    full = self._adopt(p)
+                else:
+                    full = self._unpack(p)
+                if pending is None and self.unpacker is not None:
+                    j = self._next_big(i + 1)
+                    if j is not None:
+                        pending = (j, self.unpacker.submit(self._unpack, pieces[j]))
+                    elif not tail_done and self.tail_hook is not None:
+                        tail_done = self.tail_hook()
                 if self.device.type == "cuda":
                     recv.record_stream(torch.cuda.current_stream(self.device))
                 yield p.key, full
                 del full
         finally:
-            if pending is not None:  # reads the gathered buffer: done before it is freed
-                try:
-                    pending.result()
-                except Exception:  # noqa: BLE001 - an unpack nobody will read
-                    pass
+            _settle(pending)  # reads the gathered buffer: done before it is freed
             self.drain()
+
+
+def _settle(pending) -> None:
+    """Wait for an unpack nobody will read (its error too: it is not anybody's result)."""
+    if pending is not None:
+        try:
+            pending[1].result()
+        except Exception:  # noqa: BLE001 - an unpack nobody will read
+            pass
 
 
 def _post_all_gather(out: torch.Tensor, inp: torch.Tensor, group):

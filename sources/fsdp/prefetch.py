@@ -23,10 +23,17 @@ current step's tensors are yielded. What it guarantees:
 * **Host copies overlap too (CPU).** On CPU one helper thread does the two local copies: it packs the
   send block of the gather after the one posted ahead (so posting it costs the iterating thread
   nothing), and unpacks a gather's tensors (the copy out of the gathered buffer into each fresh
-  tensor) one piece ahead of the consumer. It never issues or waits for a collective (posting and
-  waiting stay in the iterating thread, in plan order). It adds one send block (~1/n of a group)
-  and one unpacked tensor to the bound. Device tensors are packed on the side stream and unpacked on
-  the consumer's stream (asynchronous already).
+  tensor) one tensor ahead of the consumer (the next one large enough to be worth the hand-off).
+  It never issues or waits for a collective (posting and waiting stay in the iterating thread, in
+  plan order). It adds one send block (~1/n of a group) and one unpacked tensor to the bound.
+  Device tensors are packed on the side stream and unpacked on the consumer's stream (asynchronous
+  already).
+* **Scratch buffers are recycled (CPU).** Send blocks and gathered buffers come from the pass's
+  two ``buffers.BufferPool`` (one per role, so a send block never pins a gathered buffer's worth
+  of memory) and go back to it once their collective completed and their last tensor
+  was unpacked, so the groups of a pass reuse memory already paged in instead of faulting in fresh
+  memory per group (the pool's idle buffers are counted in the pass's extra bytes and freed when the
+  pass ends). With or without overlap: it is not an overlap, only less work per group.
 * **Early stop.** ``close()`` drains every gather posted and not consumed: it waits for it (bounded
   on gloo) and frees it. When every rank stops at the same step (a consumer that raises on every
   rank alike, a driver that closes the pass on every rank), every rank posted the same gathers, so
@@ -41,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from .buffers import BufferPool
 from .gather import BatchedGather
 from .plan import Step
 
@@ -82,6 +90,7 @@ class GatherPipeline:
         self._next = 0  # first step not yet considered for posting
         self.peak_ahead_bytes = 0
         self._pool = None  # CPU: the one helper thread that unpacks the next piece
+        self._buffer_pools: tuple[BufferPool, BufferPool] | None = None  # CPU: send/gathered, recycled
 
     def take(self, k: int) -> BatchedGather:
         """Step ``k``'s gather, posted (now, if the lookahead did not reach it)."""
@@ -127,9 +136,23 @@ class GatherPipeline:
         gather = self._built.get(k)
         if gather is None:
             gather = self._built[k] = self.make(k)
-            if self.overlap and gather.device.type == "cpu":
-                gather.unpacker = self._unpacker()
+            if gather.device.type == "cpu":
+                gather.pools = self._buffers(gather)
+                if self.overlap:
+                    gather.unpacker = self._unpacker()
+                    gather.tail_hook = self._start_next_early
         return gather
+
+    def _start_next_early(self) -> bool:
+        """Let the earliest gather posted ahead start unpacking, if its collective completed."""
+        if not self._posted:
+            return True
+        return self._posted[min(self._posted)].start_early()
+
+    def _buffers(self, gather: BatchedGather) -> tuple[BufferPool, BufferPool]:
+        if self._buffer_pools is None:  # send blocks, gathered buffers: each reused in its own role
+            self._buffer_pools = (BufferPool(gather.stats), BufferPool(gather.stats))
+        return self._buffer_pools
 
     def _unpacker(self):
         if self._pool is None:
@@ -151,3 +174,7 @@ class GatherPipeline:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+            if self._buffer_pools is not None:
+                for pool in self._buffer_pools:
+                    pool.close()
+                self._buffer_pools = None
