@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from facts import Facts, log  # noqa: E402
 
-SHARDS = 8  # tensors, two per gather group
+SHARDS = 8  # tensors: three groups of two, then two groups of one
 ROWS, COLS = 2048, 2048  # 16 MiB fp32 each
 DELAY_CYCLES = 200_000_000  # ~0.1 s of GPU time ahead of each update / each consumer read
 
@@ -59,8 +59,11 @@ def _gathers(shards, device, stats, stream, cls):
     from weightsync.sources.fsdp.gather import BatchedGather, ShardPiece
 
     out = []
-    for g in range(0, len(shards), 2):
-        pieces = [ShardPiece(f"shard.{i}", shards[i], tuple(shards[i].shape), torch.float32) for i in (g, g + 1)]
+    # Two tensors per group, the last two alone: a one-tensor group hands its gathered buffer over
+    # as the tensor (``BatchedGather._adopt``), which the consumer then reads on its own stream.
+    groups = [(g, g + 1) for g in range(0, len(shards) - 2, 2)] + [(len(shards) - 2,), (len(shards) - 1,)]
+    for idx in groups:
+        pieces = [ShardPiece(f"shard.{i}", shards[i], tuple(shards[i].shape), torch.float32) for i in idx]
         out.append(cls(pieces, group=dist.group.WORLD, n=1, index=0, device=device, stats=stats,
                        timeout_s=60, stream=stream))
     return out
