@@ -98,7 +98,9 @@ def build_gpt(hf, cfg, *, expert_format: str = "sequential", seed: int = 0):
 def megatron_checkpoint(model, directory: str) -> None:
     """Save with megatron's own ``dist_checkpointing`` (every rank, collectively)."""
     from megatron.core import dist_checkpointing
+    from megatron_worlds import forked_write_results_queue
 
+    forked_write_results_queue()  # not a fresh interpreter per rank (see there)
     with cpu_cuda_shim():
         dist_checkpointing.save(model.sharded_state_dict(), directory)
 
