@@ -68,6 +68,12 @@ NOT_RUN: dict[str, str] = {
         "2 ranks (~40 s); tests/test_demo_cli.py::test_check_megatron_moe_expert_parallel",
     "weightsync check --checkpoint ./ckpt --layout megatron --tp 2":
         "2 ranks (~40 s); tests/test_checkpoint.py::test_export_cli_fsdp_two_ranks_then_overwrite runs an export then this",
+    "weightsync check --model tiny-glm4-moe --layout megatron --tp 2 --ep 2":
+        "4 ranks under torchrun (~35 s); tests/test_glm4_moe.py::test_check_cli_megatron_tp2_ep2 runs the same "
+        "check (with --show 1000) on 4 forked ranks and asserts its report",
+    "weightsync check --model tiny-gpt-oss --layout megatron --tp 2 --ep 2":
+        "4 ranks under torchrun (~32 s); tests/test_gpt_oss.py::test_check_cli_megatron_tp2_ep2 runs the same "
+        "check (with --show 1000) on 4 forked ranks and asserts its report",
     "weightsync check --model tiny-llama --layout megatron --pp 2 --vpp 2 --layers 4":
         "2 ranks (~40 s); PP x VPP export is tests/test_megatron.py's pp2xvpp2 reshard test",
     "VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-1.7B --weight-transfer-config {\"backend\": \"nccl\"}":
