@@ -1,8 +1,12 @@
 import os
 import sys
 
+import pytest
+
 # worlds.py and the test modules are imported by name in spawned children.
 sys.path.insert(0, os.path.dirname(__file__))
+# the family modules' shared checks report like a test module's own asserts (pytest's diffs)
+pytest.register_assert_rewrite("family_worlds")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 

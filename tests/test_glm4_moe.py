@@ -33,6 +33,9 @@ import tempfile
 
 import pytest
 import torch
+from family_worlds import check_bf16_wire, check_cli, check_demo, check_fp32_wire, check_layout, check_nccl
+from family_worlds import check_refusals, ck_any, from_pretrained, logits, preset_config, same_bytes
+from family_worlds import write_checkpoint
 from fsdp_worlds import unpack
 from worlds import run_world as _run_world
 
@@ -42,7 +45,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PRESET = "tiny-glm4-moe"
 SEED = 3
 TOL = 2e-4  # fp32 logits, Megatron vs transformers, relative to the largest logit
-IDS = [[3, 17, 42, 5, 60, 1, 33, 8], [9, 9, 27, 50, 2, 44, 13, 61]]
 #: Kept fp32 on a bf16 wire (vLLM keeps the GLM-4.5 router and its score-correction bias in fp32).
 KEPT_FP32 = re.compile(r"\.mlp\.gate\.(weight|e_score_correction_bias)$")
 
@@ -53,14 +55,7 @@ def run_world(*a, **k):
 
 def hf_config(**over):
     """The ``tiny-glm4-moe`` preset's ``Glm4MoeConfig`` with ``over`` applied."""
-    from transformers import AutoConfig
-
-    from weightsync.plugins.presets import PRESETS
-
-    kw = {**PRESETS[PRESET], **over}
-    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
-    cfg.architectures = ["Glm4MoeForCausalLM"]
-    return cfg
+    return preset_config(PRESET, "Glm4MoeForCausalLM", **over)
 
 
 def _model(seed: int = SEED) -> torch.nn.Module:
@@ -72,25 +67,6 @@ def _model(seed: int = SEED) -> torch.nn.Module:
 
 def _moe_layers(cfg) -> list[int]:
     return list(range(cfg.first_k_dense_replace, cfg.num_hidden_layers))
-
-
-@torch.no_grad()
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    return model.eval()(input_ids=torch.tensor(IDS)).logits.float()
-
-
-def _write_checkpoint(config, tensors: dict[str, torch.Tensor], directory: str) -> None:
-    from safetensors.torch import save_file
-
-    config.save_pretrained(directory)
-    save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(directory, "model.safetensors"),
-              metadata={"format": "pt"})
-
-
-def _from_pretrained(directory: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, output_loading_info=True)
 
 
 def _swap_rotary_halves(w: torch.Tensor, head_dim: int, rotary: int) -> torch.Tensor:
@@ -105,24 +81,14 @@ def _swap_rotary_halves(w: torch.Tensor, head_dim: int, rotary: int) -> torch.Te
 def _fsdp_world(rank: int, world_size: int) -> bytes:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_worlds import drive_vllm_nccl, meta_facts, module_snapshot, no_collectives, pack, shard, snapshot_diff
-    from fsdp_worlds import stream, to_cpu
+    from family_worlds import fsdp_passes
+    from fsdp_worlds import meta_facts, module_snapshot, pack, shard, snapshot_diff, stream, to_cpu
     from weightsync.sources import FSDPSource
 
     mesh = init_device_mesh("cpu", (world_size,))
     model = shard(_model(), mesh)
     before = module_snapshot(model)
-    f: dict = {}
-    src = FSDPSource(model)
-    with no_collectives():
-        f["meta"] = meta_facts(src.metadata)
-    pairs = stream(src)
-    f["order"] = [n for n, _ in pairs]
-    f["fp32"] = to_cpu(pairs)
-    bf = FSDPSource(model, dtype=torch.bfloat16)
-    f["bf16_meta"] = meta_facts(bf.metadata)
-    f["bf16"] = to_cpu(stream(bf))
-    drive_vllm_nccl(bf, rank, f)
+    f = fsdp_passes(model, rank)
     fused = FSDPSource(model, dtype=torch.bfloat16, expert_layout="fused")
     f["fused_meta"] = meta_facts(fused.metadata)
     pairs = stream(fused)
@@ -135,20 +101,6 @@ def _fsdp_world(rank: int, world_size: int) -> bytes:
 @pytest.fixture(scope="module")
 def fsdp():
     return run_world(_fsdp_world, 2, timeout=400)
-
-
-def _meta_map(meta) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return {m[0]: (m[1], tuple(m[2])) for m in meta}
-
-
-def _dtype_shape(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()}
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
-    )
 
 
 def test_fsdp_fp32_and_bf16_wire_equal_save_pretrained(fsdp):
@@ -171,18 +123,9 @@ def test_fsdp_fp32_and_bf16_wire_equal_save_pretrained(fsdp):
     assert kept == [f"model.layers.{i}.mlp.gate.{leaf}" for i in layers for leaf in ("e_score_correction_bias", "weight")]
     want_bf16 = {n: (fp32[n] if n in kept else bf16[n]) for n in fp32}
     for rank, f in fsdp.items():
-        assert sorted(f["fp32"]) == sorted(fp32), rank
-        assert [n for n, t in fp32.items() if not _same_bytes(f["fp32"][n], t)] == [], rank
-        assert f["order"] == [m[0] for m in f["meta"]], "stream order != metadata order"
-        assert _meta_map(f["meta"]) == _dtype_shape(fp32)
-        assert all(m[3] in (None, (0, 1)) for m in f["meta"])  # FSDP: both ranks iterate every tensor
-        assert sorted(f["bf16"]) == sorted(want_bf16)
-        assert [n for n, t in want_bf16.items() if not _same_bytes(f["bf16"][n], t)] == [], rank
-        assert _meta_map(f["bf16_meta"]) == _dtype_shape(want_bf16)
-        assert f["module_changed"] == [], f["module_changed"][:5]
-    sent = fsdp[0]["nccl_sender"]  # passed vLLM's own _checked_iter against metadata
-    assert sorted(sent) == sorted(want_bf16) and all(_same_bytes(sent[n], want_bf16[n]) for n in want_bf16)
-    assert fsdp[1]["nccl_is_sender"] is False and fsdp[1]["nccl_nonsender_tensors"] == len(want_bf16)
+        check_fp32_wire(f, fp32, f"rank {rank}")
+        check_bf16_wire(f, want_bf16, f"rank {rank}")
+    check_nccl(fsdp, want_bf16)
 
 
 def test_fsdp_fused_layout_is_what_vllms_glm4_moe_loader_reads(fsdp):
@@ -206,14 +149,14 @@ def test_fsdp_fused_layout_is_what_vllms_glm4_moe_loader_reads(fsdp):
             pre = f"model.layers.{i}.mlp.experts."
             for leaf, shards in (("gate_up_proj", [(0, "w1"), (1, "w3")]), ("down_proj", [(0, "w2")])):
                 name = pre + leaf
-                assert _same_bytes(got[name], memory[name].to(torch.bfloat16)), (rank, name)
+                assert same_bytes(got[name], memory[name].to(torch.bfloat16)), (rank, name)
                 hits = [(e, sid) for _, w, e, sid in mapping if w in name and "." not in w.split("experts.", 1)[1]]
                 assert hits == shards, (name, hits)
             gate, up = got[pre + "gate_up_proj"].chunk(2, dim=1)
             assert torch.equal(gate[E - 1], bf16[f"{pre}{E - 1}.gate_proj.weight"])
             assert torch.equal(up[E - 1], bf16[f"{pre}{E - 1}.up_proj.weight"])
         rest = [n for n in got if ".experts." not in n]
-        assert [n for n in rest if not _same_bytes(got[n], f["bf16"][n])] == []
+        assert [n for n in rest if not same_bytes(got[n], f["bf16"][n])] == []
 
 
 def test_fsdp_export_loads_with_from_pretrained_to_the_trainers_logits(fsdp, tmp_path):
@@ -221,106 +164,55 @@ def test_fsdp_export_loads_with_from_pretrained_to_the_trainers_logits(fsdp, tmp
     conversion) and computes the trainer model's logits bit for bit; the same checkpoint with the
     rotated and passed halves of every k head swapped does not (partial rotary is visible)."""
     ref = _model()
-    want = _logits(ref)
+    want = logits(ref)
     exported = fsdp[0]["fp32"]
-    _write_checkpoint(ref.config, exported, str(tmp_path / "ok"))
-    loaded, info = _from_pretrained(str(tmp_path / "ok"))
+    write_checkpoint(ref.config, exported, str(tmp_path / "ok"))
+    loaded, info = from_pretrained(str(tmp_path / "ok"))
     assert {k: v for k, v in info.items() if v} == {}, info
-    assert torch.equal(_logits(loaded), want)
+    assert torch.equal(logits(loaded), want)
     cfg = ref.config
     rotary = int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"])
     assert 0 < rotary < cfg.head_dim
     bad = dict(exported)
     for n in [n for n in bad if n.endswith("self_attn.k_proj.weight") or n.endswith("self_attn.k_proj.bias")]:
         bad[n] = _swap_rotary_halves(bad[n], cfg.head_dim, rotary)
-    _write_checkpoint(cfg, bad, str(tmp_path / "bad"))
-    assert not torch.allclose(_logits(_from_pretrained(str(tmp_path / "bad"))[0]), want, atol=1e-3)
+    write_checkpoint(cfg, bad, str(tmp_path / "bad"))
+    assert not torch.allclose(logits(from_pretrained(str(tmp_path / "bad"))[0]), want, atol=1e-3)
 
 
 # ---- Megatron: MegatronSource against dist_checkpointing and save_pretrained ----------------------
 
 
-def _refusals(model) -> dict[str, str | None]:
-    """What MegatronSource raises for hf_configs this Megatron GLM model cannot be exported as."""
+def _hf_of(lay: dict) -> object:
+    return hf_config(**lay.get("hf", {}))
+
+
+def _layout_facts(rank, lay, hf, chunks, src) -> dict:
+    """GLM's facts of one layout (``family_worlds.megatron_layouts``): the GPTModel's rotary_percent
+    and, on the layout that asks, what MegatronSource raises for hf_configs this model cannot be
+    exported as."""
     from worlds import errors_of
 
     from weightsync.sources import MegatronSource
 
-    bad = {
-        "n_shared_experts": hf_config(n_shared_experts=0),
-        "use_qk_norm": hf_config(use_qk_norm=False),
-        "attention_bias": hf_config(attention_bias=False),
-        "n_routed_experts": hf_config(n_routed_experts=8),
-    }
-    return {k: errors_of(lambda c=c: MegatronSource(model, hf_config=c)) for k, c in bad.items()}
+    (model,) = chunks
+    f = {"rotary_percent": model.rotary_percent}
+    if lay.get("refusals"):
+        bad = {
+            "n_shared_experts": hf_config(n_shared_experts=0),
+            "use_qk_norm": hf_config(use_qk_norm=False),
+            "attention_bias": hf_config(attention_bias=False),
+            "n_routed_experts": hf_config(n_routed_experts=8),
+        }
+        f["refusals"] = {k: errors_of(lambda c=c: MegatronSource(model, hf_config=c)) for k, c in bad.items()}
+    return f
 
 
 def _megatron_world(rank, world_size, *, root, layouts):
-    """Each layout: build (the one builder), save with megatron's dist_checkpointing, export."""
-    import mla_models as mm
-    import torch.distributed as dist
-    from megatron_worlds import dcp_save
-    from worlds import errors_of
+    """Every layout in one world (``family_worlds.megatron_layouts``) with GLM-4.5's facts."""
+    from family_worlds import megatron_layouts
 
-    from fsdp_worlds import pack
-    from weightsync.plugins.megatron_build import MegatronParallel
-    from weightsync.sources import MegatronSource
-
-    facts: dict = {}
-    for lay in layouts:
-        name = lay["name"]
-        hf = hf_config(**lay.get("hf", {}))
-        par = MegatronParallel(tp=lay.get("tp", 1), pp=lay.get("pp", 1), ep=lay.get("ep", 1))
-        if lay.get("refuse"):  # a Megatron variant the GLM-4.5 checkpoint cannot express
-            chunks = mm.build_megatron(hf, par, overrides=lay["refuse"])
-            facts[name] = {"error": errors_of(lambda: MegatronSource(chunks[0], hf_config=hf))}
-            continue
-        (model,) = mm.build_megatron(hf, par)
-        os.makedirs(f"{root}/{name}", exist_ok=True)
-        dcp_save(model, f"{root}/{name}")
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        src = MegatronSource(model, hf_config=hf, dtype=lay.get("dtype"))
-        f: dict = {"meta": [(m.name, tuple(m.shape), str(m.dtype), m.owners) for m in src.metadata]}
-        f["rotary_percent"] = model.rotary_percent
-        got = {n: t.clone() for n, t in src.iter_full()}
-        f["stats"] = src.last_pass.as_dict()
-        f["again"] = all(torch.equal(got[n], t) for n, t in src.iter_full())
-        f["local_error"] = errors_of(lambda: MegatronSource(model, hf_config=hf, mode="local"))
-        if lay.get("refusals"):
-            f["refusals"] = _refusals(model)
-        f["unchanged"] = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-        if rank == 0:
-            f["got"] = got
-        else:
-            f["yielded"] = len(got)
-        facts[name] = f
-        dist.barrier()
-    return pack(facts)
-
-
-def _saved(hf, dtype=torch.float32) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Names, shapes and dtypes transformers' save_pretrained writes for ``hf`` in ``dtype`` (an fp32
-    model loaded back with ``from_pretrained(dtype=...)``, which keeps e_score_correction_bias fp32)."""
-    from moe_models import saved_state_dict
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(hf)
-    if dtype != torch.float32:
-        with tempfile.TemporaryDirectory() as d:
-            model.save_pretrained(d)
-            model = AutoModelForCausalLM.from_pretrained(d, dtype=dtype)
-    return {n: (tuple(t.shape), t.dtype) for n, t in saved_state_dict(model).items()}
-
-
-def _ck_any(ck, layer: int, *suffixes: str) -> torch.Tensor:
-    """One layer's tensor from megatron's full checkpoint under the first key it uses (local-spec
-    norms are saved under Transformer-Engine-compatible keys in some layers)."""
-    from test_moe_megatron import _ck
-
-    for s in suffixes:
-        if f"decoder.layers.{layer}.{s}" in ck or f"decoder.layers.{s}" in ck:
-            return _ck(ck, s, layer)
-    raise KeyError(f"layer {layer}: none of {suffixes} in megatron's checkpoint")
+    return megatron_layouts(rank, world_size, root=root, layouts=layouts, hf_of=_hf_of, extra=_layout_facts)
 
 
 def _expected(ck, hf) -> dict[str, torch.Tensor]:
@@ -334,17 +226,17 @@ def _expected(ck, hf) -> dict[str, torch.Tensor]:
     want = _expected_moe(ck, HFMoENames(hf), _moe_layers(hf))
     for i in range(hf.num_hidden_layers):
         pre = f"model.layers.{i}."
-        want[pre + "input_layernorm.weight"] = _ck_any(
+        want[pre + "input_layernorm.weight"] = ck_any(
             ck, i, "input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
-        want[pre + "post_attention_layernorm.weight"] = _ck_any(
+        want[pre + "post_attention_layernorm.weight"] = ck_any(
             ck, i, "pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
-        want[pre + "self_attn.o_proj.weight"] = _ck_any(ck, i, "self_attention.linear_proj.weight")
-        want[pre + "self_attn.q_norm.weight"] = _ck_any(ck, i, "self_attention.q_layernorm.weight")
-        want[pre + "self_attn.k_norm.weight"] = _ck_any(ck, i, "self_attention.k_layernorm.weight")
+        want[pre + "self_attn.o_proj.weight"] = ck_any(ck, i, "self_attention.linear_proj.weight")
+        want[pre + "self_attn.q_norm.weight"] = ck_any(ck, i, "self_attention.q_layernorm.weight")
+        want[pre + "self_attn.k_norm.weight"] = ck_any(ck, i, "self_attention.k_layernorm.weight")
         if i < hf.first_k_dense_replace:
-            fc1 = _ck_any(ck, i, "mlp.linear_fc1.weight")
+            fc1 = ck_any(ck, i, "mlp.linear_fc1.weight")
             want[pre + "mlp.gate_proj.weight"], want[pre + "mlp.up_proj.weight"] = fc1.chunk(2, 0)
-            want[pre + "mlp.down_proj.weight"] = _ck_any(ck, i, "mlp.linear_fc2.weight")
+            want[pre + "mlp.down_proj.weight"] = ck_any(ck, i, "mlp.linear_fc2.weight")
     want["model.embed_tokens.weight"] = ck["embedding.word_embeddings.weight"][: hf.vocab_size]
     want["model.norm.weight"] = ck["decoder.final_layernorm.weight"]
     want["lm_head.weight"] = ck["output_layer.weight"][: hf.vocab_size]
@@ -352,45 +244,19 @@ def _expected(ck, hf) -> dict[str, torch.Tensor]:
 
 
 def _check_layout(res, root, lay) -> dict:
-    """Every check on one layout's results; returns rank 0's facts."""
-    import megatron_worlds as mw
-    from moe_megatron import load_full_checkpoint
-
-    name = lay["name"]
-    r0 = res[0][name]
-    hf = hf_config(**lay.get("hf", {}))
-    dtype = lay.get("dtype") or torch.float32
-    assert all(res[r][name]["meta"] == r0["meta"] for r in res)
-    assert all(o == (0,) for *_, o in r0["meta"])
-    saved = _saved(hf, dtype)
-    if dtype != torch.float32:  # the router keeps the model's fp32 on the wire (save_pretrained rounds it)
-        saved = {n: (s, torch.float32 if KEPT_FP32.search(n) else d) for n, (s, d) in saved.items()}
+    """``family_worlds.check_layout`` with GLM's layout (q/k/v through megatron's fused rows), plus:
+    on a bf16 wire the router and its bias are the kept fp32 tensors; the GPTModel's rotary_percent
+    is partial_rotary_factor; mode="local" names the MoE layers. Returns rank 0's facts."""
+    hf = _hf_of(lay)
+    r0 = check_layout(res, root, lay, hf, expected=_expected, kept_fp32=KEPT_FP32, fused_qkv=True)
+    if lay.get("dtype") not in (None, torch.float32):
         from test_moe_megatron import _check_same_wire_dtypes_as_fsdp
 
+        name = lay["name"]
         _check_same_wire_dtypes_as_fsdp({r: {"bf16_meta": [(n, d) for n, _, d, _ in res[r][name]["meta"]]} for r in res}, hf)
-    assert {n: (s, d) for n, s, d, _ in r0["meta"]} == {n: (s, str(d)) for n, (s, d) in saved.items()}
-    got = r0["got"]
-    assert list(got) == [n for n, *_ in r0["meta"]]
-    assert {n: (tuple(t.shape), t.dtype) for n, t in got.items()} == saved
     assert r0["rotary_percent"] == 0.5  # the builder's GPTModel: partial_rotary_factor
-    ck = load_full_checkpoint(f"{root}/{name}")
-    want = _expected(ck, hf)
-    qkv = {n for n in got if re.search(r"self_attn\.[qkv]_proj\.", n)}
-    assert sorted(want) == sorted(set(got) - qkv)
-    assert [n for n, t in want.items() if not torch.equal(got[n], t.to(got[n].dtype))] == []
-    for i in range(hf.num_hidden_layers):  # q/k/v (weights and biases): megatron's per-group rows
-        for leaf in ("weight", "bias"):
-            q, k, v = (got[f"model.layers.{i}.self_attn.{x}_proj.{leaf}"] for x in "qkv")
-            full = _ck_any(ck, i, f"self_attention.linear_qkv.{leaf}")
-            assert torch.equal(mw._fused_qkv_rows(hf, q, k, v), full.to(q.dtype)), (name, i, leaf)
-    for r, f in res.items():
-        f = f[name]
-        assert f["unchanged"], f"rank {r} mutated its model"
-        assert f["again"], f"rank {r}: a second pass differs"
-        err = f["local_error"]  # MoE layers: mode="local" refused on every rank, naming them
-        assert err.startswith("NotImplementedError") and f"rank {r}" in err and str(_moe_layers(hf)) in err
-        if r:
-            assert f["yielded"] == 0 and f["stats"]["tensors"] == 0, f"rank {r} yielded tensors"
+    for r in res:  # MoE layers: mode="local" refused on every rank, naming them
+        assert str(_moe_layers(hf)) in res[r][lay["name"]]["local_error"], (r, res[r][lay["name"]]["local_error"])
     return r0
 
 
@@ -422,18 +288,13 @@ def test_megatron_two_ranks_equal_save_pretrained_and_dist_checkpointing(two_ran
 
 def test_megatron_refusals_raise_on_every_rank_naming_the_field(two_ranks):
     _, res = two_ranks
-    words = {
+    check_refusals(res, {
         "n_shared_experts": ("UnmappedParameterError", "shared expert size 0 (hf_config) != 32 (Megatron)"),
         "use_qk_norm": ("UnmappedParameterError", "q_layernorm"),
         "attention_bias": ("UnmappedParameterError", "linear_qkv.bias"),
         "n_routed_experts": ("UnmappedParameterError", "E=8"),
-    }
+    })
     for r in res:
-        got = res[r]["tp2"]["refusals"]
-        for field, (kind, word) in words.items():
-            err = got[field]
-            assert err is not None, f"rank {r}: {field} was not refused"
-            assert err.startswith(kind) and word in err and f"rank {r}" in err, (r, field, err)
         err = res[r]["no_expert_bias"]["error"]
         assert err and "moe_router_enable_expert_bias=False" in err and f"rank {r}" in err, err
         err = res[r]["no_shared_expert"]["error"]
@@ -531,29 +392,15 @@ def test_forward_logits_megatron_vs_transformers_from_export():
 
 def test_check_cli_megatron_tp2_ep2():
     """``weightsync check --model tiny-glm4-moe --layout megatron --tp 2 --ep 2`` (the CLI's rank code
-    on 4 forked ranks): exit 0, every name and shape of ``save_pretrained``, rank 0 sends all."""
-    from test_demo_cli import _listed, _saved
-    from worlds import run_cli
-
-    from weightsync.plugins.presets import build_model, load_config
-
-    saved = _saved(build_model(load_config(PRESET)))
-    r = run_cli("check", "--model", PRESET, "--layout", "megatron", "--tp", "2", "--ep", "2", "--show", "1000",
-                nproc=4, timeout=600)
-    out = r.stdout
-    assert r.returncode == 0, (out, r.stderr[-3000:])
-    assert out.strip().endswith("PASS") and "layout megatron tp2 pp1 vpp1 ep2 x4" in out
-    assert _listed(out) == {n: s for n, (_, s) in saved.items()}
-    assert "tensors checked on 4 rank(s)" in out and "Traceback" not in r.stderr
+    on 4 forked ranks; the README's line): exit 0, every name and shape of ``save_pretrained``, rank 0
+    sends all."""
+    saved, r = check_cli(PRESET, "--layout", "megatron", "--tp", "2", "--ep", "2", nproc=4,
+                         layout_line="layout megatron tp2 pp1 vpp1 ep2 x4")
+    assert "tensors checked on 4 rank(s)" in r.stdout
     assert any(".mlp.shared_experts." in n for n in saved) and any(n.endswith("e_score_correction_bias") for n in saved)
 
 
 def test_demo_trains_and_syncs_the_preset():
     """``weightsync demo --model tiny-glm4-moe`` (2 forked ranks): every sync verified bit for bit
     in a transformers receiver (experts under its in-memory fused names)."""
-    from worlds import run_cli
-
-    r = run_cli("demo", "--model", PRESET, "--steps", "2", nproc=2, timeout=600)
-    assert r.returncode == 0, (r.stdout, r.stderr[-3000:])
-    assert re.search(r"weightsync demo: 2/2 syncs verified, .* \(2 ranks, glm4_moe, .*-> PASS", r.stdout), r.stdout
-    assert "before any sync: receiver logits equal trainer's: False" in r.stdout
+    check_demo(PRESET, "glm4_moe")

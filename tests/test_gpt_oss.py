@@ -35,6 +35,9 @@ import tempfile
 
 import pytest
 import torch
+from family_worlds import check_bf16_wire, check_cli, check_demo, check_fp32_wire, check_layout, check_nccl
+from family_worlds import check_refusals, ck_any, from_pretrained, logits, preset_config, same_bytes
+from family_worlds import write_checkpoint
 from fsdp_worlds import unpack
 from worlds import run_world as _run_world
 
@@ -44,10 +47,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PRESET = "tiny-gpt-oss"
 SEED = 3
 TOL = 2e-4  # fp32 logits, Megatron vs transformers, relative to the largest logit
-IDS = [[3, 17, 42, 5, 60, 1, 33, 8], [9, 9, 27, 50, 2, 44, 13, 61]]
 #: Kept fp32 on a bf16 wire: the router (vLLM keeps it in fp32, the wire policy's allow-list).
 KEPT_FP32 = re.compile(r"\.mlp\.router\.(weight|bias)$")
-EXPERT_LEAVES = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 
 def run_world(*a, **k):
@@ -56,14 +57,7 @@ def run_world(*a, **k):
 
 def hf_config(**over):
     """The ``tiny-gpt-oss`` preset's ``GptOssConfig`` with ``over`` applied."""
-    from transformers import AutoConfig
-
-    from weightsync.plugins.presets import PRESETS
-
-    kw = {**PRESETS[PRESET], **over}
-    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
-    cfg.architectures = ["GptOssForCausalLM"]
-    return cfg
+    return preset_config(PRESET, "GptOssForCausalLM", **over)
 
 
 def _model(seed: int = SEED) -> torch.nn.Module:
@@ -71,31 +65,6 @@ def _model(seed: int = SEED) -> torch.nn.Module:
     from moe_models import tiny_model
 
     return tiny_model("gpt_oss", seed=seed)
-
-
-@torch.no_grad()
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    return model.eval()(input_ids=torch.tensor(IDS)).logits.float()
-
-
-def _write_checkpoint(config, tensors: dict[str, torch.Tensor], directory: str) -> None:
-    from safetensors.torch import save_file
-
-    config.save_pretrained(directory)
-    save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(directory, "model.safetensors"),
-              metadata={"format": "pt"})
-
-
-def _from_pretrained(directory: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, output_loading_info=True)
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
-    )
 
 
 def _check_vllm_streamed_experts(per_expert: dict[str, torch.Tensor], fused: dict[str, torch.Tensor]) -> int:
@@ -118,7 +87,7 @@ def _check_vllm_streamed_experts(per_expert: dict[str, torch.Tensor], fused: dic
         assert m, name
         info = GptOssModel._get_streamed_expert_info(mapped, fused_params)
         assert info is not None and info[0] == int(m[2]) and info[2] == shard[m[3]], (name, mapped, info)
-        assert _same_bytes(per_expert[name], fused[f"{m[1]}.{m[3]}"][int(m[2])]), name
+        assert same_bytes(per_expert[name], fused[f"{m[1]}.{m[3]}"][int(m[2])]), name
     return len(names)
 
 
@@ -146,26 +115,15 @@ def test_fused_checkpoint_layout_is_read_off_the_experts_module():
 def _fsdp_world(rank: int, world_size: int) -> bytes:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_worlds import drive_vllm_nccl, meta_facts, module_snapshot, no_collectives, pack, shard, snapshot_diff
-    from fsdp_worlds import stream, to_cpu
+    from family_worlds import fsdp_passes
+    from fsdp_worlds import meta_facts, module_snapshot, pack, shard, snapshot_diff, stream, to_cpu
     from weightsync.sources import FSDPSource
 
     mesh = init_device_mesh("cpu", (world_size,))
     model = shard(_model(), mesh)
     before = module_snapshot(model)
-    f: dict = {}
-    src = FSDPSource(model)
-    f["layout"] = src.expert_transform.layout
-    with no_collectives():
-        f["meta"] = meta_facts(src.metadata)
-    pairs = stream(src)
-    f["order"] = [n for n, _ in pairs]
-    f["fp32"] = to_cpu(pairs)
+    f = fsdp_passes(model, rank)
     f["fused_meta"] = meta_facts(FSDPSource(model, expert_layout="fused").metadata)
-    bf = FSDPSource(model, dtype=torch.bfloat16)
-    f["bf16_meta"] = meta_facts(bf.metadata)
-    f["bf16"] = to_cpu(stream(bf))
-    drive_vllm_nccl(bf, rank, f)
     per = FSDPSource(model, expert_layout="per_expert")
     f["per_expert_meta"] = meta_facts(per.metadata)
     pairs = stream(per)
@@ -178,14 +136,6 @@ def _fsdp_world(rank: int, world_size: int) -> bytes:
 @pytest.fixture(scope="module")
 def fsdp():
     return run_world(_fsdp_world, 2, timeout=400)
-
-
-def _meta_map(meta) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return {m[0]: (m[1], tuple(m[2])) for m in meta}
-
-
-def _dtype_shape(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()}
 
 
 def test_fsdp_default_and_bf16_wire_equal_save_pretrained(fsdp):
@@ -209,19 +159,10 @@ def test_fsdp_default_and_bf16_wire_equal_save_pretrained(fsdp):
     want_bf16 = {n: (fp32[n] if n in kept else bf16[n]) for n in fp32}
     for rank, f in fsdp.items():
         assert f["layout"] == "fused"
-        assert sorted(f["fp32"]) == sorted(fp32), rank
-        assert [n for n, t in fp32.items() if not _same_bytes(f["fp32"][n], t)] == [], rank
-        assert f["order"] == [m[0] for m in f["meta"]], "stream order != metadata order"
-        assert _meta_map(f["meta"]) == _dtype_shape(fp32)
+        check_fp32_wire(f, fp32, f"rank {rank}")
         assert f["fused_meta"] == f["meta"]  # expert_layout="fused" is the checkpoint's layout here
-        assert all(m[3] in (None, (0, 1)) for m in f["meta"])
-        assert sorted(f["bf16"]) == sorted(want_bf16)
-        assert [n for n, t in want_bf16.items() if not _same_bytes(f["bf16"][n], t)] == [], rank
-        assert _meta_map(f["bf16_meta"]) == _dtype_shape(want_bf16)
-        assert f["module_changed"] == [], f["module_changed"][:5]
-    sent = fsdp[0]["nccl_sender"]
-    assert sorted(sent) == sorted(want_bf16) and all(_same_bytes(sent[n], want_bf16[n]) for n in want_bf16)
-    assert fsdp[1]["nccl_is_sender"] is False and fsdp[1]["nccl_nonsender_tensors"] == len(want_bf16)
+        check_bf16_wire(f, want_bf16, f"rank {rank}")
+    check_nccl(fsdp, want_bf16)
 
 
 def test_fsdp_per_expert_is_what_vllms_gpt_oss_loader_streams(fsdp):
@@ -239,7 +180,7 @@ def test_fsdp_per_expert_is_what_vllms_gpt_oss_loader_streams(fsdp):
         assert _check_vllm_streamed_experts(got, saved) == 4 * E * L
         rest = [n for n in got if ".mlp.experts." not in n]
         assert sorted(rest) == sorted(n for n in saved if ".mlp.experts." not in n)
-        assert [n for n in rest if not _same_bytes(got[n], saved[n])] == []
+        assert [n for n in rest if not same_bytes(got[n], saved[n])] == []
 
 
 def test_fsdp_export_loads_with_from_pretrained_to_the_trainers_logits(fsdp, tmp_path):
@@ -247,16 +188,16 @@ def test_fsdp_export_loads_with_from_pretrained_to_the_trainers_logits(fsdp, tmp
     logits bit for bit; the same checkpoint with gate/up de-interleaved ([gate; up] columns, the
     other frameworks' layout) does not."""
     ref = _model()
-    want = _logits(ref)
+    want = logits(ref)
     exported = fsdp[0]["fp32"]
-    _write_checkpoint(ref.config, exported, str(tmp_path / "ok"))
-    loaded, info = _from_pretrained(str(tmp_path / "ok"))
+    write_checkpoint(ref.config, exported, str(tmp_path / "ok"))
+    loaded, info = from_pretrained(str(tmp_path / "ok"))
     assert {k: v for k, v in info.items() if v} == {}, info
-    assert torch.equal(_logits(loaded), want)
+    assert torch.equal(logits(loaded), want)
     bad = {n: (_concat_gate_up(t) if n.endswith(("gate_up_proj", "gate_up_proj_bias")) else t)
            for n, t in exported.items()}
-    _write_checkpoint(ref.config, bad, str(tmp_path / "bad"))
-    assert not torch.allclose(_logits(_from_pretrained(str(tmp_path / "bad"))[0]), want, atol=1e-3)
+    write_checkpoint(ref.config, bad, str(tmp_path / "bad"))
+    assert not torch.allclose(logits(from_pretrained(str(tmp_path / "bad"))[0]), want, atol=1e-3)
 
 
 def _concat_gate_up(t: torch.Tensor) -> torch.Tensor:
@@ -267,89 +208,43 @@ def _concat_gate_up(t: torch.Tensor) -> torch.Tensor:
 # ---- Megatron: MegatronSource against dist_checkpointing and save_pretrained ----------------------
 
 
-def _refusals(model) -> dict[str, str | None]:
-    """What MegatronSource raises for hf_configs this Megatron GPT-OSS model cannot be exported as."""
+def _hf_of(lay: dict) -> object:
+    return hf_config(**lay.get("hf", {}))
+
+
+def _layout_facts(rank, lay, hf, chunks, src) -> dict:
+    """GPT-OSS's facts of one layout (``family_worlds.megatron_layouts``): the expert TP size the
+    builder chose; with ``per_expert``, a second export in vLLM's per-expert layout (one expert per
+    batch); with ``refusals``, what MegatronSource raises for hf_configs this model cannot be
+    exported as."""
     from worlds import errors_of
 
     from weightsync.sources import MegatronSource
 
-    bad = {
-        "attention_bias": hf_config(attention_bias=False),
-        "num_local_experts": hf_config(num_local_experts=8),
-        "head_dim": hf_config(head_dim=8),
-    }
-    return {k: errors_of(lambda c=c: MegatronSource(model, hf_config=c)) for k, c in bad.items()}
+    (model,) = chunks
+    f: dict = {"etp": model.config.expert_tensor_parallel_size}
+    if lay.get("per_expert"):
+        per = MegatronSource(model, hf_config=hf, dtype=lay.get("dtype"), expert_layout="per_expert",
+                             expert_batch_bytes=1)
+        f["per_expert_meta"] = [m.name for m in per.metadata]
+        per_got = {n: t.clone() for n, t in per.iter_full()}
+        if rank == 0:
+            f["per_expert"] = per_got
+    if lay.get("refusals"):
+        bad = {
+            "attention_bias": hf_config(attention_bias=False),
+            "num_local_experts": hf_config(num_local_experts=8),
+            "head_dim": hf_config(head_dim=8),
+        }
+        f["refusals"] = {k: errors_of(lambda c=c: MegatronSource(model, hf_config=c)) for k, c in bad.items()}
+    return f
 
 
 def _megatron_world(rank, world_size, *, root, layouts):
-    """Each layout: build (the one builder), save with megatron's dist_checkpointing, export."""
-    import mla_models as mm
-    import torch.distributed as dist
-    from megatron_worlds import dcp_save
-    from worlds import errors_of
+    """Every layout in one world (``family_worlds.megatron_layouts``) with GPT-OSS's facts."""
+    from family_worlds import megatron_layouts
 
-    from fsdp_worlds import pack
-    from weightsync.plugins.megatron_build import MegatronParallel
-    from weightsync.sources import MegatronSource
-
-    facts: dict = {}
-    for lay in layouts:
-        name = lay["name"]
-        hf = hf_config(**lay.get("hf", {}))
-        par = MegatronParallel(tp=lay.get("tp", 1), pp=lay.get("pp", 1), ep=lay.get("ep", 1))
-        if lay.get("refuse"):  # a Megatron variant the GPT-OSS checkpoint cannot express
-            chunks = mm.build_megatron(hf, par, overrides=lay["refuse"])
-            facts[name] = {"error": errors_of(lambda: MegatronSource(chunks[0], hf_config=hf))}
-            continue
-        (model,) = mm.build_megatron(hf, par)
-        os.makedirs(f"{root}/{name}", exist_ok=True)
-        dcp_save(model, f"{root}/{name}")
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        src = MegatronSource(model, hf_config=hf, dtype=lay.get("dtype"))
-        f: dict = {"meta": [(m.name, tuple(m.shape), str(m.dtype), m.owners) for m in src.metadata]}
-        f["etp"] = model.config.expert_tensor_parallel_size
-        got = {n: t.clone() for n, t in src.iter_full()}
-        f["stats"] = src.last_pass.as_dict()
-        f["again"] = all(torch.equal(got[n], t) for n, t in src.iter_full())
-        if lay.get("per_expert"):
-            per = MegatronSource(model, hf_config=hf, dtype=lay.get("dtype"), expert_layout="per_expert",
-                                 expert_batch_bytes=1)
-            f["per_expert_meta"] = [m.name for m in per.metadata]
-            per_got = {n: t.clone() for n, t in per.iter_full()}
-            if rank == 0:
-                f["per_expert"] = per_got
-        if lay.get("refusals"):
-            f["refusals"] = _refusals(model)
-        f["unchanged"] = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-        if rank == 0:
-            f["got"] = got
-        else:
-            f["yielded"] = len(got)
-        facts[name] = f
-        dist.barrier()
-    return pack(facts)
-
-
-def _saved(hf, dtype=torch.float32) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Names, shapes and dtypes transformers' save_pretrained writes for ``hf`` in ``dtype``."""
-    from moe_models import saved_state_dict
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(hf)
-    if dtype != torch.float32:
-        with tempfile.TemporaryDirectory() as d:
-            model.save_pretrained(d)
-            model = AutoModelForCausalLM.from_pretrained(d, dtype=dtype)
-    return {n: (tuple(t.shape), t.dtype) for n, t in saved_state_dict(model).items()}
-
-
-def _ck_any(ck, layer: int, *suffixes: str) -> torch.Tensor:
-    from test_moe_megatron import _ck
-
-    for s in suffixes:
-        if f"decoder.layers.{layer}.{s}" in ck or f"decoder.layers.{s}" in ck:
-            return _ck(ck, s, layer)
-    raise KeyError(f"layer {layer}: none of {suffixes} in megatron's checkpoint")
+    return megatron_layouts(rank, world_size, root=root, layouts=layouts, hf_of=_hf_of, extra=_layout_facts)
 
 
 def _interleave_rows(fc1: torch.Tensor) -> torch.Tensor:
@@ -367,22 +262,22 @@ def _expected(ck, hf) -> dict[str, torch.Tensor]:
     want: dict[str, torch.Tensor] = {}
     for i in range(hf.num_hidden_layers):
         pre = f"model.layers.{i}."
-        want[pre + "input_layernorm.weight"] = _ck_any(
+        want[pre + "input_layernorm.weight"] = ck_any(
             ck, i, "input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
-        want[pre + "post_attention_layernorm.weight"] = _ck_any(
+        want[pre + "post_attention_layernorm.weight"] = ck_any(
             ck, i, "pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
-        want[pre + "self_attn.o_proj.weight"] = _ck_any(ck, i, "self_attention.linear_proj.weight")
-        want[pre + "self_attn.o_proj.bias"] = _ck_any(ck, i, "self_attention.linear_proj.bias")
-        want[pre + "self_attn.sinks"] = _ck_any(ck, i, "self_attention.core_attention.softmax_offset")
-        want[pre + "mlp.router.weight"] = _ck_any(ck, i, "mlp.router.weight")
-        want[pre + "mlp.router.bias"] = _ck_any(ck, i, "mlp.router.bias")
-        fc1 = _ck_any(ck, i, "mlp.experts.experts.linear_fc1.weight")  # [E, 2I, H]
-        fc1b = _ck_any(ck, i, "mlp.experts.experts.linear_fc1.bias")  # [E, 2I]
-        fc2 = _ck_any(ck, i, "mlp.experts.experts.linear_fc2.weight")  # [E, H, I]
+        want[pre + "self_attn.o_proj.weight"] = ck_any(ck, i, "self_attention.linear_proj.weight")
+        want[pre + "self_attn.o_proj.bias"] = ck_any(ck, i, "self_attention.linear_proj.bias")
+        want[pre + "self_attn.sinks"] = ck_any(ck, i, "self_attention.core_attention.softmax_offset")
+        want[pre + "mlp.router.weight"] = ck_any(ck, i, "mlp.router.weight")
+        want[pre + "mlp.router.bias"] = ck_any(ck, i, "mlp.router.bias")
+        fc1 = ck_any(ck, i, "mlp.experts.experts.linear_fc1.weight")  # [E, 2I, H]
+        fc1b = ck_any(ck, i, "mlp.experts.experts.linear_fc1.bias")  # [E, 2I]
+        fc2 = ck_any(ck, i, "mlp.experts.experts.linear_fc2.weight")  # [E, H, I]
         want[pre + "mlp.experts.gate_up_proj"] = _interleave_rows(fc1).transpose(1, 2)
         want[pre + "mlp.experts.gate_up_proj_bias"] = _interleave_rows(fc1b.unsqueeze(-1)).squeeze(-1)
         want[pre + "mlp.experts.down_proj"] = fc2.transpose(1, 2)
-        want[pre + "mlp.experts.down_proj_bias"] = _ck_any(ck, i, "mlp.experts.experts.linear_fc2.bias")
+        want[pre + "mlp.experts.down_proj_bias"] = ck_any(ck, i, "mlp.experts.experts.linear_fc2.bias")
     want["model.embed_tokens.weight"] = ck["embedding.word_embeddings.weight"][: hf.vocab_size]
     want["model.norm.weight"] = ck["decoder.final_layernorm.weight"]
     want["lm_head.weight"] = ck["output_layer.weight"][: hf.vocab_size]
@@ -390,51 +285,17 @@ def _expected(ck, hf) -> dict[str, torch.Tensor]:
 
 
 def _check_layout(res, root, lay) -> dict:
-    """Every check on one layout's results; returns rank 0's facts."""
-    import megatron_worlds as mw
-    from moe_megatron import load_full_checkpoint
-
-    from weightsync.sources import FSDPSource
-
-    name = lay["name"]
-    r0 = res[0][name]
-    hf = hf_config(**lay.get("hf", {}))
-    dtype = lay.get("dtype") or torch.float32
-    assert all(res[r][name]["meta"] == r0["meta"] for r in res)
-    assert all(o == (0,) for *_, o in r0["meta"])
-    saved = _saved(hf, dtype)
-    if dtype != torch.float32:  # the router keeps the model's fp32 on the wire, as FSDPSource declares it
-        saved = {n: (s, torch.float32 if KEPT_FP32.search(n) else d) for n, (s, d) in saved.items()}
-        from transformers import AutoModelForCausalLM
-
-        fsdp = FSDPSource(AutoModelForCausalLM.from_config(hf), dtype=dtype, rank=0)
-        assert {n: d for n, _, d, _ in r0["meta"]} == {m.name: str(m.dtype) for m in fsdp.metadata}
-    assert {n: (s, d) for n, s, d, _ in r0["meta"]} == {n: (s, str(d)) for n, (s, d) in saved.items()}
-    got = r0["got"]
-    assert list(got) == [n for n, *_ in r0["meta"]]
-    assert {n: (tuple(t.shape), t.dtype) for n, t in got.items()} == saved
+    """``family_worlds.check_layout`` with GPT-OSS's layout (q/k/v through megatron's fused rows),
+    plus: the experts at expert TP 1; the per-expert export is what vLLM's gpt_oss loader streams,
+    slice by slice of the default one. Returns rank 0's facts."""
+    hf = _hf_of(lay)
+    r0 = check_layout(res, root, lay, hf, expected=_expected, kept_fp32=KEPT_FP32, fused_qkv=True)
     assert r0["etp"] == 1  # the builder: megatron-core's MoE biases need expert TP 1
-    ck = load_full_checkpoint(f"{root}/{name}")
-    want = _expected(ck, hf)
-    qkv = {n for n in got if re.search(r"self_attn\.[qkv]_proj\.", n)}
-    assert sorted(want) == sorted(set(got) - qkv)
-    assert [n for n, t in want.items() if not torch.equal(got[n], t.to(got[n].dtype))] == []
-    for i in range(hf.num_hidden_layers):  # q/k/v (weights and biases): megatron's per-group rows
-        for leaf in ("weight", "bias"):
-            q, k, v = (got[f"model.layers.{i}.self_attn.{x}_proj.{leaf}"] for x in "qkv")
-            full = _ck_any(ck, i, f"self_attention.linear_qkv.{leaf}")
-            assert torch.equal(mw._fused_qkv_rows(hf, q, k, v), full.to(q.dtype)), (name, i, leaf)
     if lay.get("per_expert"):
-        per = r0["per_expert"]
+        got, per = r0["got"], r0["per_expert"]
         assert list(per) == r0["per_expert_meta"]
         assert _check_vllm_streamed_experts(per, got) == 4 * hf.num_local_experts * hf.num_hidden_layers
         assert all(torch.equal(per[n], got[n]) for n in per if ".mlp.experts." not in n)
-    for r, f in res.items():
-        f = f[name]
-        assert f["unchanged"], f"rank {r} mutated its model"
-        assert f["again"], f"rank {r}: a second pass differs"
-        if r:
-            assert f["yielded"] == 0 and f["stats"]["tensors"] == 0, f"rank {r} yielded tensors"
     return r0
 
 
@@ -465,17 +326,12 @@ def test_megatron_two_ranks_equal_save_pretrained_and_dist_checkpointing(two_ran
 
 def test_megatron_refusals_raise_on_every_rank_naming_the_field(two_ranks):
     _, res = two_ranks
-    words = {
+    check_refusals(res, {
         "attention_bias": ("UnmappedParameterError", "attention_bias=False"),
         "num_local_experts": ("UnmappedParameterError", "E=8"),
         "head_dim": ("ValueError", "head_dim=8"),
-    }
+    })
     for r in res:
-        got = res[r]["tp2"]["refusals"]
-        for field, (kind, word) in words.items():
-            err = got[field]
-            assert err is not None, f"rank {r}: {field} was not refused"
-            assert err.startswith(kind) and word in err and f"rank {r}" in err, (r, field, err)
         err = res[r]["no_sinks"]["error"]  # a Megatron model without the sinks the checkpoint has
         assert err and err.startswith("ValueError") and "self_attn.sinks" in err and f"rank {r}" in err, err
 
@@ -544,19 +400,10 @@ def test_forward_logits_megatron_vs_transformers_from_export():
 
 def test_check_cli_megatron_tp2_ep2():
     """``weightsync check --model tiny-gpt-oss --layout megatron --tp 2 --ep 2`` (4 forked ranks;
-    the builder runs the experts at expert TP 1): exit 0, every name and shape of save_pretrained."""
-    from test_demo_cli import _listed, _saved
-    from worlds import run_cli
-
-    from weightsync.plugins.presets import build_model, load_config
-
-    saved = _saved(build_model(load_config(PRESET)))
-    r = run_cli("check", "--model", PRESET, "--layout", "megatron", "--tp", "2", "--ep", "2", "--show", "1000",
-                nproc=4, timeout=600)
-    out = r.stdout
-    assert r.returncode == 0, (out, r.stderr[-3000:])
-    assert out.strip().endswith("PASS") and "layout megatron tp2 pp1 vpp1 ep2 x4" in out
-    assert _listed(out) == {n: s for n, (_, s) in saved.items()}
+    the README's line; the builder runs the experts at expert TP 1): exit 0, every name and shape of
+    save_pretrained."""
+    saved, _ = check_cli(PRESET, "--layout", "megatron", "--tp", "2", "--ep", "2", nproc=4,
+                         layout_line="layout megatron tp2 pp1 vpp1 ep2 x4")
     assert any(n.endswith("mlp.experts.gate_up_proj") for n in saved) and any(n.endswith("sinks") for n in saved)
 
 
@@ -564,8 +411,7 @@ def test_check_cli_fsdp_per_expert_bf16():
     """``weightsync check --model tiny-gpt-oss --expert-layout per_expert --dtype bfloat16`` on 2
     FSDP ranks: exit 0 against save_pretrained's fused experts unfolded to vLLM's per-expert names
     (``unfold_experts``), the router kept in fp32."""
-    from test_demo_cli import _listed, _saved
-    from worlds import run_cli
+    from test_demo_cli import _saved
 
     from weightsync.plugins.cli.check import unfold_experts
     from weightsync.plugins.presets import build_model, load_config
@@ -573,21 +419,12 @@ def test_check_cli_fsdp_per_expert_bf16():
     saved = _saved(build_model(load_config(PRESET)))
     per = unfold_experts({n: (None, s) for n, (_, s) in saved.items()})
     assert len(per) == len(saved) + 4 * (hf_config().num_local_experts - 1) * hf_config().num_hidden_layers
-    r = run_cli("check", "--model", PRESET, "--nproc", "2", "--expert-layout", "per_expert", "--dtype", "bfloat16",
-                "--show", "1000", nproc=2)
-    out = r.stdout
-    assert r.returncode == 0, (out, r.stderr[-3000:])
-    assert out.strip().endswith("PASS") and "layout fsdp x2" in out
-    assert _listed(out) == {n: s for n, (_, s) in per.items()}
-    assert re.search(r"^\s+4\s+\S+ KB\s+float32\s+0,1$", out, re.M), out  # router weight + bias, 2 layers
+    _, r = check_cli(PRESET, "--nproc", "2", "--expert-layout", "per_expert", "--dtype", "bfloat16", nproc=2,
+                     layout_line="layout fsdp x2", names={n: s for n, (_, s) in per.items()})
+    assert re.search(r"^\s+4\s+\S+ KB\s+float32\s+0,1$", r.stdout, re.M), r.stdout  # router weight + bias, 2 layers
 
 
 def test_demo_trains_and_syncs_the_preset():
     """``weightsync demo --model tiny-gpt-oss`` (2 forked ranks): every sync verified bit for bit in
     a transformers receiver."""
-    from worlds import run_cli
-
-    r = run_cli("demo", "--model", PRESET, "--steps", "2", nproc=2, timeout=600)
-    assert r.returncode == 0, (r.stdout, r.stderr[-3000:])
-    assert re.search(r"weightsync demo: 2/2 syncs verified, .* \(2 ranks, gpt_oss, .*-> PASS", r.stdout), r.stdout
-    assert "before any sync: receiver logits equal trainer's: False" in r.stdout
+    check_demo(PRESET, "gpt_oss")

@@ -21,12 +21,12 @@ fused ``linear_qkv_down_proj`` at TP2 (2 ranks); TP2 x EP2 and PP2 x EP2 (4 rank
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import tempfile
 
 import pytest
 import torch
+from family_worlds import check_layout, check_refusals
 from fsdp_worlds import unpack
 from test_moe_megatron import _ck, _expected_moe
 from worlds import run_world as _run_world
@@ -86,67 +86,50 @@ def _refusals(model, variant: str) -> dict[str, str | None]:
     return {k: errors_of(lambda c=c: MegatronSource(model, hf_config=c)) for k, c in bad.items()}
 
 
+def _skip(lay) -> str | None:
+    """Why this megatron-core cannot build the layout (None: it can)."""
+    import mla_models as mm
+
+    no_fused = lay.get("fused") and not mm.has_fused_down()
+    return mm.unsupported(lay["variant"]) or (
+        "megatron-core has no FusedMLASelfAttention (0.17+)" if no_fused else None
+    ) or (mm.te_like_unsupported() if lay.get("te") else None)
+
+
+def _hf_of(lay) -> object:
+    import mla_models as mm
+
+    return mm.hf_config(lay["variant"], **lay.get("hf", {}))
+
+
+def _build(hf, par, lay) -> list:
+    """The one builder, with the fused down projection's or the TE spec's attention if asked."""
+    import mla_models as mm
+
+    hook = mm.fused_down_spec if lay.get("fused") else mm.te_like_spec if lay.get("te") else None
+    with mm.te_like_build() if lay.get("te") else contextlib.nullcontext():
+        return mm.build_megatron(hf, par, spec_hook=hook)
+
+
+def _layout_facts(rank, lay, hf, chunks, src) -> dict:
+    """MLA's facts of one layout (``family_worlds.megatron_layouts``): each layer unit's TP kind, the
+    Megatron model's layer parameter names and, on the layout that asks, its refusals."""
+    f = {
+        "kinds": {u.key[2]: u.kind for u in src.plan if u.key[0] == "layer"},
+        "layer_names": sorted({n.split(".", 3)[3] for c in chunks for n, _ in c.named_parameters()
+                               if n.startswith("decoder.layers.")}),
+    }
+    if lay.get("refusals"):
+        f["refusals"] = _refusals(chunks if lay.get("vpp") else chunks[0], lay["variant"])
+    return f
+
+
 def _world(rank, world_size, *, root, layouts):
     """Each layout: build, save with megatron's dist_checkpointing, export; rank 0 keeps the tensors."""
-    import mla_models as mm
-    import torch.distributed as dist
-    from fsdp_worlds import pack
-    from megatron_worlds import dcp_save, gather_local_pieces
-    from worlds import errors_of
+    from family_worlds import megatron_layouts
 
-    from weightsync.plugins.megatron_build import MegatronParallel
-    from weightsync.sources import MegatronSource
-
-    facts: dict = {}
-    for lay in layouts:
-        name, variant = lay["name"], lay["variant"]
-        no_fused = lay.get("fused") and not mm.has_fused_down()
-        why = mm.unsupported(variant) or (
-            "megatron-core has no FusedMLASelfAttention (0.17+)" if no_fused else None
-        ) or (mm.te_like_unsupported() if lay.get("te") else None)
-        if why:
-            facts[name] = {"skip": why}
-            continue
-        hf = mm.hf_config(variant, **lay.get("hf", {}))
-        par = MegatronParallel(tp=lay.get("tp", 1), pp=lay.get("pp", 1), vpp=lay.get("vpp"), ep=lay.get("ep", 1))
-        if lay.get("refuse"):  # a Megatron MLA variant DeepseekV3 cannot express
-            chunks = mm.build_megatron(hf, par, overrides=lay["refuse"])
-            facts[name] = {"error": errors_of(lambda: MegatronSource(chunks[0], hf_config=hf))}
-            continue
-        hook = mm.fused_down_spec if lay.get("fused") else mm.te_like_spec if lay.get("te") else None
-        with mm.te_like_build() if lay.get("te") else contextlib.nullcontext():
-            chunks = mm.build_megatron(hf, par, spec_hook=hook)
-        model = chunks if par.vpp else chunks[0]
-        os.makedirs(f"{root}/{name}", exist_ok=True)
-        dcp_save(model, f"{root}/{name}")
-        before = {(v, n): p.detach().clone() for v, c in enumerate(chunks) for n, p in c.named_parameters()}
-        dtype = lay.get("dtype")
-        src = MegatronSource(model, hf_config=hf, dtype=dtype)
-        f: dict = {"meta": [(m.name, tuple(m.shape), str(m.dtype), m.owners) for m in src.metadata]}
-        f["kinds"] = {u.key[2]: u.kind for u in src.plan if u.key[0] == "layer"}
-        f["layer_names"] = sorted({n.split(".", 3)[3] for c in chunks for n, _ in c.named_parameters()
-                                   if n.startswith("decoder.layers.")})
-        got = {n: t.clone() for n, t in src.iter_full()}
-        f["stats"] = src.last_pass.as_dict()
-        f["again"] = all(torch.equal(got[n], t) for n, t in src.iter_full())
-        if lay.get("local"):  # iter_local pieces, reassembled from owners / placements like nccl_m2n
-            local = gather_local_pieces(MegatronSource(model, hf_config=hf, mode="local"))
-            if rank == 0:
-                f["local_equal"] = sorted(local) == sorted(got) and all(torch.equal(local[n], got[n]) for n in got)
-        else:
-            f["local_error"] = errors_of(lambda: MegatronSource(model, hf_config=hf, mode="local"))
-        if lay.get("refusals"):
-            f["refusals"] = _refusals(model, variant)
-        f["unchanged"] = all(
-            torch.equal(p, before[(v, n)]) for v, c in enumerate(chunks) for n, p in c.named_parameters()
-        )
-        if rank == 0:
-            f["got"] = got
-        else:
-            f["yielded"] = len(got)
-        facts[name] = f
-        dist.barrier()
-    return pack(facts)
+    return megatron_layouts(rank, world_size, root=root, layouts=layouts, hf_of=_hf_of, extra=_layout_facts,
+                            build=_build, skip=_skip)
 
 
 def _forward_world(rank, world_size):
@@ -187,21 +170,6 @@ def _forward_world(rank, world_size):
 # ---- oracles (parent process) ----------------------------------------------------------------------
 
 
-def _saved(hf, dtype=torch.float32) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Names, shapes and dtypes that transformers' save_pretrained writes for ``hf`` in ``dtype``:
-    an fp32 model loaded back with ``from_pretrained(dtype=...)``, which is where transformers keeps
-    its fp32 tensors (``e_score_correction_bias``), as a real DeepSeek-V3 checkpoint holds them."""
-    from moe_models import saved_state_dict
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(hf)
-    if dtype != torch.float32:
-        with tempfile.TemporaryDirectory() as d:
-            model.save_pretrained(d)
-            model = AutoModelForCausalLM.from_pretrained(d, dtype=dtype)
-    return {n: (tuple(t.shape), t.dtype) for n, t in saved_state_dict(model).items()}
-
-
 def _has(ck, suffix, layer) -> bool:
     return f"decoder.layers.{layer}.{suffix}" in ck or f"decoder.layers.{suffix}" in ck
 
@@ -239,48 +207,23 @@ def _mla_per_layer(names) -> dict[int, int]:
 
 
 def _check(res, root, lay) -> dict:
-    """Every check on one layout's results; returns rank 0's facts."""
-    import mla_models as mm
-    from moe_megatron import load_full_checkpoint
-
-    name = lay["name"]
-    r0 = res[0][name]
+    """``family_worlds.check_layout`` with MLA's documented layout (no row permutation), plus: on a
+    bf16 wire the router keeps its fp32 (the policy every source shares); the MLA tensors of each
+    layer are as many as the checkpoint has (7 with q_lora_rank, 5 without). Returns rank 0's facts."""
+    r0 = res[0][lay["name"]]
     if "skip" in r0:
         return r0
-    hf = mm.hf_config(lay["variant"], **lay.get("hf", {}))
-    dtype = lay.get("dtype") or torch.float32
-    # metadata: identical on every rank, owned by rank 0, == save_pretrained names / shapes / dtypes
-    assert all(res[r][name]["meta"] == r0["meta"] for r in res)
-    assert all(o == (0,) for *_, o in r0["meta"])
-    saved = _saved(hf, dtype)
-    if dtype != torch.float32:
-        # The wire-dtype policy every source shares: the router keeps the model's fp32 (a bf16
-        # save_pretrained rounds it), exactly as FSDPSource declares the same model at this dtype.
-        saved = {n: (s, torch.float32 if n.endswith("mlp.gate.weight") else d) for n, (s, d) in saved.items()}
+    hf = _hf_of(lay)
+    # (e_score_correction_bias is fp32 in save_pretrained's bf16 checkpoint already)
+    r0 = check_layout(res, root, lay, hf, expected=_expected, kept_fp32=re.compile(r"mlp\.gate\.weight$"),
+                      fused_qkv=False)
+    if lay.get("dtype") not in (None, torch.float32):
         from test_moe_megatron import _check_same_wire_dtypes_as_fsdp
 
-        _check_same_wire_dtypes_as_fsdp({r: {"bf16_meta": [(n, d) for n, _, d, _ in res[r][name]["meta"]]} for r in res}, hf)
-    declared = {n: (s, d) for n, s, d, _ in r0["meta"]}
-    assert len(declared) == len(r0["meta"])
-    assert declared == {n: (s, str(d)) for n, (s, d) in saved.items()}
-    got = r0["got"]
-    assert list(got) == [n for n, *_ in r0["meta"]]
-    assert {n: (tuple(t.shape), t.dtype) for n, t in got.items()} == saved
-    # the MLA tensors of each layer: as many as the checkpoint has (7 with q_lora_rank, 5 without)
-    per_layer = _mla_per_layer(got)
-    assert per_layer == _mla_per_layer(saved)
-    assert set(per_layer.values()) == {7 if hf.q_lora_rank else 5}
-    # every tensor == megatron's own resharded checkpoint, cut by the documented layout
-    want = _expected(load_full_checkpoint(f"{root}/{name}"), hf)
-    assert sorted(want) == sorted(got)
-    bad = [n for n, t in want.items() if not torch.equal(got[n], t.to(got[n].dtype))]
-    assert bad == []
-    for r, f in res.items():
-        f = f[name]
-        assert f["unchanged"], f"rank {r} mutated its model"
-        assert f["again"], f"rank {r}: a second pass differs"
-        if r:
-            assert f["yielded"] == 0 and f["stats"]["tensors"] == 0, f"rank {r} yielded tensors"
+        _check_same_wire_dtypes_as_fsdp({r: {"bf16_meta": [(n, d) for n, _, d, _ in res[r][lay["name"]]["meta"]]}
+                                         for r in res}, hf)
+    # check_layout: rank 0's names are save_pretrained's, so these counts are the checkpoint's too
+    assert set(_mla_per_layer(r0["got"]).values()) == {7 if hf.q_lora_rank else 5}, _mla_per_layer(r0["got"])
     return r0
 
 
@@ -315,12 +258,8 @@ def test_two_ranks_export_equals_save_pretrained_and_megatron_checkpoint(two_ran
     r0 = _check(res, root, lay)
     if "skip" in r0:
         pytest.skip(r0["skip"])
-    if lay.get("local"):
+    if lay.get("local"):  # (else check_layout: mode="local" refused on every rank, naming it)
         assert r0["local_equal"]
-    else:  # MoE layers: mode="local" is refused on every rank, naming them
-        for r in res:
-            err = res[r][lay["name"]]["local_error"]
-            assert err.startswith("NotImplementedError") and f"rank {r}" in err
     if lay["name"] == "ep2_bf16":
         bias = r0["got"]["model.layers.1.mlp.gate.e_score_correction_bias"]
         assert bias.dtype == torch.float32 and r0["got"]["model.layers.1.mlp.gate.weight"].dtype == torch.float32
@@ -345,7 +284,7 @@ def test_two_ranks_export_equals_save_pretrained_and_megatron_checkpoint(two_ran
 
 def test_two_ranks_unmappable_variants_raise_on_every_rank(two_ranks):
     _, res = two_ranks
-    words = {
+    check_refusals(res, {
         "kv_lora_rank": ("ValueError", "kv_lora_rank=32"),
         "q_lora_rank": ("ValueError", "q_lora_rank=None"),
         "v_head_dim": ("ValueError", "v_head_dim=16"),
@@ -353,13 +292,8 @@ def test_two_ranks_unmappable_variants_raise_on_every_rank(two_ranks):
         "rope_interleave": ("UnmappedParameterError", "rope_interleave=False"),
         "attention_bias": ("UnmappedParameterError", "attention_bias=True"),
         "multi_latent_attention": ("UnmappedParameterError", "multi_latent_attention=True"),
-    }
+    })
     for r in res:
-        got = res[r]["tp2"]["refusals"]
-        for field, (kind, word) in words.items():
-            err = got[field]
-            assert err is not None, f"rank {r}: {field} was not refused"
-            assert err.startswith(kind) and word in err and f"rank {r}" in err, (r, field, err)
         err = res[r]["no_latent_norms"]["error"]
         assert err and err.startswith("UnmappedParameterError") and "qk_layernorm=False" in err and f"rank {r}" in err
 
