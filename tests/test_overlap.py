@@ -86,13 +86,16 @@ def world_overlap(rank: int, world_size: int) -> bytes:
     ref = _cpu(off.iter_full())
     facts["n"] = len(ref)
     facts["off"] = off.last_pass.as_dict()
+    # Explicit overlap=True: these scenarios test overlap whatever WEIGHTSYNC_OVERLAP says (the suite
+    # also runs with it off); the default and the variable are checked on their own below.
     variants = {
-        "on": FSDPSource(model, dtype=torch.bfloat16),
-        "deep": FSDPSource(model, dtype=torch.bfloat16, prefetch_bytes=1 << 30),
-        "small_one": FSDPSource(model, dtype=torch.bfloat16, group_bytes=4096),
-        "small_deep": FSDPSource(model, dtype=torch.bfloat16, group_bytes=4096, prefetch_bytes=20_000),
+        "on": FSDPSource(model, dtype=torch.bfloat16, overlap=True),
+        "deep": FSDPSource(model, dtype=torch.bfloat16, prefetch_bytes=1 << 30, overlap=True),
+        "small_one": FSDPSource(model, dtype=torch.bfloat16, group_bytes=4096, overlap=True),
+        "small_deep": FSDPSource(model, dtype=torch.bfloat16, group_bytes=4096, prefetch_bytes=20_000, overlap=True),
         "small_off": FSDPSource(model, dtype=torch.bfloat16, group_bytes=4096, overlap=False),
     }
+    facts["defaults"] = _defaults(model)
     for key, src in variants.items():
         facts[f"{key}_overlap"] = src.overlap
         facts[f"{key}_equal"] = _bytes_equal(_cpu(src.iter_full()), ref)
@@ -156,7 +159,7 @@ def world_overlap(rank: int, world_size: int) -> bytes:
     try:
         wide_ref = _cpu(FSDPSource(wide, overlap=False).iter_full())
         facts["wide_off_buffers"] = pools[:]
-        src = FSDPSource(wide)
+        src = FSDPSource(wide, overlap=True)
         del pools[:], early[:]
         facts["wide_equal"] = _bytes_equal(_cpu(src.iter_full()), wide_ref)
         facts["wide_on_buffers"] = pools[:]
@@ -181,6 +184,31 @@ def world_overlap(rank: int, world_size: int) -> bytes:
     finally:
         BufferPool.close, BatchedGather.start_early = close, start_early
     return pack(facts)
+
+
+def _defaults(model) -> dict[str, bool]:
+    """``FSDPSource(model).overlap`` under each value of WEIGHTSYNC_OVERLAP (restored afterwards),
+    and an explicit ``overlap=True`` / ``False`` under the opposite value."""
+    import os
+
+    from weightsync.sources import FSDPSource
+
+    saved = os.environ.pop("WEIGHTSYNC_OVERLAP", None)
+    out = {}
+    try:
+        out["unset"] = FSDPSource(model).overlap
+        for value in ("0", "false", "OFF", "no", "1", "yes"):
+            os.environ["WEIGHTSYNC_OVERLAP"] = value
+            out[value] = FSDPSource(model).overlap
+        os.environ["WEIGHTSYNC_OVERLAP"] = "0"
+        out["explicit_on_under_0"] = FSDPSource(model, overlap=True).overlap
+        os.environ["WEIGHTSYNC_OVERLAP"] = "1"
+        out["explicit_off_under_1"] = FSDPSource(model, overlap=False).overlap
+    finally:
+        os.environ.pop("WEIGHTSYNC_OVERLAP", None)
+        if saved is not None:
+            os.environ["WEIGHTSYNC_OVERLAP"] = saved
+    return out
 
 
 def _slowly(pairs, pause: float = 0.01):
@@ -213,6 +241,9 @@ def test_same_stream_and_collectives_with_overlap_on_and_off(overlap_world):
             assert f[f"{key}_held_after"] == 0, (rank, key)
             assert f[key]["tensors"] == f["n"]
         assert f["on_overlap"] and not f["small_off_overlap"]
+        want = {"unset": True, "0": False, "false": False, "OFF": False, "no": False, "1": True, "yes": True,
+                "explicit_on_under_0": True, "explicit_off_under_1": False}
+        assert f["defaults"] == want, (rank, f["defaults"])  # overlap on by default; the variable turns it off
         for key in ("on", "deep"):
             assert f[key]["collectives"] == f["off"]["collectives"], (rank, key)
             assert f[key]["bytes_received"] == f["off"]["bytes_received"], (rank, key)
