@@ -25,6 +25,11 @@ thread that iterates, at the same point of the plan on every rank, so every rank
 collectives in the same order. ``drain()`` waits out a posted gather whose tensors nobody will read
 (a consumer that stopped early): every rank posted it, so it completes, and the group stays aligned.
 
+Copies. On CPU the send block and the gathered buffer come from the pass's ``buffers.BufferPool``s
+(memory already paged in) and go back once nothing reads them. On any device, a one-tensor group
+whose blocks carry no padding hands its gathered buffer over as the tensor (``_adopt``: it is the
+full tensor, rank-major), so the embeddings are never copied out.
+
 Streams (CUDA). Without a side stream (``stream=None``, what ``overlap=False`` gives) work runs on
 the caller's current stream, whatever it is (vLLM's packed NCCL producer resumes the iterator inside
 a side stream): before packing, the current stream waits for the default stream (where the optimizer
