@@ -382,17 +382,71 @@ def _forward_world(rank, world_size):
     f["window_ctrl"] = (mm.hf_logits(full, exported, ids) - ref).abs().max().item()
     plain = hf_config(rope_parameters={"rope_type": "default", "rope_theta": hf.rope_parameters["rope_theta"]})
     f["yarn_ctrl"] = (mm.hf_logits(plain, exported, ids) - ref).abs().max().item()
+    # What vLLM's gpt_oss loader does on TP ranks != 0 to the expert down bias it is handed (through
+    # IPC: the trainer's memory): zero it in place. Neither source may let that reach the model.
+    from weightsync.sources import FSDPSource
+
+    for layout in ("fused", "per_expert"):
+        f[f"megatron_{layout}"] = _vllm_zeroing(
+            model, hf, lambda: MegatronSource(model, hf_config=hf, expert_layout=layout)
+        )
+        hf_model = _model()
+        f[f"fsdp_{layout}"] = _vllm_zeroing(hf_model, hf_model.config, lambda: FSDPSource(hf_model, expert_layout=layout))
+    f["megatron_ctrl"] = _vllm_zeroing(model, hf, lambda: MegatronSource(model, hf_config=hf), also="model.norm.weight")
+    hf_model = _model()
+    f["fsdp_ctrl"] = _vllm_zeroing(hf_model, hf_model.config, lambda: FSDPSource(hf_model), also="model.norm.weight")
     return pack(f)
 
 
-def test_forward_logits_megatron_vs_transformers_from_export():
-    f = run_world(_forward_world, 1, timeout=600)[0]
+#: The names vLLM 0.33's gpt_oss loader zeroes in place (``.down_proj_bias`` and ``.down_proj.bias``
+#: both map to its ``w2_bias``), written out here independently of the sources' own patterns.
+VLLM_ZEROES = re.compile(r"\.mlp\.experts\.(\d+\.)?down_proj(_bias|\.bias)$")
+
+
+def _vllm_zeroing(module, cfg, make, also: str | None = None) -> dict:
+    """One pass whose consumer zeroes, in place, every tensor vLLM's loader zeroes (and ``also``:
+    a control, a tensor the source yields as module storage); the parameters that changed."""
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    zeroed = 0
+    with torch.no_grad():
+        for name, t in make().iter_full():
+            if VLLM_ZEROES.search(name) or name == also:
+                t.zero_()
+                zeroed += 1
+        changed = sorted(n for n, p in module.named_parameters() if not torch.equal(p, before[n]))
+        for n, p in module.named_parameters():
+            p.copy_(before[n])
+    return {"zeroed": zeroed, "changed": changed, "layers": cfg.num_hidden_layers, "experts": cfg.num_local_experts}
+
+
+@pytest.fixture(scope="module")
+def forward():
+    return run_world(_forward_world, 1, timeout=600)[0]
+
+
+def test_forward_logits_megatron_vs_transformers_from_export(forward):
+    f = forward
     hf = hf_config()
     assert f["shape"] == (2, 24, hf.vocab_size) and f["rope"] == "YarnRotaryEmbedding"
     assert f["windows"] == [(hf.sliding_window - 1, 0), None]  # layer_types: sliding, full
     assert f["diff"] <= TOL * f["scale"], f
     for ctrl in ("concat_ctrl", "sinks_ctrl", "window_ctrl", "yarn_ctrl"):
         assert f[ctrl] > 100 * TOL * f["scale"], (ctrl, f)
+
+
+def test_a_loader_zeroing_the_expert_down_bias_leaves_the_trainers_model_alone(forward):
+    """vLLM 0.33's gpt_oss loader zeroes the expert down-projection bias it is handed on TP ranks != 0,
+    and through IPC that is the trainer's memory. On one rank (nothing gathered: the sources would
+    yield module storage) MegatronSource at TP1 and FSDPSource, both expert layouts, yield it as a
+    copy: zeroing every one of them changes no parameter. Control: zeroing ``model.norm.weight``,
+    which both yield as module storage as ModuleSource does, does change the model."""
+    f = forward
+    for src in ("megatron", "fsdp"):
+        fused, per = f[f"{src}_fused"], f[f"{src}_per_expert"]
+        assert fused["zeroed"] == fused["layers"] and fused["changed"] == [], (src, fused)
+        assert per["zeroed"] == per["layers"] * per["experts"] and per["changed"] == [], (src, per)
+        ctrl = f[f"{src}_ctrl"]
+        assert ctrl["zeroed"] == ctrl["layers"] + 1 and len(ctrl["changed"]) == 1, (src, ctrl)
 
 
 # ---- the CLI ------------------------------------------------------------------------------------

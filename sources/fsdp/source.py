@@ -85,6 +85,7 @@ from .lora import LoraMerge, LoraPlan, UnsupportedAdapterError, merge_lora
 from ..core.naming import CheckpointEntry, TensorTransform, checkpoint_entries
 from ..core.stats import PassStats
 from ..core.dtype_policy import WirePolicy
+from ..core.receiver_writes import copy_written, written_by_receiver
 
 __all__ = ["FSDPSource"]
 
@@ -491,7 +492,7 @@ class FSDPSource(WeightSource):
         raw = self._raw_full(stats)
         stream = check_stream(raw, self._expected(), rank=self.rank) if self.check else raw
         try:
-            for name, tensor in stream:
+            for name, tensor in copy_written(stream, self._receiver_writes()):
                 stats.yielded(tensor.numel() * tensor.element_size())
                 yield name, tensor
         finally:
@@ -548,10 +549,14 @@ class FSDPSource(WeightSource):
             expected = self._expected()
             shapes = [local_shape(m, self.rank) for m in expected]
             stream = check_stream(stream, expected, rank=self.rank, what="iter_local", local_shapes=shapes)
-        for name, tensor in stream:
+        for name, tensor in copy_written(stream, self._receiver_writes()):
             stats.yielded(tensor.numel() * tensor.element_size())
             yield name, tensor
         stats.stop()
+
+    def _receiver_writes(self) -> frozenset[str]:
+        """Names yielded as copies because a vLLM loader writes into them (``core/receiver_writes``)."""
+        return written_by_receiver(m.name for m in self.metadata)
 
     def __repr__(self) -> str:
         return (
