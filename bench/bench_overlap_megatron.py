@@ -36,23 +36,13 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
 
-def _drain(source) -> None:
-    for _name, t in source.iter_full():
-        del t
-
-
-def _send(source, bandwidth: float) -> None:
-    for _name, t in source.iter_full():
-        time.sleep(t.numel() * t.element_size() / bandwidth)
-        del t
-
-
 def _worker(rank, world, args):
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
 
     import megatron_worlds as mw
+    from bench_overlap import _drain, _send  # the same consumers as FSDPSource's overlap bench
 
     from weightsync.sources import MegatronSource
 

@@ -492,7 +492,7 @@ class FSDPSource(WeightSource):
         raw = self._raw_full(stats)
         stream = check_stream(raw, self._expected(), rank=self.rank) if self.check else raw
         try:
-            for name, tensor in copy_written(stream, self._receiver_writes()):
+            for name, tensor in copy_written(stream, self._receiver_writes):
                 stats.yielded(tensor.numel() * tensor.element_size())
                 yield name, tensor
         finally:
@@ -549,11 +549,12 @@ class FSDPSource(WeightSource):
             expected = self._expected()
             shapes = [local_shape(m, self.rank) for m in expected]
             stream = check_stream(stream, expected, rank=self.rank, what="iter_local", local_shapes=shapes)
-        for name, tensor in copy_written(stream, self._receiver_writes()):
+        for name, tensor in copy_written(stream, self._receiver_writes):
             stats.yielded(tensor.numel() * tensor.element_size())
             yield name, tensor
         stats.stop()
 
+    @cached_property
     def _receiver_writes(self) -> frozenset[str]:
         """Names yielded as copies because a vLLM loader writes into them (``core/receiver_writes``)."""
         return written_by_receiver(m.name for m in self.metadata)

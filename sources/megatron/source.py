@@ -452,7 +452,7 @@ class MegatronSource(WeightSource):
         pairs = self._full_pass()
         if self.check:
             pairs = check_stream(pairs, self._expected(), rank=self._topo.rank)
-        yield from copy_written(pairs, self._receiver_writes())
+        yield from copy_written(pairs, self._receiver_writes)
 
     def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Each TP rank of the sender's replica yields its piece of each HF tensor of its stage."""
@@ -463,8 +463,9 @@ class MegatronSource(WeightSource):
             expected = self._expected()
             shapes = [local_shape(m, self._topo.rank) for m in expected]
             pairs = check_stream(pairs, expected, rank=self._topo.rank, what="iter_local", local_shapes=shapes)
-        yield from copy_written(pairs, self._receiver_writes())
+        yield from copy_written(pairs, self._receiver_writes)
 
+    @cached_property
     def _receiver_writes(self) -> frozenset[str]:
         """Names yielded as copies because a vLLM loader writes into them (``core/receiver_writes``):
         at TP1/ETP1 an expert bias is the module's own parameter."""
