@@ -436,9 +436,9 @@ def test_forward_logits_megatron_vs_transformers_from_export(forward):
 
 def test_a_loader_zeroing_the_expert_down_bias_leaves_the_trainers_model_alone(forward):
     """vLLM 0.33's gpt_oss loader zeroes the expert down-projection bias it is handed on TP ranks != 0,
-    and through IPC that is the trainer's memory. On one rank (nothing gathered: the sources would
-    yield module storage) MegatronSource at TP1 and FSDPSource, both expert layouts, yield it as a
-    copy: zeroing every one of them changes no parameter. Control: zeroing ``model.norm.weight``,
+    and through IPC that is the trainer's memory. On one rank (nothing gathered), both expert layouts:
+    FSDPSource yields it as a copy (``core/receiver_writes``), MegatronSource at TP1 as the new tensor
+    its expert export builds -- zeroing every one of them changes no parameter. Control: zeroing ``model.norm.weight``,
     which both yield as module storage as ModuleSource does, does change the model."""
     f = forward
     for src in ("megatron", "fsdp"):

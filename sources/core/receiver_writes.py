@@ -1,7 +1,9 @@
 """Tensors a vLLM loader writes into: the sources hand them out as copies.
 
 Invariant: a tensor whose checkpoint name matches ``RECEIVER_WRITES`` is never yielded as the
-trainer's memory or a view of it -- ``FSDPSource`` and ``MegatronSource`` yield a fresh copy.
+trainer's memory or a view of it. ``FSDPSource`` copies it (``copy_written``); ``MegatronSource``
+needs no copy: these are MoE expert tensors, which it only exports in ``mode="full"`` through
+``megatron/moe.py``, and that export always builds new tensors (``test_gpt_oss`` checks both).
 
 Why: vLLM 0.33's GPT-OSS ``load_weights`` zeroes the expert down-projection bias it is handed
 (``weight.zero_()``, for the fused ``...mlp.experts.down_proj_bias`` and the per-expert
@@ -9,7 +11,7 @@ Why: vLLM 0.33's GPT-OSS ``load_weights`` zeroes the expert down-projection bias
 the TP ranks add the bias once. Through vLLM's IPC engine that tensor IS the trainer's memory
 (``rebuild_cuda_tensor`` of the handle the colocated trainer rank sent). A source yields module
 storage itself wherever nothing has to be gathered -- a replicated or one-rank-sharded parameter,
-a Megatron expert bias at TP1/ETP1, a per-expert slice of a fused parameter -- so without this copy
+a per-expert slice of a fused parameter -- so without this copy
 vLLM would zero the trainer's own parameter on those ranks, silently, in the middle of training
 (nothing a user passed may be mutated). The copy costs one ``[E, H]`` bias per MoE layer; gathered
 tensors are fresh already and pay it too, which is cheaper than proving freshness per path.

@@ -61,7 +61,6 @@ from vllm.distributed.weight_transfer.base import ParamMeta, Replicate, Shard, W
 
 from ..core.check import DEFAULT_TIMEOUT_S, check_stream, local_shape, verify_metadata_agreement
 from ..core.errors import UnmappedParameterError
-from ..core.receiver_writes import copy_written, written_by_receiver
 from ..families import Family, family_for
 from ..families.base import DENSE_MLP, Entry
 from ..core.layout import VOCAB, vocab_is_chunked, vocab_rows
@@ -452,7 +451,7 @@ class MegatronSource(WeightSource):
         pairs = self._full_pass()
         if self.check:
             pairs = check_stream(pairs, self._expected(), rank=self._topo.rank)
-        yield from copy_written(pairs, self._receiver_writes)
+        yield from pairs
 
     def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Each TP rank of the sender's replica yields its piece of each HF tensor of its stage."""
@@ -463,13 +462,7 @@ class MegatronSource(WeightSource):
             expected = self._expected()
             shapes = [local_shape(m, self._topo.rank) for m in expected]
             pairs = check_stream(pairs, expected, rank=self._topo.rank, what="iter_local", local_shapes=shapes)
-        yield from copy_written(pairs, self._receiver_writes)
-
-    @cached_property
-    def _receiver_writes(self) -> frozenset[str]:
-        """Names yielded as copies because a vLLM loader writes into them (``core/receiver_writes``):
-        at TP1/ETP1 an expert bias is the module's own parameter."""
-        return written_by_receiver(m.name for m in self.metadata)
+        yield from pairs
 
     # ---- pieces -----------------------------------------------------------------------------
 
