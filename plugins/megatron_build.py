@@ -119,6 +119,8 @@ def megatron_config(
     mla = family.attention == "mla"
     if mla:  # no TE here; megatron refuses fused rope for rope_type="rope"
         build.update(transformer_impl="local", apply_rope_fusion=False)
+    if fields.get("experimental_attention_variant") == "gated_delta_net":
+        build.update(transformer_impl="local")
     base = dict(
         activation_func=torch.nn.functional.silu,
         tensor_model_parallel_size=par.tp,
@@ -197,6 +199,97 @@ class MLACoreAttention(torch.nn.Module):
         )
         out = out.permute(2, 0, 1, 3)
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm computing ``x * (1 + weight)`` (weight initialised to zero): what Transformer Engine's
+    norms compute under ``layernorm_zero_centered_gamma=True``, which megatron-core's local spec
+    (``WrappedTorchNorm``) refuses. A hybrid gated-delta-net model's norms are built from it -- one
+    ``weight`` each, under the local spec's names -- so it holds the parameters a TE-trained
+    Qwen3-Next / Qwen3.5 has and computes what they compute."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **_: Any) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def _hybrid_spec(mcfg: Any, vp: int | None) -> Any:
+    """The local-spec block of a gated-delta-net hybrid (Qwen3-Next / Qwen3.5), assembled layer by
+    layer as megatron-core's ``get_transformer_block_with_experimental_attention_variant_spec``
+    does (which asserts Transformer Engine): ``linear_attention_freq`` 1 -> ``GatedDeltaNet``
+    (``in_proj`` column-parallel, ``out_norm``, ``out_proj`` row-parallel: the spec
+    ``get_gated_delta_net_module_spec`` builds with a backend whose norm is not fused), 0 -> the
+    local spec's attention (gated by ``attention_output_gate``, q/k norms); dense or MoE MLP per
+    ``moe_layer_freq``; every norm ``ZeroCenteredRMSNorm``; this pipeline stage's layers only."""
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs, get_gpt_layer_local_spec
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    L = mcfg.num_layers
+    if mcfg.num_moe_experts:
+        base = get_gpt_decoder_layer_specs(mcfg, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        base = [get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")] * L
+    freq = mcfg.linear_attention_freq
+    pattern = [0 if (i + 1) % freq == 0 else 1 for i in range(L)] if isinstance(freq, int) else list(freq)
+    gdn = ModuleSpec(
+        module=GatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=ZeroCenteredRMSNorm, out_proj=RowParallelLinear
+        ),
+    )
+    layers = []
+    for i in range(L):
+        spec = copy.deepcopy(base[i])
+        sub = spec.submodules
+        sub.input_layernorm = sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
+        if pattern[i]:
+            sub.self_attention = copy.deepcopy(gdn)
+        else:
+            sub.self_attention.submodules.q_layernorm = ZeroCenteredRMSNorm
+            sub.self_attention.submodules.k_layernorm = ZeroCenteredRMSNorm
+        layers.append(spec)
+    offset = get_transformer_layer_offset(mcfg, vp_stage=vp)
+    n = get_num_layers_to_build(mcfg, vp_stage=vp)
+    return TransformerBlockSubmodules(layer_specs=layers[offset : offset + n], layer_norm=ZeroCenteredRMSNorm)
+
+
+class _NoForkTracker:
+    """Stands in for megatron's CUDA RNG tracker when it holds no model-parallel state (CPU ranks):
+    ``GatedDeltaNet.reset_parameters`` draws ``A_log`` inside ``tracker.fork()``; here it draws from
+    torch's default generator (the builder seeds it)."""
+
+    def fork(self, *a: Any, **k: Any) -> Any:
+        return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _gdn_construction() -> Iterator[None]:
+    """Two construction-only concessions for ``GatedDeltaNet`` (its parameters do not depend on
+    them): ``__init__`` raises unless flash-linear-attention imports, which only its forward uses
+    (Triton kernels); ``reset_parameters`` forks megatron's CUDA RNG tracker, which on CPU ranks
+    holds no state. Both are restored afterwards."""
+    import megatron.core.ssm.gated_delta_net as g
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    saved = getattr(g, "HAVE_FLA", True), g.get_cuda_rng_tracker
+    g.HAVE_FLA = True
+    if "model-parallel-rng" not in get_cuda_rng_tracker().get_states():
+        g.get_cuda_rng_tracker = _NoForkTracker
+    try:
+        yield
+    finally:
+        g.HAVE_FLA, g.get_cuda_rng_tracker = saved
 
 
 def _mla_spec(spec: Any) -> Any:
@@ -291,10 +384,15 @@ def build_chunks(
     vocab = int(math.ceil(hf.vocab_size / multiple) * multiple)
     chunks: list[torch.nn.Module] = []
     mla = bool(getattr(mcfg, "multi_latent_attention", False))
-    with _cpu_construction(), (_mla_without_te() if mla else contextlib.nullcontext()):
+    hybrid = getattr(mcfg, "experimental_attention_variant", None) == "gated_delta_net"
+    with _cpu_construction(), (_mla_without_te() if mla else contextlib.nullcontext()), (
+        _gdn_construction() if hybrid else contextlib.nullcontext()
+    ):
         for v in range(par.vpp or 1):
             vp = v if par.vpp else None
-            if mcfg.num_moe_experts:
+            if hybrid:
+                spec = _hybrid_spec(mcfg, vp)
+            elif mcfg.num_moe_experts:
                 spec = get_gpt_decoder_block_spec(
                     mcfg, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp
                 )
@@ -355,6 +453,7 @@ def load_hf_weights(chunks: list[torch.nn.Module], hf: Any, state: dict[str, tor
     rank0 = dist.get_rank() == 0
     where: dict[str, torch.Tensor] = {}  # rank 0: HF name -> id of each element (-1: none)
     saved = [t.detach().clone() for _, _, t in targets]
+    shift: dict[str, float] = {}
     try:
         for base in range(0, max(total, 1), _IDS_PER_ROUND):
             with torch.no_grad():
@@ -363,9 +462,11 @@ def load_hf_weights(chunks: list[torch.nn.Module], hf: Any, state: dict[str, tor
                     inside = (ids >= base) & (ids < base + _IDS_PER_ROUND)
                     t.copy_(torch.where(inside, ids - base + 1, 0).to(t.dtype).view(t.shape))
             source = MegatronSource(chunks if len(chunks) > 1 else chunks[0], hf_config=hf, mode="full")
+            # kinds whose export adds a constant (a zero-centered norm HF stores uncentered)
+            shift = {n: float(u.kind.shift) for u in source.plan if u.kind.shifts_values for n in u.names}
             for name, got in source.iter_full():
                 if rank0:
-                    v = got.detach().reshape(-1).to(torch.int64)
+                    v = (got.detach().reshape(-1) - shift.get(name, 0.0)).to(torch.int64)
                     found = torch.where(v > 0, v - 1 + base, -1)
                     where[name] = torch.maximum(where[name], found) if name in where else found
     finally:
@@ -375,7 +476,7 @@ def load_hf_weights(chunks: list[torch.nn.Module], hf: Any, state: dict[str, tor
     values = torch.full((total,), float("nan"), dtype=torch.float32)
     problem = ""
     if rank0:
-        problem = _fill_values(values, where, state or {}, offsets, total)
+        problem = _fill_values(values, where, state or {}, offsets, total, shift)
     box = [problem]
     dist.broadcast_object_list(box, src=0)
     if box[0]:
@@ -429,7 +530,7 @@ def _probe_targets(chunks: list[torch.nn.Module], hf: Any) -> list[tuple[tuple, 
 
 def _fill_values(
     values: torch.Tensor, where: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
-    offsets: dict[tuple, int], total: int,
+    offsets: dict[tuple, int], total: int, shift: dict[str, float] | None = None,
 ) -> str:
     """Rank 0: ``values[id] = state[name].flat[i]`` for every exported element; the first problem in
     words ('' when none)."""
@@ -437,7 +538,7 @@ def _fill_values(
     for name, ids in where.items():
         if name not in state:
             return f"the export has {name!r}, the HF checkpoint does not"
-        flat = state[name].detach().reshape(-1).to(torch.float32)
+        flat = state[name].detach().reshape(-1).to(torch.float32) - (shift or {}).get(name, 0.0)
         if flat.numel() != ids.numel():
             return f"{name!r}: the export has {ids.numel()} elements, the HF checkpoint {flat.numel()}"
         ok = ids >= 0

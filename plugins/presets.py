@@ -65,6 +65,17 @@ _DEEPSEEK_V3: dict[str, Any] = dict(
     first_k_dense_replace=1,
 )
 
+#: Qwen3-Next / Qwen3.5 hybrid structure: layers alternate gated delta net (linear attention) and
+#: gated full attention (q/k norms, q_proj twice the heads' width), partial rotary 0.25. Every
+#: gated-delta-net size differs (2 key heads x 8, 4 value heads x 12, conv kernel 4) and heads, kv
+#: heads, key and value heads divide --tp 2; each pipeline stage of --pp 2 holds both layer kinds.
+_HYBRID: dict[str, Any] = dict(
+    _COMMON, tie_word_embeddings=False, intermediate_size=96, num_hidden_layers=4, head_dim=16,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+    linear_conv_kernel_dim=4,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": dict(model_type="llama", tie_word_embeddings=False, **_COMMON),
     "tiny-qwen2": dict(model_type="qwen2", tie_word_embeddings=True, **_COMMON),
@@ -106,6 +117,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         _COMMON, model_type="gpt_oss", tie_word_embeddings=False, intermediate_size=48, head_dim=16,
         num_local_experts=4, num_experts_per_tok=2, sliding_window=8, attention_bias=True,
         max_position_embeddings=131072,  # YaRN's factor 32 x original 4096, as released
+    ),
+    # Qwen3-Next: the hybrid above, layer 0 dense (mlp_only_layers), the others MoE with a shared
+    # expert and its sigmoid gate (E 4, I 32, shared 48).
+    "tiny-qwen3-next": dict(
+        _HYBRID, model_type="qwen3_next", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=True,
+    ),
+    # Qwen3.5 dense text model: the hybrid with its four flat in-projections, dense MLPs.
+    "tiny-qwen3.5": dict(_HYBRID, model_type="qwen3_5_text"),
+    # Qwen3.5 MoE text model: every layer MoE with a shared expert and gate.
+    "tiny-qwen3.5-moe": dict(
+        _HYBRID, model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
     ),
 }
 

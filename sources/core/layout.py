@@ -19,6 +19,20 @@ pieces as ``Shard(dim)`` without gathering. The fused layouts:
   ``[A; B]``) or column-parallel (``stack_column``: TP rank ``r`` holds ``[A_r; B_r]``, each HF
   tensor chunked separately, which is how megatron's own ``sharded_state_dict`` cuts it) -- the
   GLU rule with unequal parts, so again a per-shard split before concatenating.
+* Gated attention (``attention_output_gate``, Qwen3-Next / Qwen3.5 full-attention layers):
+  ``linear_qkv`` rows per query group are ``[q x hpg, gate x hpg, k, v]``; HF's ``q_proj`` holds
+  ``[q_h; gate_h]`` per head. TP ranks hold whole groups, so each shard splits into chunk ``r`` of
+  ``q_proj`` / ``k_proj`` / ``v_proj`` (``qkv_gated``, ``split_gated_qkv``).
+* Gated delta net (``gdn_*``, one class): megatron-core's ``GatedDeltaNet.in_proj`` holds, per TP
+  rank, ``[q_r | k_r | v_r | z_r | beta_r | alpha_r]`` (rank ``r``'s key heads for q/k, its value heads
+  for v/z/beta/alpha, each block in head order), and ``conv1d`` ``[q_r | k_r | v_r]`` channels. Both
+  are tagged ``partition_dim=0`` yet neither is a row chunk of anything when tp > 1: each block is
+  chunked separately. Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` group rows per key head, so
+  their TP pieces *are* chunks (``gdn_qkvz_ba``); Qwen3.5's flat ``in_proj_qkv = [q; k; v]`` and the
+  conv1d channels are not (``gdn_qkv_z_b_a``, ``gdn_conv``: ``chunked = False``, gathered whole).
+* Norms whose stored weight differs from HF's by a constant (``shifted``: ``hf = megatron + shift``,
+  e.g. the gated-delta-net output norm of a ``layernorm_zero_centered_gamma`` model): applied by
+  ``to_wire`` in fp32 before the one cast to the wire dtype, never after it.
 * Vocabulary-parallel embedding / output layer: rows are padded to ``padded_vocab`` (a multiple of
   ``make_vocab_size_divisible_by * tp``) and split evenly; HF keeps ``vocab_size`` rows. Shard ``r``
   holds HF rows ``[r*padded/tp, (r+1)*padded/tp) & [0, vocab_size)``; whether that is a
@@ -49,6 +63,13 @@ __all__ = [
     "STACK",
     "STACK_COLUMN",
     "VOCAB",
+    "QKV_GATED",
+    "GDN_QKVZ_BA",
+    "GDN_QKV_Z_B_A",
+    "GDN_CONV",
+    "SHIFTED_PLUS_ONE",
+    "GatedDeltaNet",
+    "split_gated_qkv",
     "vocab_rows",
     "vocab_is_chunked",
     "trim_vocab",
@@ -110,6 +131,35 @@ def split_qkv(
     return out[:nq], out[nq : nq + nk], out[nq + nk :]
 
 
+_GATED_ORDER: dict[tuple, torch.Tensor] = {}
+
+
+def split_gated_qkv(
+    qkv: torch.Tensor, *, heads_per_group: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split a gated-attention ``linear_qkv`` (full, or one TP shard: whole query groups) into HF's
+    ``(q_proj, k_proj, v_proj)``: megatron rows per group ``[q x hpg, gate x hpg, k, v]``
+    (``Attention.get_query_key_value_tensors(output_gate=True)``), HF ``q_proj`` rows per head
+    ``[q_h; gate_h]`` (Qwen3-Next ``Qwen3NextAttention``: ``view(..., -1, head_dim * 2).chunk(2)``)."""
+    hpg, d = heads_per_group, head_dim
+    block = (2 * hpg + 2) * d
+    if qkv.shape[0] % block:
+        raise ValueError(
+            f"gated linear_qkv has {qkv.shape[0]} rows, not a whole number of query groups of "
+            f"(2 x {hpg} q/gate heads + k + v) x head_dim {d} = {block} rows"
+        )
+    groups = qkv.shape[0] // block
+    key = (groups, hpg, d, qkv.device.type, qkv.device.index)
+    idx = _GATED_ORDER.get(key)
+    if idx is None:
+        rows = torch.arange(groups * block).view(groups, 2 * hpg + 2, d)
+        q = torch.stack([rows[:, :hpg], rows[:, hpg : 2 * hpg]], 2).reshape(-1)  # [g, head, q|gate, d]
+        idx = _GATED_ORDER[key] = torch.cat([q, rows[:, 2 * hpg].reshape(-1), rows[:, 2 * hpg + 1].reshape(-1)]).to(qkv.device)
+    out = qkv.index_select(0, idx)
+    nq, nk = groups * 2 * hpg * d, groups * d
+    return out[:nq], out[nq : nq + nk], out[nq + nk :]
+
+
 def split_glu(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Split one ``linear_fc1`` shard (or the tp=1 tensor) of a gated MLP into ``(gate, up)``.
 
@@ -152,9 +202,18 @@ class Layout(str):
     dim: int | None = None
     #: ``split`` writes new memory (as many bytes as its input) rather than returning views.
     split_copies: bool = False
+    #: TP shard ``r``'s split is chunk ``r`` of each HF tensor (``torch.chunk`` along ``dim``), so
+    #: ``mode="local"`` can declare it ``Shard(dim)``; False: only ``concat`` of every shard is.
+    chunked: bool = True
+    #: ``to_wire`` changes values (not only the dtype): never batched into a plain cast.
+    shifts_values: bool = False
 
     def __new__(cls, name: str) -> "Layout":
         return super().__new__(cls, name)
+
+    def to_wire(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The parameter (or its shard) as it travels: cast to the wire ``dtype`` (before any split)."""
+        return t if t.dtype == dtype else t.to(dtype)
 
     def split(self, shard: torch.Tensor, **geometry: Any) -> tuple[torch.Tensor, ...]:
         """This shard's piece of each HF tensor, in HF order (contiguous)."""
@@ -237,6 +296,109 @@ class StackColumn(Stack):
     dim = 0
 
 
+class QKVGated(QKV):
+    """Gated-attention ``linear_qkv``: rows ``[q x hpg, gate x hpg, k, v] x groups`` (``split_gated_qkv``)."""
+
+    def split(self, shard: torch.Tensor, *, heads_per_group: int = 0, head_dim: int = 0, **_: Any):
+        return split_gated_qkv(shard, heads_per_group=heads_per_group, head_dim=head_dim)
+
+    def concat(self, shards: list[torch.Tensor], *, heads_per_group: int = 0, head_dim: int = 0, **_: Any):
+        whole = shards[0] if len(shards) == 1 else torch.cat(shards, dim=0)
+        return split_gated_qkv(whole, heads_per_group=heads_per_group, head_dim=head_dim)
+
+
+class GatedDeltaNet(Column):
+    """megatron-core ``GatedDeltaNet``'s column-parallel tensors whose TP shards are *blocks*, each
+    block chunked over TP separately: ``in_proj`` = ``[q_r | k_r | v_r | z_r | beta_r | alpha_r]``,
+    ``conv1d`` = ``[q_r | k_r | v_r]`` (``gdn_heads = (key heads, key head dim, value heads, value
+    head dim)``, from the layer's ``forward`` split and its ``sharded_state_dict``). ``fmt`` names the
+    HF tensors they become:
+
+    * ``"qkvz_ba"`` (Qwen3-Next): ``in_proj_qkvz`` rows per key head ``g`` = ``[q_g, k_g, v_g*, z_g*]``
+      (``*``: the ``nv/nk`` value heads of key head ``g``), ``in_proj_ba`` per key head
+      ``[b_g*, a_g*]`` (``fix_query_key_value_ordering``). Key heads are whole per TP rank, so a
+      shard's split is chunk ``r`` of both.
+    * ``"qkv_z_b_a"`` (Qwen3.5): ``in_proj_qkv`` = ``[q; k; v]`` over *all* heads, ``in_proj_z``,
+      ``in_proj_b`` (beta), ``in_proj_a`` (alpha). ``in_proj_qkv``'s rows of rank ``r`` are three
+      separate chunks: not chunked, ``concat`` regroups every shard.
+    * ``"conv"``: ``conv1d.weight`` ``[q; k; v]`` channels (both families), likewise regrouped.
+    """
+
+    split_copies = True
+
+    def __new__(cls, name: str, fmt: str) -> "GatedDeltaNet":
+        obj = super().__new__(cls, name)
+        obj.fmt = fmt
+        obj.chunked = fmt == "qkvz_ba"
+        return obj
+
+    def _blocks(self, shard: torch.Tensor, heads: tuple[int, int, int, int], full_rows: int):
+        nk, dk, nv, dv = heads
+        whole = 2 * nk * dk + nv * dv + (nv * dv + 2 * nv if self.fmt != "conv" else 0)
+        if whole != full_rows or shard.shape[0] == 0 or whole % shard.shape[0]:
+            raise ValueError(
+                f"{self}: a shard of {shard.shape[0]} rows is not a TP share of the gated delta net's "
+                f"{whole} rows (key heads {nk} x {dk}, value heads {nv} x {dv}); HF shapes give {full_rows}"
+            )
+        tp = whole // shard.shape[0]
+        sizes = [nk * dk // tp, nk * dk // tp, nv * dv // tp]
+        if self.fmt != "conv":
+            sizes += [nv * dv // tp, nv // tp, nv // tp]
+        return torch.split(shard, sizes, dim=0), tp
+
+    def _grouped(self, b: tuple[torch.Tensor, ...], heads: tuple[int, int, int, int]) -> tuple[torch.Tensor, ...]:
+        nk, dk, nv, dv = heads
+        q, k, v, z, beta, alpha = b
+        g = q.shape[0] // dk  # this shard's key heads
+        r = nv // nk
+        rest = q.shape[1:]
+        qkvz = torch.cat([q.reshape(g, dk, *rest), k.reshape(g, dk, *rest), v.reshape(g, r * dv, *rest),
+                          z.reshape(g, r * dv, *rest)], 1).reshape(-1, *rest)
+        ba = torch.cat([beta.reshape(g, r, *rest), alpha.reshape(g, r, *rest)], 1).reshape(-1, *rest)
+        return qkvz, ba
+
+    def split(self, shard: torch.Tensor, *, gdn_heads: tuple[int, int, int, int] = (0, 0, 0, 0),
+              stack_rows: tuple[int, ...] = (), **_: Any):
+        b, tp = self._blocks(shard, gdn_heads, sum(stack_rows))
+        if self.fmt == "qkvz_ba":
+            return self._grouped(b, gdn_heads)
+        if tp != 1:  # rank r's [q_r; k_r; v_r] is no chunk of HF's [q; k; v]
+            raise ValueError(f"{self}: one TP shard of {tp} is not a piece of any HF tensor; concat every shard")
+        if self.fmt == "conv":
+            return (shard.contiguous(),)
+        q, k, v, z, beta, alpha = b
+        return torch.cat([q, k, v]), z.contiguous(), beta.contiguous(), alpha.contiguous()
+
+    def concat(self, shards: list[torch.Tensor], *, gdn_heads: tuple[int, int, int, int] = (0, 0, 0, 0),
+               stack_rows: tuple[int, ...] = (), **geometry: Any):
+        if self.fmt == "qkvz_ba" or len(shards) == 1:
+            return super().concat(shards, gdn_heads=gdn_heads, stack_rows=stack_rows, **geometry)
+        blocks = [self._blocks(s, gdn_heads, sum(stack_rows))[0] for s in shards]
+        full = [torch.cat([b[i] for b in blocks]) for i in range(len(blocks[0]))]  # q, k, v (, z, beta, alpha)
+        if self.fmt == "conv":
+            return (torch.cat(full),)
+        return (torch.cat(full[:3]), *full[3:])
+
+    def shard_shape(self, full: tuple[tuple[int, ...], ...], tp: int) -> tuple[int, ...]:
+        return (sum(s[0] for s in full) // tp, *full[0][1:])
+
+
+class Shifted(Replicated):
+    """A replicated norm weight stored as ``hf - shift``: ``to_wire`` adds ``shift`` in fp32, then
+    casts once (the gated-delta-net output norm of a zero-centered-gamma model: HF ``x * w``,
+    megatron ``x * (1 + w)``)."""
+
+    shifts_values = True
+
+    def __new__(cls, name: str, shift: float) -> "Shifted":
+        obj = super().__new__(cls, name)
+        obj.shift = shift
+        return obj
+
+    def to_wire(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (t.to(torch.float32) + self.shift).to(dtype)
+
+
 class Vocab(Column):
     """Vocabulary-parallel embedding / output layer: rows padded, then split evenly over TP."""
 
@@ -247,8 +409,16 @@ class Vocab(Column):
 REPLICATED, COLUMN, ROW = Replicated("replicated"), Column("column"), Row("row")
 QKV_LAYOUT, GLU_LAYOUT = QKV("qkv"), GLU("glu")
 STACK, STACK_COLUMN, VOCAB = Stack("stack"), StackColumn("stack_column"), Vocab("vocab")
+QKV_GATED = QKVGated("qkv_gated")
+GDN_QKVZ_BA = GatedDeltaNet("gdn_qkvz_ba", "qkvz_ba")
+GDN_QKV_Z_B_A = GatedDeltaNet("gdn_qkv_z_b_a", "qkv_z_b_a")
+GDN_CONV = GatedDeltaNet("gdn_conv", "conv")
+SHIFTED_PLUS_ONE = Shifted("replicated_plus_one", 1.0)
 #: every kind by the name family tables use.
-KINDS: dict[str, Layout] = {k: k for k in (REPLICATED, COLUMN, ROW, QKV_LAYOUT, GLU_LAYOUT, STACK, STACK_COLUMN, VOCAB)}
+KINDS: dict[str, Layout] = {k: k for k in (
+    REPLICATED, COLUMN, ROW, QKV_LAYOUT, GLU_LAYOUT, STACK, STACK_COLUMN, VOCAB,
+    QKV_GATED, GDN_QKVZ_BA, GDN_QKV_Z_B_A, GDN_CONV, SHIFTED_PLUS_ONE,
+)}
 
 
 def layout(name: str) -> Layout:

@@ -94,7 +94,7 @@ def megatron_to_hf(
     parts = name.split(".")
     if len(parts) > 3 and parts[0] == "decoder" and parts[1] == "layers" and parts[2].isdigit():
         suffix = canonical_suffix(".".join(parts[3:]))
-        entry = fam.layer_keys(hf_config).get(suffix)
+        entry = fam.layer_keys(hf_config, layer=layer_of(int(parts[2])) if fam.hybrid else None).get(suffix)
         if entry is None and fam.layer_table is not None:  # e.g. MLA's fused down projection
             try:
                 entry = fam.layer_keys(hf_config, fused_down=True).get(suffix)

@@ -111,6 +111,8 @@ TE_ALIASES: dict[str, str] = {
     "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
     "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
     "self_attention.linear_qkv_down_proj.layer_norm_weight": "input_layernorm.weight",
+    # gated delta net (TE spec): the input norm lives in the fused in-projection
+    "self_attention.in_proj.layer_norm_weight": "input_layernorm.weight",
 }
 
 #: Model-level parameters: Megatron name -> (role, entry).
@@ -163,7 +165,7 @@ def decoder_fields(hf: Any) -> dict[str, Field]:
         "num_layers": Field("num_hidden_layers", hf.num_hidden_layers),
         "hidden_size": Field("hidden_size", hf.hidden_size),
         "num_attention_heads": Field("num_attention_heads", hf.num_attention_heads),
-        "ffn_hidden_size": Field("intermediate_size", hf.intermediate_size),
+        "ffn_hidden_size": Field("intermediate_size", getattr(hf, "intermediate_size", None)),
         "gated_linear_unit": Field("(gated MLP)", True),
         "normalization": Field("(RMSNorm)", "RMSNorm"),
         "layernorm_epsilon": Field("rms_norm_eps", hf.rms_norm_eps),
@@ -232,13 +234,30 @@ class Family:
     unsupported: Callable[[Any], str | None] = _no_reason
     #: ``hf_config -> reason`` when the one Megatron builder cannot build it, else None.
     unbuildable: Callable[[Any], str | None] = _no_reason
+    #: hybrid models (Qwen3-Next / Qwen3.5: gated delta net and gated attention by layer):
+    #: ``(family, hf_config, layer) -> {suffix: Entry}``, the attention half of global layer ``layer``.
+    hybrid: Callable[["Family", Any, int], dict[str, Entry]] | None = None
+    #: ``(layer-relative suffix, hf_config) -> full HF shapes`` of the family's own tensors (None:
+    #: the shared shapes of ``megatron/plan.py``).
+    tensor_shapes: Callable[[str, Any], tuple[tuple[int, ...], ...] | None] = lambda suffix, cfg: None
+    #: ``hf_config -> {keyword: value}`` the family's layout kinds need besides the shared geometry
+    #: (e.g. the gated delta net's head counts).
+    layout_kw: Callable[[Any], dict[str, Any]] = lambda cfg: {}
+    #: ``(hf_config, Megatron TransformerConfig) -> [problem, ...]``: what a live Megatron model has
+    #: that this checkpoint cannot express beyond the shared checks (``MegatronSource`` raises
+    #: ``UnmappedParameterError`` listing them at construction, on every rank).
+    megatron_mismatch: Callable[[Any, Any], list[str]] = lambda cfg, mcfg: []
 
-    def layer_keys(self, hf_config: Any, *, fused_down: bool = False) -> dict[str, Entry]:
+    def layer_keys(self, hf_config: Any, *, fused_down: bool = False, layer: int | None = None) -> dict[str, Entry]:
         """Megatron layer-relative names (local spec) this checkpoint has, in HF order.
 
         ``fused_down``: MLA only -- the Megatron model has ``linear_qkv_down_proj`` instead of
-        the two down projections."""
-        if self.layer_table is not None:
+        the two down projections. ``layer``: hybrid families only -- that global layer's names
+        (None: every layer kind's, for name lookups)."""
+        if self.hybrid is not None:
+            layers = range(hf_config.num_hidden_layers) if layer is None else [layer]
+            attention = {k: e for i in layers for k, e in self.hybrid(self, hf_config, i).items()}
+        elif self.layer_table is not None:
             attention = self.layer_table(self, hf_config, fused_down)
         else:
             skip = set()

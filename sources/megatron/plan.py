@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.errors import UnmappedParameterError
 from ..families.base import DENSE_MLP, GLOBAL, HF_LAYER_PREFIX, Entry, Family
 from ..core.layout import VOCAB, Layout, layout
 from .mla import MLAGeometry, mla_full_shapes
@@ -151,6 +152,13 @@ def layer_placement(mcfg: Any, pp: int, vpp: int) -> list[tuple[int, int, int]]:
 # ---- the plan -----------------------------------------------------------------------------------
 
 
+def _check_fields(family: Family, hf_config: Any, mcfg: Any) -> None:
+    """``UnmappedParameterError`` listing what ``family.megatron_mismatch`` finds in ``mcfg``."""
+    bad = family.megatron_mismatch(hf_config, mcfg)
+    if bad:
+        raise UnmappedParameterError(f"MegatronSource cannot export this Megatron model as {family.name}: " + "; ".join(bad))
+
+
 def build_plan(
     *,
     family: Family,
@@ -179,14 +187,17 @@ def build_plan(
         shard = (g.padded_vocab // g.tp, g.hidden) if kind is VOCAB else (g.hidden,)
         return Unit((role,), stage, chunk, kind, entry.hf, (full,), shard)
 
+    _check_fields(family, hf_config, mcfg)
     units.append(global_unit("embedding.word_embeddings.weight", 0, 0))
-    if attention is None:
+    if attention is None and family.hybrid is None:
         attention = {k: e for k, e in family.layer_keys(hf_config).items() if k not in DENSE_MLP}
     for layer, (stage, chunk, _) in enumerate(placement):
         mlp = _mlp_entries(family, hf_config, mlp_kind(mcfg, layer))
         prefix = HF_LAYER_PREFIX.format(layer)
+        if family.hybrid is not None:  # the attention kind is the layer's (gated delta net or not)
+            attention = {k: e for k, e in family.layer_keys(hf_config, layer=layer).items() if k not in DENSE_MLP}
         for suffix, entry in {**attention, **mlp}.items():
-            full = _shapes(suffix, g)
+            full = family.tensor_shapes(suffix, hf_config) or _shapes(suffix, g)
             kind = layout(entry.kind)
             shard = kind.shard_shape(full, g.tp)
             units.append(

@@ -111,7 +111,7 @@ def _hf_geometry(
         heads=heads,
         groups=groups,
         head_dim=head_dim,
-        ffn=hf_config.intermediate_size,
+        ffn=want["ffn_hidden_size"].value,
         vocab=hf_config.vocab_size,
         padded_vocab=int(chunk.vocab_size),
         layers=hf_config.num_hidden_layers,
@@ -217,6 +217,8 @@ class MegatronSource(WeightSource):
             self.family = family_for(hf_config)
         except UnmappedParameterError as e:
             raise UnmappedParameterError(f"rank {rank}: {e}") from e
+        #: keyword arguments the family's layout kinds need (e.g. the gated delta net's heads).
+        self._layout_kw: dict[str, Any] = self.family.layout_kw(hf_config)
         #: global layers (0-based) whose MLP is MoE, from Megatron's config.
         self.moe_layers: list[int] = [i for i in range(mcfg.num_layers) if mlp_kind(mcfg, i) == "moe"]
         if self.moe_layers and mode == "local":
@@ -384,7 +386,7 @@ class MegatronSource(WeightSource):
             return [ParamMeta(n, self._wd[unit.key], s, owners=(0,)) for n, s in zip(unit.names, unit.shapes)]
         ranks = self._topo.stage_ranks(unit.stage)
         dim = unit.kind.dim
-        if unit.kind is VOCAB and not self._vocab_chunked:
+        if (unit.kind is VOCAB and not self._vocab_chunked) or not unit.kind.chunked:
             ranks, dim = ranks[:1], None
         placement = Replicate() if dim is None else Shard(dim)
         return [
@@ -483,9 +485,7 @@ class MegatronSource(WeightSource):
         rows = self._piece_rows(unit, self._topo.tp_rank)
         if rows is not None:
             param = param[:rows]
-        wd = self._wd[unit.key]
-        piece = param if param.dtype == wd else param.to(wd)
-        piece = piece.contiguous()
+        piece = unit.kind.to_wire(param, self._wd[unit.key]).contiguous()
         if piece.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
             stats.hold(piece.numel() * piece.element_size())
         return piece
@@ -495,6 +495,7 @@ class MegatronSource(WeightSource):
             "heads_per_group": self.geometry.heads_per_group,
             "head_dim": self.geometry.head_dim,
             "stack_rows": tuple(s[0] for s in unit.shapes),
+            **self._layout_kw,
         }
 
     def _senders(self, unit: Unit) -> tuple[int, ...]:
@@ -652,12 +653,12 @@ class MegatronSource(WeightSource):
             for unit in self.plan:
                 if unit.stage != self._topo.pp_rank:
                     continue
-                if unit.kind is VOCAB and not self._vocab_chunked:
+                if (unit.kind is VOCAB and not self._vocab_chunked) or not unit.kind.chunked:
                     # Fallback: the stage's first TP rank owns the whole (trimmed) tensor.
                     pieces = self._gather_to(unit, self._topo.stage_ranks(unit.stage)[0], stats)
                     if pieces is None:
                         continue
-                    outs = unit.kind.concat(pieces)
+                    outs = unit.kind.concat(pieces, **self._geometry_kw(unit))
                 else:
                     outs = unit.kind.split(self._piece(unit, stats), **self._geometry_kw(unit))
                 for name, out in zip(unit.names, outs):

@@ -67,14 +67,19 @@ def local_step(
     heads_per_group: int,
     head_dim: int,
     stack_rows: tuple[int, ...] = (),
+    **more: object,
 ) -> LocalStep:
     """The step for a unit of layout ``kind`` whose whole tensor is ``param`` (``piece_shape`` after
     the vocabulary trim to ``rows``), yielding ``out_shapes`` in ``dtype``."""
     piece = nbytes(piece_shape, dtype)
     cast = 0 if param.dtype == dtype else piece
-    split = partial(kind.split, heads_per_group=heads_per_group, head_dim=head_dim, stack_rows=tuple(stack_rows))
+    split = partial(kind.split, heads_per_group=heads_per_group, head_dim=head_dim, stack_rows=tuple(stack_rows), **more)
     copied = piece if kind.split_copies else 0
-    return LocalStep(param, rows, split, cast + copied, tuple(nbytes(s, dtype) for s in out_shapes), dtype)
+    sizes = tuple(nbytes(s, dtype) for s in out_shapes)
+    if kind.shifts_values:  # the kind's own to_wire (values change) instead of a plain, batchable cast
+        plain = split
+        return LocalStep(param, rows, lambda t: plain(kind.to_wire(t, dtype)), piece + copied, sizes, param.dtype)
+    return LocalStep(param, rows, split, cast + copied, sizes, dtype)
 
 
 def mark_precast(steps: list[LocalStep | None], dtype: torch.dtype) -> list[LocalStep | None]:
