@@ -6,6 +6,7 @@ lockstep on every rank, and checks its own stream against its metadata on every 
 * ``FSDPSource``      -- plain / FSDP2 / HSDP / FSDP+TP ``torch.nn.Module`` (transformers models).
 * ``MegatronSource``  -- megatron-core ``GPTModel`` under TP / PP / VPP / EP / ETP.
 * ``SafetensorsSource`` -- a safetensors checkpoint folder (single file or indexed shards).
+* ``FP8Source``       -- wrap any source: block-FP8 weights + ``weight_scale_inv`` (FP8 rollouts).
 * ``checked``         -- wrap any ``WeightSource`` with the per-rank stream check.
 
 Heavy imports (vLLM, megatron-core) happen only when a name that needs them is first used.
@@ -30,6 +31,7 @@ from .core.errors import (
     AdapterStateError,
     CheckpointError,
     ExchangeError,
+    FP8ConfigError,
     WeightSyncError,
 )
 from .core.logs import configure_logging, get_logger
@@ -45,6 +47,12 @@ _LAZY = {
     "FSDPSource": ".fsdp.source",
     "MegatronSource": ".megatron",
     "SafetensorsSource": ".checkpoint.reader",
+    # FP8 rollouts: any source's stream with block-FP8 weights + weight_scale_inv (sources/quant/)
+    "FP8Source": ".quant.source",
+    "quantized": ".quant.source",
+    "FP8Config": ".quant.config",
+    "quantize_blocks": ".quant.fp8",
+    "dequantize_blocks": ".quant.fp8",
     # what weightsync.plugins builds on (the only sources names plugins import; see pyproject's
     # import-linter contracts): cross-rank agreement and bounded waits, integrity, HF naming, the
     # safetensors format
@@ -72,6 +80,11 @@ __all__ = [
     "FSDPSource",
     "MegatronSource",
     "SafetensorsSource",
+    "FP8Source",
+    "quantized",
+    "FP8Config",
+    "quantize_blocks",
+    "dequantize_blocks",
     "CheckedSource",
     "checked",
     "check_stream",

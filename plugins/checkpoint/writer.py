@@ -184,8 +184,9 @@ def _writer(metadata: list[ParamMeta], world: int, rank: int) -> int:
 
 
 def _model_dtype(metadata: list[ParamMeta]) -> torch.dtype | None:
-    """``save_pretrained``'s ``config.dtype``: its model's first floating-point parameter's dtype."""
-    return next((m.dtype for m in metadata if m.dtype.is_floating_point), None)
+    """``save_pretrained``'s ``config.dtype``: its model's first floating-point parameter's dtype
+    (FP8 weights of a quantized stream excepted: the config names the unquantized dtype)."""
+    return next((m.dtype for m in metadata if m.dtype.is_floating_point and m.dtype.itemsize > 1), None)
 
 
 def save_safetensors(
@@ -251,7 +252,7 @@ def save_safetensors(
         peak, queued = _stream(stream_source, plan, staged, rank, write_queue_bytes)
         files = [f.name for f in plan.files]
         if staged is not None:
-            files += _write_metadata_files(staged, plan, cfg, model, meta)
+            files += _write_metadata_files(staged, plan, cfg, model, meta, getattr(source, "quantization_config", None))
         if multi:
             board.exchange("done", ranks=ranks, timeout_s=timeout_s, what=f"the checkpoint completion check ({path})")
         committing = True
@@ -362,7 +363,8 @@ def _stream(
 
 
 def _write_metadata_files(
-    staged: StagedFolder, plan: CheckpointPlan, cfg: Any, model: nn.Module | None, meta: list[ParamMeta]
+    staged: StagedFolder, plan: CheckpointPlan, cfg: Any, model: nn.Module | None, meta: list[ParamMeta],
+    quantization: dict[str, Any] | None = None,
 ) -> list[str]:
     """The index (sharded checkpoints) and, with a transformers config, ``config.json`` plus
     ``generation_config.json`` as ``save_pretrained`` writes them. Returns the file names."""
@@ -376,6 +378,8 @@ def _write_metadata_files(
     dtype = _model_dtype(meta)
     if dtype is not None:
         cfg.dtype = str(dtype).split(".")[1]
+    if quantization is not None:  # an FP8Source's stream: the config an FP8 checkpoint carries
+        cfg.quantization_config = copy.deepcopy(quantization)
     cls = model_class(model) if model is not None else None
     arch = cls.__name__ if cls is not None else (plan.layout.architecture if plan.layout else None)
     if arch is not None:

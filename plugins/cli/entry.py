@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--layers", type=int, help="override number of layers")
     d.add_argument("--no-packed", dest="packed", action="store_false", help="one broadcast per tensor")
     d.add_argument("--no-checksums", dest="checksums", action="store_false", help="skip wire checksums")
+    d.add_argument("--quantize", choices=("fp8",), default=None,
+                   help="send block-FP8 weights + weight_scale_inv into a receiver holding an FP8 checkpoint")
 
     c = sub.add_parser(
         "check",
@@ -225,7 +227,7 @@ def _run(args: argparse.Namespace) -> int:
                 res = run_demo(
                     steps=args.steps, preset=args.model, config_path=args.config,
                     hidden=args.hidden, layers=args.layers, packed=args.packed,
-                    checksums=args.checksums,
+                    checksums=args.checksums, quantize=args.quantize,
                 )
             except Exception as e:  # noqa: BLE001 - a failed sync is a verdict, in words
                 if dist.get_rank() == 0:

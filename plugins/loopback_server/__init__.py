@@ -4,6 +4,7 @@
   (vLLM's four-phase protocol, strict names / dtypes / shapes, optional wire checksums);
 * ``server`` -- vLLM's dev-mode HTTP routes in front of a receiver (``ReceiverServer``), a client for
   them (``ReceiverClient``) and ``start_receiver_process`` (a receiver in its own process);
+* ``fp8_model.FP8CheckpointModel`` -- a model holding an FP8 checkpoint's tensors (FP8 syncs);
 * ``transport`` -- what the sender (``weightsync.plugins.loopback``) and the receiver must agree on:
   the private gloo group, the chunk plan, the wire fields.
 
@@ -12,11 +13,14 @@ Invariant: nothing here imports vLLM, so a receiver process does not pay its imp
 
 from __future__ import annotations
 
+from .fp8_model import FP8CheckpointModel, build_fp8_model
 from .receiver import ChecksumMismatchError, LoopbackReceiver
 from .server import ReceiverClient, ReceiverHandle, ReceiverServer, start_receiver_process
 
 __all__ = [
+    "build_fp8_model",
     "ChecksumMismatchError",
+    "FP8CheckpointModel",
     "LoopbackReceiver",
     "ReceiverClient",
     "ReceiverHandle",

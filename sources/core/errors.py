@@ -21,6 +21,7 @@ __all__ = [
     "AdapterStateError",
     "CheckpointError",
     "ExchangeError",
+    "FP8ConfigError",
 ]
 
 
@@ -82,3 +83,10 @@ class ExchangeError(WeightSyncError, ValueError):
     """A value another rank posted in a cross-rank exchange on the store cannot be read (a store that
     returned garbage, a peer running another weightsync): the message names the exchange, the rank
     whose value it was and what was read."""
+
+
+class FP8ConfigError(WeightSyncError, ValueError):
+    """A quantization config weightsync cannot honour (not block-wise FP8 e4m3), or one the trainer's
+    model disagrees with (a module the FP8 checkpoint quantizes that the model does not send, another
+    scale shape), or a piecewise (``iter_local``) quantization that cannot be exact: names the
+    parameter and the rank, raised on every rank before bytes move."""

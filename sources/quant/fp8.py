@@ -1,0 +1,199 @@
+"""Block-wise FP8 quantization of one weight: ``W -> (float8_e4m3fn W_q, float32 weight_scale_inv)``.
+
+The format is the one vLLM 0.33 loads for a block-FP8 checkpoint (DeepSeek-V3, Qwen3-FP8, ...):
+``W_q`` has ``W``'s shape; ``weight_scale_inv[..., i, j]`` is the dequantization multiplier of block
+``(i, j)`` (``block = (bN, bK)`` rows x columns of the last two dims), shape
+``(*lead, ceil(N / bN), ceil(K / bK))``; ``W ~= W_q * scale_inv`` blockwise. Edge blocks are partial
+(the scale covers what is there); leading dims (fused experts ``[E, N, K]``) are independent.
+
+Two reference quantizers define the numerics, and they are not the same function:
+
+* ``rule="vllm"`` -- vLLM's ``per_block_cast_to_fp8`` (``vllm/utils/deep_gemm.py``, the quantizer
+  vLLM's own tests use): ``sf = max(amax, 1e-4) / 448``, optional UE8M0 rounding
+  ``sf = 2 ** ceil(log2(sf))``, ``W_q = fp8(W * (1 / sf))``, stores ``sf``.
+* ``rule="transformers"`` -- transformers' ``Fp8Quantize`` (the FineGrainedFP8 save-time quantizer):
+  ``s = 448 / amax`` (an all-zero block gets ``s = 1``), stores ``1 / s``; UE8M0 rounds the *stored*
+  inverse up to a power of two and multiplies by its exact reciprocal; ``W_q = fp8(clamp(W * s))``.
+
+They differ: ``1/(448/a)`` and ``a/448`` can differ in the last bit, so ``W * (1/sf)`` and ``W * s``
+can round to different FP8 codes; an all-zero block stores ``1e-4/448`` (vLLM) or ``1`` (transformers);
+transformers quantizes only shapes that are multiples of the block (others pass through unquantized).
+vLLM's loader assumes neither: it multiplies by the stored scale, so either is a valid checkpoint. The
+default is vLLM's (the receiver's own library). Both rules are reproduced bit for bit (tests compare
+against both references on edge shapes, zero blocks, subnormal and large values, both scale formats).
+
+Cost: the per-block scale math runs on the small ``[ceil(N/bN), ceil(K/bK)]`` tensor with the
+references' own torch ops (so it is bitwise theirs by construction); the two full-size passes -- the
+block amax and the scale-and-cast -- run as Triton kernels on CUDA (one read of ``W`` each, one FP8
+write, no temporaries), and as chunked torch ops elsewhere (a bounded float32 temporary). Nothing
+here mutates its input.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "RULES",
+    "SCALE_FORMATS",
+    "dequantize_blocks",
+    "quantize_blocks",
+    "scale_shape",
+]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+RULES = ("vllm", "transformers")
+SCALE_FORMATS = (None, "ue8m0")
+
+#: float32 temporaries of the torch path are bounded by this many elements (64 MiB).
+_CHUNK_ELEMS = 16 << 20
+
+Rule = Literal["vllm", "transformers"]
+
+
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """``weight_scale_inv``'s shape for a weight of ``shape``: ``(*lead, ceil(N/bN), ceil(K/bK))``."""
+    *lead, n, k = shape
+    return (*lead, -(-n // block[0]), -(-k // block[1]))
+
+
+def _scales_from_amax(amax: torch.Tensor, rule: Rule, scale_fmt: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(stored scale_inv, multiplier applied to W)`` from float32 block amaxes, with each
+    reference's own ops in its own order (bitwise theirs)."""
+    if rule == "vllm":
+        sf = amax.clamp(1e-4) / FP8_MAX
+        if scale_fmt == "ue8m0":
+            sf = torch.pow(2.0, torch.ceil(torch.log2(sf.abs())))
+        return sf, 1.0 / sf
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    scales = FP8_MAX / safe
+    scales = torch.where(amax > 0, scales, torch.ones_like(scales))
+    inv = (1.0 / scales).to(torch.float32)
+    if scale_fmt == "ue8m0":
+        inv = torch.pow(2.0, torch.ceil(torch.log2(inv.clamp(min=torch.finfo(torch.float32).tiny))))
+        scales = 1.0 / inv
+    return inv, scales
+
+
+def quantize_blocks(
+    x: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    *,
+    scale_fmt: str | None = None,
+    rule: Rule = "vllm",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(W_q float8_e4m3fn, weight_scale_inv float32)`` of ``x`` (>= 2-D, floating), on ``x``'s device.
+
+    ``block``: ``(bN, bK)`` over the last two dims; ``scale_fmt``: None (float32 scales) or
+    ``"ue8m0"`` (power-of-two scales, still float32 on the wire); ``rule``: whose numerics
+    (module docstring). Edge blocks are partial; ``x`` is not modified.
+    """
+    if x.dim() < 2 or not x.dtype.is_floating_point:
+        raise ValueError(f"quantize_blocks: needs a floating tensor of >= 2 dims, got {x.dtype} {tuple(x.shape)}")
+    if rule not in RULES:
+        raise ValueError(f"quantize_blocks: rule must be one of {RULES}, got {rule!r}")
+    if scale_fmt not in SCALE_FORMATS:
+        raise ValueError(f"quantize_blocks: scale_fmt must be one of {SCALE_FORMATS}, got {scale_fmt!r}")
+    bn, bk = int(block[0]), int(block[1])
+    if bn <= 0 or bk <= 0:
+        raise ValueError(f"quantize_blocks: block sizes must be positive, got {block}")
+    *lead, n, k = x.shape
+    x3 = x.reshape(-1, n, k)  # a view for contiguous input
+    sshape = (x3.shape[0], -(-n // bn), -(-k // bk))
+    q = torch.empty(x3.shape, dtype=FP8_DTYPE, device=x.device)
+    if x3.numel() == 0:
+        return q.view(x.shape), torch.empty(scale_shape(tuple(x.shape), (bn, bk)), dtype=torch.float32, device=x.device)
+    kernels = _triton_kernels() if x.is_cuda else None
+    if kernels is not None:
+        amax = kernels.amax(x3, bn, bk)
+        scale_inv, mult = _scales_from_amax(amax, rule, scale_fmt)
+        kernels.cast(x3, mult, q, bn, bk, clamp=rule == "transformers")
+    else:
+        amax = _amax_torch(x3, bn, bk)
+        scale_inv, mult = _scales_from_amax(amax, rule, scale_fmt)
+        _cast_torch(x3, mult, q, bn, bk, clamp=rule == "transformers")
+    assert tuple(scale_inv.shape) == sshape
+    return q.view(x.shape), scale_inv.reshape(scale_shape(tuple(x.shape), (bn, bk))).contiguous()
+
+
+def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * scale_inv`` blockwise (what vLLM's loader and transformers' ``Fp8Dequantize`` compute)."""
+    bn, bk = block
+    n, k = q.shape[-2:]
+    s = scale_inv.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+    return (q.to(torch.float32) * s).to(dtype)
+
+
+# ---- torch path (CPU, or CUDA without Triton) -------------------------------------------------
+
+
+def _row_chunks(rows_blocks: int, bn: int, k: int) -> int:
+    """Block rows per chunk so a float32 temporary stays under ``_CHUNK_ELEMS``."""
+    return max(1, _CHUNK_ELEMS // max(1, bn * k))
+
+
+def _padded(x3: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """``x3`` as ``[B, nb, bn, kb, bk]``; a zero-padded copy only when a dim is not a block multiple
+    (zeros change neither the block amax nor the block's other codes)."""
+    b, n, k = x3.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    if n % bn or k % bk:
+        x3 = torch.nn.functional.pad(x3, (0, kb * bk - k, 0, nb * bn - n))
+    return x3.reshape(b, nb, bn, kb, bk)
+
+
+def _amax_torch(x3: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    b, n, k = x3.shape
+    nb = -(-n // bn)
+    step = _row_chunks(nb, bn, k)
+    out = []
+    for i in range(0, nb, step):
+        part = _padded(x3[:, i * bn:(i + step) * bn], bn, bk)
+        out.append(part.abs().float().amax(dim=(2, 4)))
+    return torch.cat(out, dim=1)
+
+
+def _cast_torch(x3: torch.Tensor, mult: torch.Tensor, q: torch.Tensor, bn: int, bk: int, *, clamp: bool) -> None:
+    b, n, k = x3.shape
+    nb = -(-n // bn)
+    step = _row_chunks(nb, bn, k)
+    for i in range(0, nb, step):
+        rows = slice(i * bn, min(n, (i + step) * bn))
+        part = _padded(x3[:, rows], bn, bk)
+        scaled = part * mult[:, i:i + step, None, :, None]  # float32 (type promotion), as both references
+        if clamp:
+            scaled = scaled.clamp(min=-FP8_MAX, max=FP8_MAX)
+        got = scaled.to(FP8_DTYPE).reshape(b, part.shape[1] * bn, -1)
+        q[:, rows] = got[:, : rows.stop - rows.start, :k]
+
+
+# ---- Triton path (CUDA) -----------------------------------------------------------------------
+
+_KERNELS: object | None = None
+_KERNELS_TRIED = False
+
+
+def _triton_kernels():
+    """The two Triton kernels, compiled on first use; None where Triton is unavailable."""
+    global _KERNELS, _KERNELS_TRIED
+    if not _KERNELS_TRIED:
+        _KERNELS_TRIED = True
+        try:
+            from . import fp8_triton
+
+            _KERNELS = fp8_triton
+        except Exception:  # noqa: BLE001 - no Triton (CPU builds): the torch path is exact too
+            _KERNELS = None
+    return _KERNELS
+
+
+def blocks_of(shape: tuple[int, ...], block: tuple[int, int]) -> int:
+    """How many scale entries a weight of ``shape`` has."""
+    return math.prod(scale_shape(shape, block))

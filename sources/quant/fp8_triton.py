@@ -1,0 +1,83 @@
+"""The two full-size passes of block FP8 quantization as Triton kernels (CUDA only).
+
+``amax``: one program per ``(bN, bK)`` block reads it once and writes its max |x| (float32, exact).
+``cast``: one program per block reads it once, multiplies by the block's float32 multiplier and
+writes FP8 codes (round to nearest even, saturating: the same codes as torch's ``.to(float8_e4m3fn)``
+for every finite input, as the GPU run checks against the torch path).
+The per-block scale math in between is torch's (``fp8._scales_from_amax``), so the scales are the
+references' by construction. Importing this module fails where Triton is missing; ``fp8`` then uses
+its torch path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["amax", "cast"]
+
+
+@triton.jit
+def _amax_kernel(x_ptr, out_ptr, n, k, sxb, sxn, sxk, nb, kb, BN: tl.constexpr, BK: tl.constexpr,
+                 PN: tl.constexpr, PK: tl.constexpr):
+    j = tl.program_id(0)
+    i = tl.program_id(1)
+    b = tl.program_id(2)
+    rows = i * BN + tl.arange(0, PN)
+    cols = j * BK + tl.arange(0, PK)
+    mask = (tl.arange(0, PN)[:, None] < BN) & (tl.arange(0, PK)[None, :] < BK)
+    mask = mask & (rows[:, None] < n) & (cols[None, :] < k)
+    ptrs = x_ptr + b.to(tl.int64) * sxb + rows[:, None].to(tl.int64) * sxn + cols[None, :].to(tl.int64) * sxk
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    tl.store(out_ptr + (b * nb + i) * kb + j, m)
+
+
+@triton.jit
+def _cast_kernel(x_ptr, mult_ptr, q_ptr, n, k, sxb, sxn, sxk, nb, kb, BN: tl.constexpr, BK: tl.constexpr,
+                 PN: tl.constexpr, PK: tl.constexpr, CLAMP: tl.constexpr, FMAX: tl.constexpr):
+    j = tl.program_id(0)
+    i = tl.program_id(1)
+    b = tl.program_id(2)
+    rows = i * BN + tl.arange(0, PN)
+    cols = j * BK + tl.arange(0, PK)
+    mask = (tl.arange(0, PN)[:, None] < BN) & (tl.arange(0, PK)[None, :] < BK)
+    mask = mask & (rows[:, None] < n) & (cols[None, :] < k)
+    ptrs = x_ptr + b.to(tl.int64) * sxb + rows[:, None].to(tl.int64) * sxn + cols[None, :].to(tl.int64) * sxk
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(mult_ptr + (b * nb + i) * kb + j)
+    y = x * s
+    if CLAMP:
+        y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
+    out = q_ptr + b.to(tl.int64) * n * k + rows[:, None].to(tl.int64) * k + cols[None, :]
+    tl.store(out, y.to(tl.float8e4nv), mask=mask)
+
+
+def _grid(x3: torch.Tensor, bn: int, bk: int) -> tuple[int, int, int]:
+    b, n, k = x3.shape
+    return (-(-k // bk), -(-n // bn), b)
+
+
+def amax(x3: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """float32 ``[B, ceil(n/bn), ceil(k/bk)]`` block max |x| of ``x3`` ``[B, n, k]`` (any strides)."""
+    b, n, k = x3.shape
+    kb, nb, _ = _grid(x3, bn, bk)
+    out = torch.empty((b, nb, kb), dtype=torch.float32, device=x3.device)
+    _amax_kernel[(kb, nb, b)](
+        x3, out, n, k, *x3.stride(), nb, kb, BN=bn, BK=bk,
+        PN=triton.next_power_of_2(bn), PK=triton.next_power_of_2(bk), num_warps=8,
+    )
+    return out
+
+
+def cast(x3: torch.Tensor, mult: torch.Tensor, q: torch.Tensor, bn: int, bk: int, *, clamp: bool) -> None:
+    """``q[b, r, c] = fp8(x3[b, r, c] * mult[b, r // bn, c // bk])`` (clamped to +-448 if ``clamp``)."""
+    b, n, k = x3.shape
+    kb, nb, _ = _grid(x3, bn, bk)
+    mult = mult.to(torch.float32).contiguous()
+    _cast_kernel[(kb, nb, b)](
+        x3, mult, q, n, k, *x3.stride(), nb, kb, BN=bn, BK=bk,
+        PN=triton.next_power_of_2(bn), PK=triton.next_power_of_2(bk),
+        CLAMP=clamp, FMAX=448.0, num_warps=8,
+    )
