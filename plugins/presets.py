@@ -72,7 +72,7 @@ _DEEPSEEK_V3: dict[str, Any] = dict(
 _HYBRID: dict[str, Any] = dict(
     _COMMON, tie_word_embeddings=False, intermediate_size=96, num_hidden_layers=4, head_dim=16,
     layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+    linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=12,
     linear_conv_kernel_dim=4,
 )
 

@@ -1,0 +1,315 @@
+"""Qwen3-Next and Qwen3.5 text models (``qwen3_next``, ``qwen3_5_text``, ``qwen3_5_moe_text``:
+hybrid gated delta net + gated attention, ``sources/families/qwen3_next.py``) through
+``MegatronSource`` on CPU gloo ranks, against oracles nobody here wrote:
+
+* megatron-core's own ``dist_checkpointing``: ``GatedDeltaNet.sharded_state_dict`` saves its
+  in-projection as six global tensors (``in_proj.weight.{query,key,value,z,beta,alpha}``) and its
+  conv1d as three, whatever the TP size; torch's DCP reader assembles them. Every exported tensor is
+  cut from those full tensors by the HF layout written out here, loop by loop, from transformers'
+  modeling code (``fix_query_key_value_ordering`` for Qwen3-Next's per-key-head ``in_proj_qkvz`` /
+  ``in_proj_ba``; Qwen3.5's flat ``in_proj_qkv`` / ``z`` / ``b`` / ``a``; ``[q_h; gate_h]`` per head
+  for the gated ``q_proj``; the output norm ``+ 1`` of a zero-centered model) -- at TP2, PP2, EP2,
+  TP2 x EP2, fp32 and bf16 wires;
+* transformers' ``save_pretrained``: names, shapes and dtypes equal (routers and shared-expert gates
+  kept fp32 on a bf16 wire, as ``FSDPSource`` declares them);
+* negative controls: the same export with the layouts a naive mapping would use (plain
+  concatenation of the conv1d shards, each in-projection tensor and q / k / v chunked per shard
+  without regrouping or de-interleaving the gate) differs from megatron's checkpoint exactly in those tensors;
+  Megatron models that are not zero-centered, or not gated, are refused on every rank naming the field.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import zlib
+
+import pytest
+import torch
+from family_worlds import check_layout, check_cli, ck_any, preset_config
+from fsdp_worlds import unpack
+from worlds import run_world as _run_world
+
+pytestmark = pytest.mark.slow
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: Kept fp32 on a bf16 wire (routers, shared-expert gates: the shared wire policy).
+KEPT_FP32 = re.compile(r"\.mlp\.(gate|shared_expert_gate)\.weight$")
+ARCH = {"tiny-qwen3-next": "Qwen3NextForCausalLM", "tiny-qwen3.5": "Qwen3_5ForCausalLM",
+        "tiny-qwen3.5-moe": "Qwen3_5MoeForCausalLM"}
+
+
+def run_world(*a, **k):
+    return unpack(_run_world(*a, **k))
+
+
+def hf_config(preset: str, **over):
+    return preset_config(preset, ARCH[preset], **over)
+
+
+def _hf_of(lay: dict):
+    return hf_config(lay["preset"], **lay.get("hf", {}))
+
+
+def _build(hf, par, lay):
+    """The one builder's chunks (``mla_models.build_megatron``: norms and biases random per global
+    name), plus conv1d and A_log random per global layer *and TP rank*: megatron draws both from
+    the same generator state on every TP rank, so their shards would otherwise be equal and a
+    swapped shard invisible."""
+    import mla_models as mm
+    from megatron.core import parallel_state as ps
+
+    chunks = mm.build_megatron(hf, par, overrides=lay.get("refuse"))
+    tp = ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                if name.endswith(("conv1d.weight", "A_log")):
+                    layer = chunk.decoder.layers[int(name.split(".")[2])].layer_number
+                    g = torch.Generator().manual_seed(zlib.crc32(f"{name.split('.', 3)[3]}{layer}@{tp}".encode()))
+                    p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
+    return chunks
+
+
+# ---- the expected export, from megatron's own checkpoint -----------------------------------------
+
+
+def _gated_q(qkv, hf):
+    """HF (q_proj, k_proj, v_proj) from megatron's full gated ``linear_qkv``, row block by row block:
+    per query group ``[q x hpg, gate x hpg, k, v]``; HF ``q_proj`` = per head ``[q_h; gate_h]``."""
+    H, G = hf.num_attention_heads, hf.num_key_value_heads
+    d, hpg = hf.head_dim, H // G
+    q, k, v = [], [], []
+    for g in range(G):
+        grp = qkv[g * (2 * hpg + 2) * d : (g + 1) * (2 * hpg + 2) * d]
+        for h in range(hpg):
+            q += [grp[h * d : (h + 1) * d], grp[(hpg + h) * d : (hpg + h + 1) * d]]
+        k.append(grp[2 * hpg * d : (2 * hpg + 1) * d])
+        v.append(grp[(2 * hpg + 1) * d :])
+    return torch.cat(q), torch.cat(k), torch.cat(v)
+
+
+def _gdn(ck, hf, i, fmt) -> dict[str, torch.Tensor]:
+    """One gated-delta-net layer's HF tensors from megatron's per-block checkpoint tensors."""
+    pre = f"model.layers.{i}.linear_attn."
+    blk = {b: ck_any(ck, i, f"self_attention.in_proj.weight.{b}") for b in ("query", "key", "value", "z", "beta", "alpha")}
+    conv = [ck_any(ck, i, f"self_attention.conv1d.weight.{b}") for b in ("query", "key", "value")]
+    nk, dk, nv, dv = hf.linear_num_key_heads, hf.linear_key_head_dim, hf.linear_num_value_heads, hf.linear_value_head_dim
+    r = nv // nk
+    out = {
+        pre + "conv1d.weight": torch.cat(conv),
+        pre + "A_log": ck_any(ck, i, "self_attention.A_log"),
+        pre + "dt_bias": ck_any(ck, i, "self_attention.dt_bias"),
+        # zero-centered megatron norm x * (1 + w) vs HF's x * w
+        pre + "norm.weight": ck_any(ck, i, "self_attention.out_norm.weight").float() + 1.0,
+        pre + "out_proj.weight": ck_any(ck, i, "self_attention.out_proj.weight"),
+    }
+    if fmt == "qkvz_ba":  # transformers' fix_query_key_value_ordering, inverted: rows per key head
+        qkvz, ba = [], []
+        for g in range(nk):
+            qkvz += [blk["query"][g * dk : (g + 1) * dk], blk["key"][g * dk : (g + 1) * dk],
+                     blk["value"][g * r * dv : (g + 1) * r * dv], blk["z"][g * r * dv : (g + 1) * r * dv]]
+            ba += [blk["beta"][g * r : (g + 1) * r], blk["alpha"][g * r : (g + 1) * r]]
+        out[pre + "in_proj_qkvz.weight"], out[pre + "in_proj_ba.weight"] = torch.cat(qkvz), torch.cat(ba)
+    else:
+        out[pre + "in_proj_qkv.weight"] = torch.cat([blk["query"], blk["key"], blk["value"]])
+        out[pre + "in_proj_z.weight"] = blk["z"]
+        out[pre + "in_proj_b.weight"] = blk["beta"]
+        out[pre + "in_proj_a.weight"] = blk["alpha"]
+    return out
+
+
+def _moe_layers(hf) -> list[int]:
+    from weightsync.sources.families import family_for
+
+    freq = family_for(hf).megatron_fields(hf).get("moe_layer_freq")
+    if freq is None:
+        return []
+    f = freq.value
+    return [i for i in range(hf.num_hidden_layers) if (f[i] if isinstance(f, list) else i % f == 0)]
+
+
+def _expected(ck, hf) -> dict[str, torch.Tensor]:
+    from test_moe_megatron import _expected_moe
+
+    from weightsync.sources.moe_names import HFMoENames
+
+    moe = _moe_layers(hf)
+    want = _expected_moe(ck, HFMoENames(hf), moe) if moe else {}
+    fmt = "qkvz_ba" if hf.model_type == "qwen3_next" else "qkv_z_b_a"
+    for i, kind in enumerate(hf.layer_types):
+        pre = f"model.layers.{i}."
+        # local-spec norms are saved under TE-compatible keys (megatron's TransformerLayer mapping)
+        want[pre + "input_layernorm.weight"] = ck_any(
+            ck, i, "input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
+        want[pre + "post_attention_layernorm.weight"] = ck_any(
+            ck, i, "pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
+        if kind == "linear_attention":
+            want.update(_gdn(ck, hf, i, fmt))
+        else:
+            q, k, v = _gated_q(ck_any(ck, i, "self_attention.linear_qkv.weight"), hf)
+            want.update({pre + "self_attn.q_proj.weight": q, pre + "self_attn.k_proj.weight": k,
+                         pre + "self_attn.v_proj.weight": v})
+            want[pre + "self_attn.o_proj.weight"] = ck_any(ck, i, "self_attention.linear_proj.weight")
+            want[pre + "self_attn.q_norm.weight"] = ck_any(ck, i, "self_attention.q_layernorm.weight")
+            want[pre + "self_attn.k_norm.weight"] = ck_any(ck, i, "self_attention.k_layernorm.weight")
+        if i not in moe:
+            fc1 = ck_any(ck, i, "mlp.linear_fc1.weight")
+            want[pre + "mlp.gate_proj.weight"], want[pre + "mlp.up_proj.weight"] = fc1.chunk(2, 0)
+            want[pre + "mlp.down_proj.weight"] = ck_any(ck, i, "mlp.linear_fc2.weight")
+    want["model.embed_tokens.weight"] = ck["embedding.word_embeddings.weight"][: hf.vocab_size]
+    want["model.norm.weight"] = ck["decoder.final_layernorm.weight"]
+    want["lm_head.weight"] = ck["output_layer.weight"][: hf.vocab_size]
+    return want
+
+
+# ---- the worlds ---------------------------------------------------------------------------------
+
+
+def _naive(family):
+    """``family`` with the layouts a naive mapping uses: the conv1d shards concatenated as they are
+    (megatron tags them partition_dim=0), each in-projection HF tensor and the gated ``linear_qkv``'s
+    q / k / v cut from every shard in proportion (``stack_column``: no regrouping, no gate interleave)."""
+    from dataclasses import replace
+
+    from weightsync.sources.families import Entry
+
+    wrong = {"self_attention.conv1d.weight": "column", "self_attention.in_proj.weight": "stack_column",
+             "self_attention.linear_qkv.weight": "stack_column"}
+
+    def hybrid(fam, hf, layer):
+        return {k: (Entry(wrong[k], e.hf) if k in wrong else e) for k, e in family.hybrid(family, hf, layer).items()}
+
+    return replace(family, hybrid=hybrid)
+
+
+def _facts(rank, lay, hf, chunks, src) -> dict:
+    """Per layout: the naive-layout export (``control``) and, where asked, the refusals."""
+    from worlds import errors_of
+
+    from weightsync.sources import MegatronSource
+    from weightsync.sources.families import family_for, register
+
+    f: dict = {}
+    model = chunks if len(chunks) > 1 else chunks[0]
+    if lay.get("control"):
+        real = family_for(hf)
+        register(_naive(real))
+        try:
+            got = {n: t.clone() for n, t in MegatronSource(model, hf_config=hf).iter_full()}
+        finally:
+            register(real)
+        if rank == 0:
+            f["control"] = got
+    if lay.get("refusals"):
+        bad = {"linear_num_value_heads": _hf_of({**lay, "hf": {"linear_num_value_heads": 16}}),
+               "layer_types": _hf_of({**lay, "hf": {"layer_types": ["linear_attention"] * 4}})}
+        f["refusals"] = {k: errors_of(lambda c=c: MegatronSource(model, hf_config=c)) for k, c in bad.items()}
+    return f
+
+
+def _world(rank, world_size, *, root, layouts):
+    from family_worlds import megatron_layouts
+
+    return megatron_layouts(rank, world_size, root=root, layouts=layouts, hf_of=_hf_of, extra=_facts, build=_build)
+
+
+TWO_RANKS = [
+    dict(name="next_tp2", preset="tiny-qwen3-next", tp=2, control=True, refusals=True),
+    dict(name="next_pp2", preset="tiny-qwen3-next", pp=2),
+    dict(name="next_ep2_bf16", preset="tiny-qwen3-next", ep=2, dtype=torch.bfloat16),
+    dict(name="q35_tp2", preset="tiny-qwen3.5", tp=2, control=True, local=True),
+    dict(name="q35_pp2", preset="tiny-qwen3.5", pp=2, local=True),
+    dict(name="q35_tp2_bf16", preset="tiny-qwen3.5", tp=2, dtype=torch.bfloat16),
+    dict(name="q35moe_tp2_bf16", preset="tiny-qwen3.5-moe", tp=2, dtype=torch.bfloat16),
+    dict(name="q35moe_ep2", preset="tiny-qwen3.5-moe", ep=2),
+    dict(name="not_zero_centered", preset="tiny-qwen3.5", tp=2, refuse={"layernorm_zero_centered_gamma": False}),
+    dict(name="not_gated", preset="tiny-qwen3-next", tp=2, refuse={"attention_output_gate": False}),
+]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    root = tempfile.mkdtemp()
+    return root, run_world(_world, 2, root=root, layouts=TWO_RANKS, timeout=900)
+
+
+def _check(res, root, lay) -> dict:
+    hf = _hf_of(lay)
+    # check_layout asserts mode="local" is refused unless the layout reads it; dense models support it
+    # (the fp32 layouts with local=True compare its pieces), so a dense bf16 layout skips that assert
+    dense = not _moe_layers(hf)
+    r0 = check_layout(res, root, {**lay, "local": lay.get("local") or dense}, hf, expected=_expected,
+                      kept_fp32=KEPT_FP32, fused_qkv=False)
+    if dense and not lay.get("local"):
+        assert all(res[r][lay["name"]]["local_error"] is None for r in res)
+    if lay.get("dtype") == torch.bfloat16:
+        kept = {n for n, t in r0["got"].items() if t.dtype == torch.float32}
+        assert bool(kept) == bool(_moe_layers(hf)) and all(KEPT_FP32.search(n) for n in kept), sorted(kept)
+    return r0
+
+
+@pytest.mark.parametrize("lay", [lay for lay in TWO_RANKS if "refuse" not in lay], ids=lambda lay: lay["name"])
+def test_two_ranks_equal_dist_checkpointing_and_save_pretrained(two_ranks, lay):
+    root, res = two_ranks
+    r0 = _check(res, root, lay)
+    if lay.get("tp", 1) > 1 or lay.get("ep", 1) > 1 or lay.get("pp", 1) > 1:
+        assert r0["stats"]["bytes_received"] > 0  # the other rank's shards really arrive
+    if lay.get("local"):  # dense Qwen3.5: mode="local" pieces (gathered where not chunks) == full export
+        assert r0["local_equal"] is True
+
+
+@pytest.mark.parametrize("name", ["next_tp2", "q35_tp2"])
+def test_naive_layouts_differ_exactly_where_the_gated_delta_net_needs_regrouping(two_ranks, name):
+    """Negative control: plain shard concatenation (conv1d), per-shard proportional cuts (in-projection,
+    gated qkv) each give tensors of the right shapes that are *not* megatron's: the
+    comparison above would catch any of them. Qwen3.5's z / b / a really are chunks per shard, so
+    the proportional cut gets them right (and only them)."""
+    from moe_megatron import load_full_checkpoint
+
+    root, res = two_ranks
+    lay = next(lay for lay in TWO_RANKS if lay["name"] == name)
+    hf = _hf_of(lay)
+    want = _expected(load_full_checkpoint(f"{root}/{name}"), hf)
+    got = res[0][name]["control"]
+    assert {n: tuple(t.shape) for n, t in got.items()} == {n: tuple(t.shape) for n, t in want.items()}
+    differ = {re.sub(r"layers\.\d+\.", "layers.*.", n) for n, t in want.items() if not torch.equal(got[n], t.to(got[n].dtype))}
+    inproj = ({"in_proj_qkvz", "in_proj_ba"} if hf.model_type == "qwen3_next" else {"in_proj_qkv"})
+    # (one query group per TP rank: its k and v rows are a proportional cut; q_proj's gate interleave is not)
+    assert differ == {f"model.layers.*.linear_attn.{x}.weight" for x in (*inproj, "conv1d")} | {
+        "model.layers.*.self_attn.q_proj.weight"}, sorted(differ)
+
+
+def test_refusals_raise_on_every_rank_naming_the_field(two_ranks):
+    _, res = two_ranks
+    for r in res:
+        got = res[r]["next_tp2"]["refusals"]
+        err = got["linear_num_value_heads"]
+        assert err and f"rank {r}" in err and "linear_num_value_heads" in err, err
+        err = got["layer_types"]
+        assert err and f"rank {r}" in err and "linear_attention_freq" in err, err
+        err = res[r]["not_zero_centered"]["error"]
+        assert err.startswith("UnmappedParameterError") and "layernorm_zero_centered_gamma=False" in err and f"rank {r}" in err, err
+        err = res[r]["not_gated"]["error"]
+        assert err.startswith("UnmappedParameterError") and "attention_output_gate=False" in err and f"rank {r}" in err, err
+
+
+def test_four_ranks_tp2_ep2():
+    root = tempfile.mkdtemp()
+    lay = dict(name="next_tp2_ep2", preset="tiny-qwen3-next", tp=2, ep=2)
+    res = run_world(_world, 4, root=root, layouts=[lay], timeout=900)
+    assert _check(res, root, lay)["stats"]["bytes_received"] > 0
+
+
+@pytest.mark.parametrize("preset,extra,nproc", [
+    ("tiny-qwen3-next", ("--tp", "2", "--ep", "2"), 4),
+    ("tiny-qwen3.5", ("--tp", "2"), 2),
+    ("tiny-qwen3.5-moe", ("--tp", "2"), 2),
+])
+def test_check_cli_megatron(preset, extra, nproc):
+    """``weightsync check --model PRESET --layout megatron --tp 2 [--ep 2]``: exit 0, PASS, every name
+    and shape of transformers' ``save_pretrained``."""
+    ep = extra[extra.index("--ep") + 1] if "--ep" in extra else "1"
+    check_cli(preset, "--layout", "megatron", *extra, nproc=nproc,
+              layout_line=f"layout megatron tp2 pp1 vpp1 ep{ep} x{nproc}")
