@@ -313,3 +313,91 @@ def test_check_cli_megatron(preset, extra, nproc):
     ep = extra[extra.index("--ep") + 1] if "--ep" in extra else "1"
     check_cli(preset, "--layout", "megatron", *extra, nproc=nproc,
               layout_line=f"layout megatron tp2 pp1 vpp1 ep{ep} x{nproc}")
+
+
+# ---- the forward oracle: Megatron's logits vs transformers' on the export (CPU, TP1) ---------------
+
+TOL = 2e-4  # fp32 logits, relative to the largest logit (the other families' tolerance)
+
+
+def _l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """transformers' ``l2norm`` (its torch fallback for flash-linear-attention's), for megatron's
+    gated delta net on a host without fla: ``x / sqrt(sum(x^2) + eps)``."""
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def _swap_rows(t: torch.Tensor, a: slice, b: slice) -> torch.Tensor:
+    t = t.clone()
+    t[a], t[b] = t[b].clone(), t[a].clone()
+    return t
+
+
+def _controls(hf, exported: dict) -> dict[str, dict]:
+    """Shape-preserving mistakes, each of which the oracle must see."""
+    nk, dk, nv, dv = hf.linear_num_key_heads, hf.linear_key_head_dim, hf.linear_num_value_heads, hf.linear_value_head_dim
+    d = hf.head_dim
+    lin = [i for i, k in enumerate(hf.layer_types) if k == "linear_attention"][0]
+    full = [i for i, k in enumerate(hf.layer_types) if k == "full_attention"][0]
+    la, sa = f"model.layers.{lin}.linear_attn.", f"model.layers.{full}.self_attn."
+    out = {}
+    if hf.model_type == "qwen3_next":  # two key-head groups of in_proj_qkvz swapped
+        g = 2 * dk + 2 * (nv // nk) * dv
+        out["key_groups"] = {la + "in_proj_qkvz.weight": _swap_rows(exported[la + "in_proj_qkvz.weight"], slice(0, g), slice(g, 2 * g))}
+    else:  # z and the v part of qkv swapped (both value-width)
+        qkv, z = exported[la + "in_proj_qkv.weight"], exported[la + "in_proj_z.weight"]
+        out["z_qkv"] = {la + "in_proj_qkv.weight": torch.cat([qkv[: 2 * nk * dk], z]), la + "in_proj_z.weight": qkv[2 * nk * dk :]}
+    out["out_norm_offset"] = {la + "norm.weight": exported[la + "norm.weight"] - 1.0}  # no +1
+    q = exported[sa + "q_proj.weight"].view(hf.num_attention_heads, 2, d, -1)
+    out["gate_interleave"] = {sa + "q_proj.weight": q.flip(1).reshape(exported[sa + "q_proj.weight"].shape)}
+    return out
+
+
+def _forward_world(rank, world_size, *, presets):
+    import sys
+
+    sys.path.insert(0, os.path.join(HERE, "gpu"))
+    import megatron.core.ssm.gated_delta_net as gdn
+    import mla_models as mm
+    from megatron_side import allow_cpu_forward, megatron_logits
+
+    from fsdp_worlds import pack
+    from weightsync.plugins.megatron_build import MegatronParallel
+    from weightsync.sources import MegatronSource
+
+    allow_cpu_forward()
+    if not getattr(gdn, "HAVE_FLA", False):
+        gdn.l2norm = _l2norm
+    facts = {}
+    for preset in presets:
+        hf = hf_config(preset)
+        # deterministic_mode: megatron's torch chunked delta rule instead of fla's Triton kernel;
+        # init std 0.1 (megatron's default is 0.02): sharper attention and routing, so mistakes show
+        (model,) = mm.build_megatron(hf, MegatronParallel(), seed=5,
+                                     overrides={"init_method_std": 0.1, "deterministic_mode": True})
+        model.eval()
+        ids = torch.randint(0, hf.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+        exported = {n: t.clone() for n, t in MegatronSource(model, hf_config=hf).iter_full()}
+        with torch.no_grad():
+            ref = megatron_logits(model, ids, hf.vocab_size)
+        f = {"shape": tuple(ref.shape), "scale": ref.abs().max().item()}
+        f["diff"] = (mm.hf_logits(hf, exported, ids) - ref).abs().max().item()
+        for name, change in _controls(hf, exported).items():
+            f[name] = (mm.hf_logits(hf, {**exported, **change}, ids) - ref).abs().max().item()
+        facts[preset] = f
+    return pack(facts)
+
+
+def test_forward_logits_megatron_vs_transformers_from_export():
+    """megatron-core's own forward (TP1, CPU: its torch delta rule, ``deterministic_mode``) and
+    transformers' Qwen3-Next / Qwen3.5 loaded from the export compute the same logits; swapping two
+    key-head groups (Qwen3-Next) or z with v (Qwen3.5), dropping the output norm's +1, or
+    un-interleaving q and gate moves them far beyond the tolerance."""
+    presets = ["tiny-qwen3-next", "tiny-qwen3.5"]
+    res = run_world(_forward_world, 1, presets=presets, timeout=600)[0]
+    for preset in presets:
+        f = res[preset]
+        assert f["diff"] <= TOL * f["scale"], (preset, f)
+        ctrls = [k for k in f if k not in ("shape", "scale", "diff")]
+        assert len(ctrls) == 3, f
+        for c in ctrls:
+            assert f[c] > 100 * TOL * f["scale"], (preset, c, f)
