@@ -31,6 +31,12 @@ megatron-core 0.17+ cannot build MLA without ``q_lora_rank`` from the local spec
 ``QKNormConfigResolver`` then wants TE's fused norm + ``linear_q_proj``, a norm DeepseekV3 does not
 have): that raises ``ValueError`` here; megatron-core 0.16 builds it.
 
+Gated-delta-net hybrids (``qwen3_next``, ``qwen3_5_text``, ``qwen3_5_moe_text``) are assembled layer
+by layer from local-spec pieces (``_hybrid_spec``: megatron's own hybrid block spec asserts TE) with
+zero-centered RMSNorms (``ZeroCenteredRMSNorm``: what TE computes under
+``layernorm_zero_centered_gamma``, which the local spec refuses); ``GatedDeltaNet`` is constructed
+without flash-linear-attention and, on CPU ranks, without the CUDA RNG tracker (``_gdn_construction``).
+
 Supported: dense llama / mistral / qwen2 / qwen3, MoE qwen3_moe / qwen2_moe (shared expert + gate)
 / mixtral / glm4_moe (partial rotary: ``rotary_percent``), MLA + MoE deepseek_v3 (first-k dense
 layers, shared experts, sigmoid group-limited routing with ``e_score_correction_bias``) and gpt_oss
@@ -279,9 +285,14 @@ def _gdn_construction() -> Iterator[None]:
     them): ``__init__`` raises unless flash-linear-attention imports, which only its forward uses
     (Triton kernels); ``reset_parameters`` forks megatron's CUDA RNG tracker, which on CPU ranks
     holds no state. Both are restored afterwards."""
-    import megatron.core.ssm.gated_delta_net as g
+    import sys
+
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+    # the module whose globals __init__ / reset_parameters read: ssm/gated_delta_net.py (0.16),
+    # ssm/gated_delta_net/common.py (0.19, where the layer became a package)
+    g = sys.modules[GatedDeltaNet.reset_parameters.__module__]
     saved = getattr(g, "HAVE_FLA", True), g.get_cuda_rng_tracker
     g.HAVE_FLA = True
     if "model-parallel-rng" not in get_cuda_rng_tracker().get_states():

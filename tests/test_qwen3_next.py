@@ -356,8 +356,8 @@ def _forward_world(rank, world_size, *, presets):
     import sys
 
     sys.path.insert(0, os.path.join(HERE, "gpu"))
-    import megatron.core.ssm.gated_delta_net as gdn
     import mla_models as mm
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
     from megatron_side import allow_cpu_forward, megatron_logits
 
     from fsdp_worlds import pack
@@ -365,6 +365,7 @@ def _forward_world(rank, world_size, *, presets):
     from weightsync.sources import MegatronSource
 
     allow_cpu_forward()
+    gdn = sys.modules[GatedDeltaNet.reset_parameters.__module__]  # 0.16: the layer's module; 0.19: common.py
     if not getattr(gdn, "HAVE_FLA", False):
         gdn.l2norm = _l2norm
     facts = {}
