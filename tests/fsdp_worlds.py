@@ -526,9 +526,7 @@ def world_wrappers(rank: int, world_size: int, *, oracle_dir: str) -> dict:
         it.close()
         time.sleep(6.0)  # stay alive (no collective) while rank 0 waits out its bound
     else:
-        t0 = time.monotonic()
         facts["err_quit"] = errors_of(quitter.iter_full)
-        facts["err_quit_s"] = time.monotonic() - t0
     return pack(facts)
 
 

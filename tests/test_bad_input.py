@@ -208,7 +208,8 @@ def test_stream_and_rank_divergence_raise_named_errors_on_every_rank():
         assert peer["type"] == "PeerFailedError", (case, peer)
         assert "rank 1 failed" in peer["msg"] and bad["msg"] in peer["msg"], (case, peer)
         for r in (0, 1):
-            assert out[r][case]["s"] < 5, (case, r, out[r][case])  # named error, not a timeout
+            # named error, not a timeout (the types above; a timeout would be SyncTimeoutError)
+            assert "did not complete within" not in out[r][case]["msg"], (case, r, out[r][case])
             assert out[r][case]["unmutated"] and out[r][case]["next_ok"], (case, r, out[r][case])
     assert "name/order" in out[1]["order"]["msg"] and "'0.bias'" in out[1]["order"]["msg"]
     assert "more tensors" in out[1]["extra"]["msg"] and "'extra.weight'" in out[1]["extra"]["msg"]
@@ -232,26 +233,33 @@ def test_stream_and_rank_divergence_raise_named_errors_on_every_rank():
         # the peer hears it (or, out of step, fails its own exchange by name): never a timeout
         assert peer["type"] in ("PeerFailedError", "ExchangeError"), (case, peer)
         for r in (0, 1):
-            assert out[r][case]["s"] < 5 and out[r][case]["next_ok"], (case, r, out[r][case])
+            assert "did not complete within" not in out[r][case]["msg"], (case, r, out[r][case])
+            assert out[r][case]["next_ok"], (case, r, out[r][case])
 
     for r in (0, 1):
         cfg = out[r]["config"]
         assert cfg["type"] == "CrossRankMismatchError", cfg
         assert cfg["msg"].startswith(f"rank {r}:") and "rank 1 differs from rank 0" in cfg["msg"]
         assert "entry 0" in cfg["msg"] and "(shape)" in cfg["msg"] and "(8, 8)" in cfg["msg"] and "(6, 6)" in cfg["msg"]
-        assert cfg["s"] < 5 and cfg["unmutated"] and cfg["next_ok"], cfg
+        assert "did not complete within" not in cfg["msg"] and cfg["unmutated"] and cfg["next_ok"], cfg
 
     early_bad, early_peer = out[1]["stops_early"], out[0]["stops_early"]
     assert early_bad["type"] == "MetadataMismatchError" and "stopped after 2" in early_bad["msg"]
     assert early_peer["type"] == "PeerFailedError"
     assert "all-gather of '1.weight'" in early_peer["msg"] and "stopped after 2" in early_peer["msg"]
-    assert early_peer["s"] < 5 and early_bad["next_ok"] and early_peer["next_ok"]
+    assert "did not complete within" not in early_peer["msg"]  # heard rank 1's error, did not time out
+    assert early_bad["next_ok"] and early_peer["next_ok"]
 
     late0, late1 = out[0]["absent"], out[1]["absent"]
     assert late0["type"] == "SyncTimeoutError" and "rank 1 never reached it" in late0["msg"], late0
-    assert 2.5 < late0["s"] < 10, late0
+    # it waited out the bound it was given (3 s, not the world's default): at least that long, and
+    # the message names it
+    assert late0["s"] > 2.5 and "within 3s" in late0["msg"], late0
     assert late1["type"] == "PeerFailedError" and "rank 1 never reached it" in late1["msg"], late1
-    assert late1["s"] < 5 and late0["next_ok"] and late1["next_ok"]
+    # rank 1, arriving late, learns rank 0's timeout from the board at once (PeerFailedError quoting
+    # it) instead of waiting out a bound of its own
+    assert late1["msg"].startswith("rank 1: rank 0 failed"), late1
+    assert late0["next_ok"] and late1["next_ok"]
 
 
 # ---- preflight across ranks -----------------------------------------------------------------
@@ -402,13 +410,16 @@ def test_end_to_end_receiver_http_and_unmapped_failures_raise_on_every_rank_then
     for r in (0, 1):
         f = out[r]
         for case in ("receiver_raises", "http_fails", "unmapped"):
-            assert f[case]["type"] is not None and f[case]["s"] < 30, (case, r, f[case])
+            assert f[case]["type"] is not None, (case, r, f[case])
             assert f"rank {r}" in f[case]["msg"] or "rank(s)" in f[case]["msg"], (case, r, f[case])
+        for case in ("receiver_raises", "unmapped"):  # the receiver's answer, heard at once: no timeout
+            assert "timeout" not in f[case]["msg"] and "within" not in f[case]["msg"], (case, r, f[case])
         assert "injected: load_weights failed" in f["receiver_raises"]["msg"], f["receiver_raises"]
         assert FAIL_NAME in f["receiver_raises"]["msg"]
         # named and bounded on every rank; the loopback engine currently reports its transport
         # group timeout rather than the refused HTTP call itself (see the report), hence no URL check
-        assert "engine init" in f["http_fails"]["msg"] and f["http_fails"]["s"] < 20, f["http_fails"]
+        # bounded by the transport timeout it was given (8 s), which the message names
+        assert "engine init" in f["http_fails"]["msg"] and "within 8s" in f["http_fails"]["msg"], f["http_fails"]
         assert "model.nrm.weight" in f["unmapped"]["msg"], f["unmapped"]
         assert f["unmutated"], r
         assert f["next"]["type"] is None, f["next"]

@@ -25,7 +25,6 @@ import functools
 import hashlib
 import json
 import os
-import time
 
 import pytest
 import torch
@@ -213,9 +212,7 @@ def _dense_world(rank, world_size, *, tmp, url, port):
     # rank 1 fails at its 3rd send (mid-export); the process group is spent after this: last step
     if rank == 1:
         dist.isend = _FailingIsend(after=3)
-    t0 = time.monotonic()
     facts["fail_mid"] = errors_of(save, src, "fail_mid", config=cfg)
-    facts["fail_mid_s"] = time.monotonic() - t0
     if rank == 1:
         facts["fail_mid_sends"] = dist.isend.calls
     return facts
@@ -448,7 +445,9 @@ def test_failure_on_any_rank_leaves_no_folder_and_every_rank_raises(dense):
         assert err is not None and err.startswith("CheckpointError") and "No space left" in err, (r, err)
     assert not os.path.exists(tmp / "disk_full")
     assert facts[1]["fail_mid_sends"] == 3
-    assert facts[0]["fail_mid_s"] < 20 + 30  # within the source's timeout_s (20 s) plus slack
+    # rank 0 hears rank 1's failure, or gives up after the source's timeout_s (20 s), not a default
+    mid = facts[0]["fail_mid"]
+    assert "injected failure on rank 1" in mid or "within 20s" in mid, mid
     # nothing else beside them either: no staging folder left behind
     written = {"tp2", "tp2_bf16", "tp2_over", "vpp", "vpp-dcp", "pp2", "qwen2-hf", "llama-hf"}
     assert set(os.listdir(tmp)) == written

@@ -231,7 +231,7 @@ def test_rank_stopping_mid_pass_is_a_named_timeout_not_a_hang(wrappers):
     err = results[0]["err_quit"]
     assert err is not None and err.startswith("SyncTimeoutError"), err
     assert "rank 1" in err and "all-gather" in err, err
-    assert results[0]["err_quit_s"] < 30
+    assert "within 3s" in err, err  # the source's timeout_s, not the default
 
 
 def test_loopback_engine_end_to_end(tmp_path):

@@ -179,7 +179,6 @@ def test_loopback_groups_open_back_to_back_in_parallel_on_port_0_without_a_colli
     assert sum(len(ports) for _, ports, _ in results) == procs * rounds
     # A fixed port that is taken is a named error right away, not a rendezvous that times out.
     taken = open_transport_store("127.0.0.1", 0, rank=0, world_size=2, timeout_s=5)
-    t0 = time.monotonic()
-    with pytest.raises(WeightSyncError, match=rf"127\.0\.0\.1:{taken.port} is already in use.*master_port=0"):
+    with pytest.raises(WeightSyncError, match=rf"127\.0\.0\.1:{taken.port} is already in use.*master_port=0") as ei:
         open_transport_store("127.0.0.1", taken.port, rank=0, world_size=2, timeout_s=30)
-    assert time.monotonic() - t0 < 10
+    assert not isinstance(ei.value, TimeoutError) and "within" not in str(ei.value), ei.value
