@@ -13,7 +13,7 @@ import pytest
 from weightsync.sources import families
 
 EXPECTED = (
-    "deepseek_v3", "glm4_moe", "gpt_oss", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_5_moe_text",
+    "deepseek_v3", "glm4_moe", "gpt_oss", "llama", "minimax_m2", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_5_moe_text",
     "qwen3_5_text", "qwen3_moe", "qwen3_next",
 )
 
@@ -58,3 +58,20 @@ def test_the_builder_builds_exactly_the_family_table(preset):
 
     wrong = {f: (v.value, built(f)) for f, v in table.items() if built(f) != v.value}
     assert wrong == {}
+
+
+def test_minimax_m2_is_refused_naming_the_whole_width_qk_norm():
+    """MiniMax-M2 normalizes q/k over every head at once; megatron-core's q/k norms are per head:
+    the family refuses at family_for (MegatronSource, every rank) and in the builder."""
+    from transformers import AutoConfig
+
+    from weightsync.plugins.megatron_build import MegatronParallel, megatron_config
+    from weightsync.sources.core.errors import UnmappedParameterError
+
+    hf = AutoConfig.for_model("minimax_m2", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, num_local_experts=4)
+    hf.architectures = ["MiniMaxM2ForCausalLM"]
+    with pytest.raises(UnmappedParameterError, match="whole projection width.*per attention head"):
+        families.family_for(hf)
+    with pytest.raises(ValueError, match="q_layernorm / k_layernorm per attention head"):
+        megatron_config(hf, MegatronParallel())
