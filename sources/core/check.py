@@ -121,16 +121,18 @@ def check_stream(
     """
     if contiguous is None:
         contiguous = what == "iter_local"
+    n = len(expected)
     i = 0
     for name, tensor in pairs:
-        if i >= len(expected):
+        if i >= n:
             raise MetadataMismatchError(
                 f"rank {rank}: {what} yielded more tensors than metadata declares for this rank "
                 f"({len(expected)}); first extra is {_fmt(name, tensor.dtype, tensor.shape)}"
             )
         m = expected[i]
         shape = m.shape if local_shapes is None else local_shapes[i]
-        if name != m.name or tensor.dtype != m.dtype or tuple(tensor.shape) != tuple(shape):
+        # (torch.Size compares equal to a tuple of the same sizes: no tuple() per tensor)
+        if name != m.name or tensor.dtype != m.dtype or (tensor.shape != shape and tuple(tensor.shape) != tuple(shape)):
             which = [
                 w
                 for w, bad in (

@@ -521,6 +521,7 @@ class MegatronSource(WeightSource):
             piece_shape=self._piece_shape(unit, 0),
             out_shapes=unit.shapes,
             dtype=self._wd[unit.key],
+            names=unit.names,
             **self._geometry_kw(unit),
         )
 
@@ -594,7 +595,11 @@ class MegatronSource(WeightSource):
             casts, peak = precast(self._precast, self.dtype) if self._precast else (iter(()), 0)
             transfers = self.overlap and any(s[1] is None for s in self._steps)  # none at TP1 on rank 0
             for k, (unit, local, moe_layer) in enumerate(self._steps):
-                if local is not None:
+                if local is not None and local.views is not None and local.param.data_ptr() == local.ptr:
+                    tensors += len(local.views)
+                    sent += local.total
+                    yield from local.views  # split at construction: views of the parameter (whole_units)
+                elif local is not None:
                     if local.precast:
                         t = next(casts)
                     else:

@@ -7,6 +7,14 @@ work, not by bytes: a Qwen3-1.7B-shaped model is 310 tensors and 3.2 GiB, which 
 (``LocalStep``: the parameter, the rows kept, the layout split, the bytes it allocates) and a pass
 runs detach / trim / cast / split per unit and nothing else.
 
+Units whose HF tensors are views of the parameter (every kind whose split does not copy -- column,
+row, GLU halves, stacked rows, the vocabulary trim -- when the parameter is already in the wire dtype)
+are split once, at construction: ``LocalStep.views`` holds their ``(name, view)`` pairs and a pass
+yields them as they are. Nothing is computed per pass for them, so a pass's host work is the QKV
+gathers, the batched cast and the yields. A view follows the parameter's values (same storage);
+if the parameter's storage is replaced (``param.data = ...``, an offload), ``LocalStep.ptr`` no
+longer matches ``param.data_ptr()`` and that pass splits the new storage as any other unit.
+
 Casts of small tensors are batched (``precast``). A bf16 wire from a model that keeps its norms in
 fp32 (megatron-core builds norm weights in fp32 unless ``Float16Module`` converts them) would
 otherwise launch one cast kernel per norm -- 113 of Qwen3-1.7B's 310 tensors, more host time than
@@ -16,7 +24,7 @@ bitwise what the per-tensor casts give (a cast is elementwise). The batch is bou
 
 Invariant: every output is contiguous and in the wire dtype, and no output aliases memory the model
 could change without the consumer seeing it later than the yield (outputs are views of the
-parameter, or fresh buffers).
+parameter's current storage, or fresh buffers).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import torch
 
 from ..core.layout import Layout
 
-__all__ = ["LocalStep", "local_step", "mark_precast", "precast", "PRECAST_MAX_NUMEL", "PRECAST_CAP_BYTES"]
+__all__ = ["LocalStep", "local_step", "with_views", "mark_precast", "precast", "PRECAST_MAX_NUMEL", "PRECAST_CAP_BYTES"]
 
 #: Largest tensor (elements) whose cast is batched: a bigger cast is bound by bytes, not launches.
 PRECAST_MAX_NUMEL = 1 << 20
@@ -47,6 +55,11 @@ class LocalStep(NamedTuple):
     sizes: tuple[int, ...]  # bytes of each HF tensor, in order
     dtype: torch.dtype  # the wire dtype of its HF tensors
     precast: bool = False  # its cast is done in the pass's batched cast (``precast``)
+    #: ``(name, view of param)`` per HF tensor, split once at construction, when the layout's split
+    #: of the parameter (already in the wire dtype) only makes views; else None
+    views: tuple[tuple[str, torch.Tensor], ...] | None = None
+    ptr: int = 0  # ``param.data_ptr()`` the views were made from
+    total: int = 0  # sum of ``sizes``
 
 
 def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -67,10 +80,11 @@ def local_step(
     heads_per_group: int,
     head_dim: int,
     stack_rows: tuple[int, ...] = (),
+    names: Sequence[str] = (),
     **more: object,
 ) -> LocalStep:
     """The step for a unit of layout ``kind`` whose whole tensor is ``param`` (``piece_shape`` after
-    the vocabulary trim to ``rows``), yielding ``out_shapes`` in ``dtype``."""
+    the vocabulary trim to ``rows``), yielding ``out_shapes`` named ``names`` in ``dtype``."""
     piece = nbytes(piece_shape, dtype)
     cast = 0 if param.dtype == dtype else piece
     split = partial(kind.split, heads_per_group=heads_per_group, head_dim=head_dim, stack_rows=tuple(stack_rows), **more)
@@ -79,7 +93,22 @@ def local_step(
     if kind.shifts_values:  # the kind's own to_wire (values change) instead of a plain, batchable cast
         plain = split
         return LocalStep(param, rows, lambda t: plain(kind.to_wire(t, dtype)), piece + copied, sizes, param.dtype)
-    return LocalStep(param, rows, split, cast + copied, sizes, dtype)
+    step = LocalStep(param, rows, split, cast + copied, sizes, dtype, total=sum(sizes))
+    return with_views(step, names) if names and not cast and not copied else step
+
+
+def with_views(step: LocalStep, names: Sequence[str]) -> LocalStep:
+    """``step`` with its ``views`` made from the parameter's current storage, if its split of the
+    parameter makes contiguous views only (checked on the outputs, whatever the kind); else
+    ``step`` without views."""
+    param = step.param.detach()
+    t = param if step.rows is None else param[: step.rows]
+    with torch.no_grad():
+        outs = step.split(t)
+    base = param.untyped_storage().data_ptr()
+    if len(outs) != len(names) or any(o.untyped_storage().data_ptr() != base or not o.is_contiguous() for o in outs):
+        return step._replace(views=None)
+    return step._replace(views=tuple(zip(names, outs)), ptr=step.param.data_ptr())
 
 
 def mark_precast(steps: list[LocalStep | None], dtype: torch.dtype) -> list[LocalStep | None]:
