@@ -60,7 +60,7 @@ def _build(hf, par, lay):
     import mla_models as mm
     from megatron.core import parallel_state as ps
 
-    chunks = mm.build_megatron(hf, par, overrides=lay.get("refuse"))
+    chunks = mm.build_megatron(hf, par, overrides=lay.get("refuse"), spec_hook=_te_like if lay.get("te") else None)
     tp = ps.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for chunk in chunks:
@@ -70,6 +70,29 @@ def _build(hf, par, lay):
                     g = torch.Generator().manual_seed(zlib.crc32(f"{name.split('.', 3)[3]}{layer}@{tp}".encode()))
                     p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
     return chunks
+
+
+def _te_like(spec):
+    """The block with the Transformer-Engine spec's module layout: each pre-norm fused into the
+    following column-parallel linear (``layer_norm_weight``): GDN ``in_proj``, ``linear_qkv``, dense
+    ``linear_fc1`` (megatron's ``get_gated_delta_net_module_spec`` with TE:
+    ``column_parallel_layer_norm_linear`` and ``fuse_input_layernorm``)."""
+    import mla_models as mm
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    norm_linear = mm._norm_linear_class()
+    for layer in spec.layer_specs:
+        sub = layer.submodules
+        att = sub.self_attention.submodules
+        if hasattr(att, "in_proj"):
+            att.in_proj = norm_linear
+        else:
+            att.linear_qkv = norm_linear
+        sub.input_layernorm = IdentityOp
+        if hasattr(sub.mlp.submodules, "linear_fc1"):
+            sub.mlp.submodules.linear_fc1 = norm_linear
+            sub.pre_mlp_layernorm = IdentityOp
+    return spec
 
 
 # ---- the expected export, from megatron's own checkpoint -----------------------------------------
@@ -142,7 +165,8 @@ def _expected(ck, hf) -> dict[str, torch.Tensor]:
         pre = f"model.layers.{i}."
         # local-spec norms are saved under TE-compatible keys (megatron's TransformerLayer mapping)
         want[pre + "input_layernorm.weight"] = ck_any(
-            ck, i, "input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
+            ck, i, "input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight",
+            "self_attention.in_proj.layer_norm_weight")
         want[pre + "post_attention_layernorm.weight"] = ck_any(
             ck, i, "pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
         if kind == "linear_attention":
@@ -222,6 +246,7 @@ TWO_RANKS = [
     dict(name="q35_tp2", preset="tiny-qwen3.5", tp=2, control=True, local=True),
     dict(name="q35_pp2", preset="tiny-qwen3.5", pp=2, local=True),
     dict(name="q35_tp2_bf16", preset="tiny-qwen3.5", tp=2, dtype=torch.bfloat16),
+    dict(name="q35_tp2_te", preset="tiny-qwen3.5", tp=2, te=True, local=True),
     dict(name="q35moe_tp2_bf16", preset="tiny-qwen3.5-moe", tp=2, dtype=torch.bfloat16),
     dict(name="q35moe_ep2", preset="tiny-qwen3.5-moe", ep=2),
     dict(name="not_zero_centered", preset="tiny-qwen3.5", tp=2, refuse={"layernorm_zero_centered_gamma": False}),
