@@ -22,11 +22,12 @@ vLLM's loader assumes neither: it multiplies by the stored scale, so either is a
 default is vLLM's (the receiver's own library). Both rules are reproduced bit for bit (tests compare
 against both references on edge shapes, zero blocks, subnormal and large values, both scale formats).
 
-Cost: the per-block scale math runs on the small ``[ceil(N/bN), ceil(K/bK)]`` tensor with the
-references' own torch ops (so it is bitwise theirs by construction); the two full-size passes -- the
-block amax and the scale-and-cast -- run as Triton kernels on CUDA (one read of ``W`` each, one FP8
-write, no temporaries), and as chunked torch ops elsewhere (a bounded float32 temporary). Nothing
-here mutates its input.
+Cost: on CUDA one Triton launch per tensor reads ``W`` once and writes the codes and scales
+(``fp8_triton.fused``: the scale formulas with IEEE-rounded divisions, as torch computes them); UE8M0
+scales take two launches around torch's own ``log2``/``pow`` on the small ``[ceil(N/bN), ceil(K/bK)]``
+tensor. Elsewhere (CPU) chunked torch ops with the references' own formulas (a bounded float32
+temporary). The GPU run checks the kernels against the references and the torch path bit for bit.
+Nothing here mutates its input.
 """
 
 from __future__ import annotations
@@ -110,7 +111,9 @@ def quantize_blocks(
     if x3.numel() == 0:
         return q.view(x.shape), torch.empty(scale_shape(tuple(x.shape), (bn, bk)), dtype=torch.float32, device=x.device)
     kernels = _triton_kernels() if x.is_cuda else None
-    if kernels is not None:
+    if kernels is not None and scale_fmt is None:
+        scale_inv = kernels.fused(x3, q, bn, bk, transformers=rule == "transformers")
+    elif kernels is not None:
         amax = kernels.amax(x3, bn, bk)
         scale_inv, mult = _scales_from_amax(amax, rule, scale_fmt)
         kernels.cast(x3, mult, q, bn, bk, clamp=rule == "transformers")

@@ -1,5 +1,9 @@
-"""The two full-size passes of block FP8 quantization as Triton kernels (CUDA only).
+"""Block FP8 quantization as Triton kernels (CUDA only).
 
+``fused`` (float32 scales): one launch per tensor, one program per ``(bN, bK)`` block: it reads the
+block once, computes its amax and float32 scale with the references' formulas (IEEE round-to-nearest
+divisions, ``tl.math.div_rn``, as torch's CUDA division) and writes the codes and the scale.
+UE8M0 scales go through the two-pass form below, whose scale math is torch's own ``log2``/``pow``:
 ``amax``: one program per ``(bN, bK)`` block reads it once and writes its max |x| (float32, exact).
 ``cast``: one program per block reads it once, multiplies by the block's float32 multiplier and
 writes FP8 codes (round to nearest even, saturating: the same codes as torch's ``.to(float8_e4m3fn)``
@@ -15,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["amax", "cast"]
+__all__ = ["amax", "cast", "fused"]
 
 
 @triton.jit
@@ -48,10 +52,51 @@ def _cast_kernel(x_ptr, mult_ptr, q_ptr, n, k, sxb, sxn, sxk, nb, kb, BN: tl.con
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(mult_ptr + (b * nb + i) * kb + j)
     y = x * s
-    if CLAMP:
-        y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
+    if CLAMP:  # torch.clamp: NaN stays NaN
+        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
     out = q_ptr + b.to(tl.int64) * n * k + rows[:, None].to(tl.int64) * k + cols[None, :]
     tl.store(out, y.to(tl.float8e4nv), mask=mask)
+
+
+@triton.jit
+def _fused_kernel(x_ptr, q_ptr, s_ptr, n, k, sxb, sxn, sxk, nb, kb, BN: tl.constexpr, BK: tl.constexpr,
+                  PN: tl.constexpr, PK: tl.constexpr, TRANSFORMERS: tl.constexpr, FMAX: tl.constexpr):
+    """One block: amax, its float32 scale (IEEE-rounded divisions, the references' formulas), codes."""
+    j = tl.program_id(0)
+    i = tl.program_id(1)
+    b = tl.program_id(2)
+    rows = i * BN + tl.arange(0, PN)
+    cols = j * BK + tl.arange(0, PK)
+    mask = (tl.arange(0, PN)[:, None] < BN) & (tl.arange(0, PK)[None, :] < BK)
+    mask = mask & (rows[:, None] < n) & (cols[None, :] < k)
+    ptrs = x_ptr + b.to(tl.int64) * sxb + rows[:, None].to(tl.int64) * sxn + cols[None, :].to(tl.int64) * sxk
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    if TRANSFORMERS:  # s = 448 / amax (1 for an all-zero block), stores 1 / s, codes of clamp(x * s)
+        pos = amax > 0
+        mult = tl.where(pos, tl.math.div_rn(FMAX, tl.where(pos, amax, 1.0)), 1.0)
+        stored = tl.math.div_rn(1.0, mult)
+        y = x * mult
+        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
+    else:  # vLLM: sf = max(amax, 1e-4) / 448, stores sf, codes of x * (1 / sf)
+        stored = tl.math.div_rn(tl.maximum(amax, 1e-4), FMAX)
+        y = x * tl.math.div_rn(1.0, stored)
+    out = q_ptr + b.to(tl.int64) * n * k + rows[:, None].to(tl.int64) * k + cols[None, :]
+    tl.store(out, y.to(tl.float8e4nv), mask=mask)
+    tl.store(s_ptr + (b * nb + i) * kb + j, stored)
+
+
+def fused(x3: torch.Tensor, q: torch.Tensor, bn: int, bk: int, *, transformers: bool) -> torch.Tensor:
+    """Float32 scales (float32 ``scale_fmt``) and codes into ``q`` in one launch; returns the scales."""
+    b, n, k = x3.shape
+    kb, nb, _ = _grid(x3, bn, bk)
+    scales = torch.empty((b, nb, kb), dtype=torch.float32, device=x3.device)
+    _fused_kernel[(kb, nb, b)](
+        x3, q, scales, n, k, *x3.stride(), nb, kb, BN=bn, BK=bk,
+        PN=triton.next_power_of_2(bn), PK=triton.next_power_of_2(bk),
+        TRANSFORMERS=transformers, FMAX=448.0, num_warps=8,
+    )
+    return scales
 
 
 def _grid(x3: torch.Tensor, bn: int, bk: int) -> tuple[int, int, int]:

@@ -103,6 +103,16 @@ def _receiver_main(conn: Any, mode: str, device_str: str) -> None:
                 config, dtype, seed, track = arg
                 recv = HFReceiver(build_hf(config, device=device, dtype=dtype, seed=seed), track=track)
                 engine = _ipc_worker_engine(device, recv) if mode == "ipc" else _LoopbackWorkerEngine(recv)
+            elif method == "build_fp8":  # an FP8 checkpoint's tensors (weightsync's FP8CheckpointModel)
+                from weightsync.plugins.loopback_server import FP8CheckpointModel
+
+                config, dtype, seed, track, quantization = arg
+                recv = HFReceiver(FP8CheckpointModel(build_hf(config, device=device, dtype=dtype, seed=seed),
+                                                     quantization), track=track)
+                engine = _ipc_worker_engine(device, recv) if mode == "ipc" else _LoopbackWorkerEngine(recv)
+            elif method == "track":  # digests of every received tensor on (correctness) or off (timing)
+                assert recv is not None
+                recv.track = bool(arg)
             elif method == "reset":
                 assert recv is not None
                 recv.reset()

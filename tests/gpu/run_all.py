@@ -39,6 +39,7 @@ PARTS = [
     ("oracle_dense", "tests/gpu/part_oracle.py", ["--configs", "qwen3,llama,qwen2"], 150),
     ("bench_ipc", "bench/bench_gpu_ipc.py", [], 180),
     ("bench_megatron", "bench/bench_gpu_megatron.py", [], 120),
+    ("bench_fp8", "bench/bench_gpu_fp8.py", [], 240),
     ("oracle_moe", "tests/gpu/part_oracle.py", ["--configs", "qwen3_moe,glm4_moe,gpt_oss"], 240),
     ("oracle_mla", "tests/gpu/part_mla.py", [], 120),
     ("ipc_families", "tests/gpu/part_ipc.py", ["--source", "fsdp,megatron", "--family", "glm4_moe,gpt_oss"], 240),

@@ -1,0 +1,214 @@
+"""GPU benchmark and evidence: FP8 rollouts -- ``FP8Source`` over ``FSDPSource`` through vLLM 0.33's real
+CUDA IPC engines on a Qwen3-1.7B-shaped model, against the BF16 pass of the same source, in one run.
+
+1. Numerics on CUDA: ``quantize_blocks`` (Triton kernels for the block amax and the scale-and-cast)
+   equals vLLM's ``per_block_cast_to_fp8`` bit for bit (fp32 and UE8M0 scales) and transformers'
+   ``Fp8Quantize`` (block-multiple shapes), on edge shapes (N, K not multiples of 128), all-zero
+   blocks, subnormal-range and large values; and equals weightsync's own torch path (the one CPU runs).
+2. Cost of quantization alone: the 196 projection weights one at a time, vs a D2D copy of the bytes
+   they read, and vs vLLM's ``per_block_cast_to_fp8`` (the plain torch formula). Goal: <= 2x the copy.
+3. IPC round trips (packed: FP8, BF16 and FP32 in one buffer; and unpacked) into a receiver holding an
+   FP8 checkpoint's tensors (``FP8CheckpointModel``): every received tensor's bytes equal vLLM's
+   quantizer applied to the trainer's weights, every receiver parameter written.
+4. Time of one ``send_weights()``: FP8 pass / BF16 pass, packed and unpacked, interleaved rep by rep.
+   Goal: <= 1.35x packed. Wire bytes: exactly an FP8 checkpoint's (embeddings stay BF16).
+
+    python bench/bench_gpu_fp8.py [--reps 7] [--warmup 2] [--dry-run] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
+
+from _timing import copy_floor, sync, timed  # noqa: E402
+from facts import Facts, log  # noqa: E402
+
+GOAL_QUANT_VS_COPY = 2.0
+GOAL_FP8_VS_BF16_PACKED = 1.35
+
+
+def _numerics(facts: Facts, device: str) -> None:
+    import torch
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    from weightsync.sources import quantize_blocks
+    from weightsync.sources.quant import fp8 as fp8mod  # noqa: PLC0415 - the torch path, for comparison
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    cases = []
+    for shape in [(1, 1), (7, 300), (128, 128), (129, 257), (1000, 130), (2048, 6144), (384, 2048)]:
+        for dt in (torch.bfloat16, torch.float32):
+            x = torch.randn(shape, generator=g) * 2
+            if shape[0] >= 256:
+                x[:128, :128] = 0  # an all-zero block
+                x[128:256, :128] *= 1e-40  # subnormal range (fp32; flushes in bf16)
+                x[:128, -100:] *= 1e30  # large values
+            cases.append((x.to(dt).to(device), f"{shape} {str(dt)[6:]}"))
+    bad_v, bad_t, bad_path, n = [], [], [], 0
+    for x, what in cases:
+        for ue in (False, True):
+            rq, rs = per_block_cast_to_fp8(x, [128, 128], use_ue8m0=ue)
+            q, s = quantize_blocks(x, (128, 128), scale_fmt="ue8m0" if ue else None)
+            n += 1
+            if not (torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)):
+                bad_v.append(f"{what} ue8m0={ue}")
+            # the torch path (CPU's) on the same device gives the same bytes as the kernels, both rules
+            for rule in ("vllm", "transformers"):
+                kq, ks = quantize_blocks(x, (128, 128), scale_fmt="ue8m0" if ue else None, rule=rule)
+                kernels, fp8mod._KERNELS = fp8mod._KERNELS, None
+                fp8mod._KERNELS_TRIED = True
+                try:
+                    tq, ts = quantize_blocks(x, (128, 128), scale_fmt="ue8m0" if ue else None, rule=rule)
+                finally:
+                    fp8mod._KERNELS = kernels
+                if not (torch.equal(kq.view(torch.uint8), tq.view(torch.uint8)) and torch.equal(ks, ts)):
+                    bad_path.append(f"{what} ue8m0={ue} {rule}")
+            if x.shape[0] % 128 == 0 and x.shape[1] % 128 == 0:
+                hq = type("Q", (), {})()
+                hq.quantization_config = FineGrainedFP8Config(weight_block_size=(128, 128),
+                                                              scale_fmt="ue8m0" if ue else "float")
+                out = Fp8Quantize(hq).convert({"w.weight": x})
+                q2, s2 = quantize_blocks(x, (128, 128), scale_fmt="ue8m0" if ue else None, rule="transformers")
+                if not (torch.equal(q2.view(torch.uint8), out["w.weight"].view(torch.uint8))
+                        and torch.equal(s2, out["w.weight_scale_inv"].float())):
+                    bad_t.append(f"{what} ue8m0={ue}")
+    facts.check("CUDA quantize_blocks == vLLM per_block_cast_to_fp8 (bitwise)", not bad_v, f"{n} cases; bad: {bad_v[:4]}")
+    facts.check("CUDA quantize_blocks(rule=transformers) == transformers Fp8Quantize (bitwise)", not bad_t, f"bad: {bad_t[:4]}")
+    facts.check("Triton kernels == weightsync's torch path (bitwise)", not bad_path, f"bad: {bad_path[:4]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model, loopback transport")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    facts = Facts("bench_fp8", dry_run=args.dry_run)
+    import torch
+
+    from hf_side import bench_config, build_hf, digest, tiny_config
+    from receiver import start_receiver, trainer_engine
+
+    device = "cpu" if args.dry_run else "cuda:0"
+    mode = "loopback" if args.dry_run else "ipc"
+    reps, warmup = (2, 1) if args.dry_run else (args.reps, args.warmup)
+    if not args.dry_run:
+        if not torch.cuda.is_available():
+            facts.check("CUDA available", False, "no CUDA device; use --dry-run on CPU")
+            return facts.finish(args.json)
+        torch.cuda.set_device(0)
+    client = client_bf16 = None
+    try:
+        import datetime
+
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+        from weightsync.sources import FP8Source, FSDPSource, quantize_blocks
+
+        _numerics(facts, device)
+        dist.init_process_group("nccl" if not args.dry_run else "gloo", store=dist.HashStore(),  # 1 rank
+                                rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
+        cfg = tiny_config("qwen3") if args.dry_run else bench_config()
+        model = build_hf(cfg, device=device, dtype=torch.bfloat16, seed=3)
+        plain = {n: p.detach().clone() for n, p in model.named_parameters()}
+        mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (1,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        bf16 = FSDPSource(model)
+        fp8 = FP8Source(FSDPSource(model))
+        qcfg = fp8.quantization_config
+        plans = fp8._plans
+        facts.number("quantized tensors", len(plans))
+
+        # 2. quantization alone, one tensor at a time
+        weights = [plain[n] for n in plans]
+        read = sum(w.numel() * w.element_size() for w in weights)
+        q_ours = timed(lambda: [quantize_blocks(w) for w in weights], device=device, reps=reps, warmup=warmup)
+        q_vllm = timed(lambda: [per_block_cast_to_fp8(w, [128, 128]) for w in weights], device=device,
+                       reps=reps, warmup=warmup)
+        ct = copy_floor(read, device=device, reps=reps)
+        for tag, ts in (("weightsync quantize_blocks", q_ours), ("vLLM per_block_cast_to_fp8", q_vllm)):
+            r = min(ts) / min(ct)
+            facts.number(f"{tag} best_ms", round(min(ts) * 1e3, 3))
+            facts.number(f"{tag} / d2d copy of the bytes read (best)", round(r, 2),
+                         f"(goal <= {GOAL_QUANT_VS_COPY}: {'met' if r <= GOAL_QUANT_VS_COPY else 'NOT met'})"
+                         if tag.startswith("weightsync") else "")
+        facts.number("d2d copy of the bytes read best_ms", round(min(ct) * 1e3, 3))
+
+        # 3. round trips: received bytes == vLLM's quantizer on the trainer's weights
+        want = {}
+        for m in fp8.source.metadata:
+            t = plain.get(m.name, plain.get("model.embed_tokens.weight") if m.name == "lm_head.weight" else None)
+            if m.name in plans:
+                q, s = per_block_cast_to_fp8(t, [128, 128])
+                want[m.name], want[plans[m.name].scale_name] = digest(q), digest(s)
+            elif t is not None:
+                want[m.name] = digest(t)
+        client = start_receiver(mode, device, timeout_s=300)
+        client.call("build_fp8", (cfg, torch.bfloat16, 7, True, qcfg))
+        client_bf16 = start_receiver(mode, device, timeout_s=300)  # the BF16 pass's own receiver
+        client_bf16.call("build", (cfg, torch.bfloat16, 7, False))
+        clients = {"bf16": client_bf16, "fp8": client}
+        wire_fp8 = sum(math.prod(m.shape) * m.dtype.itemsize for m in fp8.metadata)
+        wire_bf16 = sum(math.prod(m.shape) * m.dtype.itemsize for m in bf16.metadata)
+        facts.number("wire bytes FP8 / BF16", round(wire_fp8 / wire_bf16, 3))
+        results: dict[str, list[float]] = {}
+        for packed in (False, True):
+            tag = "packed" if packed else "unpacked"
+            engines = {name: trainer_engine(mode, client=clients[name], source=src, packed=packed, buffer_bytes=1 << 30)
+                       for name, src in (("bf16", bf16), ("fp8", fp8))}
+            client.call("reset")
+            engines["fp8"].send_weights()
+            rep = client.call("report")
+            got = dict(rep["received"])
+            bad = [n for n, d in want.items() if got.get(n) != d]
+            facts.check(f"FP8 {tag}: received bytes == vLLM's quantizer on the trainer's weights", not bad and
+                        not rep["missing"], f"{len(got)} tensors; differ {bad[:3]}; missing {rep['missing'][:3]}")
+            client.call("track", False)  # digests cost seconds a pass: off while timing
+            times = {name: [] for name in engines}
+            for i in range(warmup + reps):
+                for name in (list(engines) if i % 2 == 0 else list(engines)[::-1]):
+                    sync(device)
+                    t0 = time.perf_counter()
+                    engines[name].send_weights()
+                    sync(device)
+                    if i >= warmup:
+                        times[name].append(time.perf_counter() - t0)
+            for name, ts in times.items():
+                results[f"{name} {tag}"] = ts
+                facts.number(f"{name} {tag} best_ms", round(min(ts) * 1e3, 3))
+                facts.number(f"{name} {tag} median_ms", round(statistics.median(ts) * 1e3, 3))
+            for stat, f in (("best", min), ("median", statistics.median)):
+                r = f(times["fp8"]) / f(times["bf16"])
+                goal = f" (goal <= {GOAL_FP8_VS_BF16_PACKED}: {'met' if r <= GOAL_FP8_VS_BF16_PACKED else 'NOT met'})" \
+                    if packed else ""
+                facts.number(f"ratio FP8/BF16 pass {tag} {stat}", round(r, 3), goal)
+            for eng in engines.values():
+                eng.shutdown()
+            client.call("track", True)
+        log(f"[bench_fp8] done: {len(plans)} quantized tensors")
+    except Exception as e:  # noqa: BLE001
+        facts.error("bench_fp8", e)
+    finally:
+        for c in (client, client_bf16):
+            if c is not None:
+                c.close()
+    return facts.finish(args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

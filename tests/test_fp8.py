@@ -1,0 +1,341 @@
+"""FP8 rollouts (``weightsync.sources.FP8Source`` / ``quantize_blocks`` / ``FP8Config``) against oracles
+nobody here wrote:
+
+* **numerics**: vLLM 0.33's ``per_block_cast_to_fp8`` (the quantizer vLLM's tests use) and
+  transformers' ``Fp8Quantize`` (its FineGrainedFP8 save-time quantizer), bit for bit, fp32 and UE8M0
+  scales, on edge shapes (N, K not multiples of the block), all-zero blocks, subnormal-range and
+  large values, 3-D expert stacks; where the two references disagree, the test says how;
+  transformers' ``Fp8Dequantize`` computes our dequantization;
+* **names, dtypes, shapes**: transformers' own FP8 model skeleton (``replace_with_fp8_linear`` with the
+  ``quantization_config`` weightsync writes) holds exactly the tensors ``FP8Source`` declares;
+  ``from_pretrained`` loads the checkpoint ``save_safetensors`` writes from an FP8 stream with nothing
+  missing or unexpected;
+* **multi-rank**: ``FSDPSource`` on 2 FSDP2 ranks (dense and MoE, per-expert and fused experts,
+  ``iter_full`` and block-aligned ``iter_local``, through vLLM's NCCL sender check) and
+  ``MegatronSource`` at TP2, EP2 and (MLA) TP2 on 2 ranks: the quantized streams equal vLLM's
+  quantizer applied to the unquantized streams, which the family tests prove equal to
+  ``save_pretrained`` (FSDP: compared with ``save_pretrained``'s own tensors here);
+* **bad input** raises ``FP8ConfigError`` on every rank before any collective: a served config whose
+  block size or quantized modules disagree with the model, per-tensor FP8, piecewise quantization
+  whose pieces do not fall on block boundaries.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+import pytest
+import torch
+from fsdp_worlds import unpack
+from worlds import run_world as _run_world
+
+VLLM_BLOCK = [128, 128]
+
+
+def run_world(*a, **k):
+    return unpack(_run_world(*a, **k))
+
+
+def _vllm(x: torch.Tensor, block=(128, 128), ue8m0: bool = False):
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    return per_block_cast_to_fp8(x, list(block), use_ue8m0=ue8m0)
+
+
+def _transformers(x: torch.Tensor, block=(128, 128), fmt: str | None = None):
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    class Q:
+        quantization_config = FineGrainedFP8Config(weight_block_size=tuple(block), scale_fmt=fmt or "float")
+
+    out = Fp8Quantize(Q()).convert({"w.weight": x})
+    return out["w.weight"], out.get("w.weight_scale_inv")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.itemsize == 1:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
+
+
+def _adversarial(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random values plus an all-zero block, a subnormal-range block, a large-value block and a block
+    mixing tiny and huge values, wherever the shape has room for them."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 3
+    n, k = shape[-2:]
+    if n > 8 and k > 8:
+        x[..., : n // 4, : k // 4] = 0
+        x[..., n // 4 : n // 2, : k // 4] *= 1e-39 if dtype == torch.float32 else 1e-38  # subnormal range
+        x[..., : n // 4, k // 2 :] *= 1e30
+        x[..., -1, -1] = 3e38 if dtype == torch.float32 else 1e38
+    return x.to(dtype)
+
+
+EDGE_SHAPES = [(1, 1), (1, 5), (7, 300), (127, 129), (128, 128), (129, 257), (256, 384), (300, 200)]
+
+
+def test_quantize_blocks_is_vllms_quantizer_bit_for_bit():
+    """Every shape (edge blocks included), dtype, block and scale format: codes and scales equal
+    vLLM's ``per_block_cast_to_fp8``; and the scale tensor is ``[ceil(N/bN), ceil(K/bK)]`` float32."""
+    from weightsync.sources import quantize_blocks
+
+    bad, n = [], 0
+    for i, shape in enumerate(EDGE_SHAPES):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = _adversarial(shape, dtype, i)
+            before = x.clone()
+            for block in ((128, 128), (64, 32), (1, 128)):
+                for ue in (False, True):
+                    rq, rs = _vllm(x, block, ue)
+                    q, s = quantize_blocks(x, block, scale_fmt="ue8m0" if ue else None)
+                    n += 1
+                    if not (_same(q, rq) and _same(s, rs)):
+                        bad.append((shape, dtype, block, ue))
+                    assert s.dtype == torch.float32 and s.shape == (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+            assert torch.equal(x, before), "quantize_blocks modified its input"
+    assert not bad, f"{len(bad)}/{n} cases differ from vLLM's quantizer: {bad[:5]}"
+    assert n == len(EDGE_SHAPES) * 3 * 3 * 2
+
+
+def test_quantize_blocks_rule_transformers_is_fp8quantize_bit_for_bit():
+    """Block-multiple shapes (the ones transformers quantizes), 2-D and 3-D expert stacks, fp32 and
+    UE8M0 scales (transformers stores UE8M0 scales as float8_e8m0fnu; weightsync sends them as the
+    same powers of two in float32, the dtype vLLM's parameter holds)."""
+    from weightsync.sources import quantize_blocks
+
+    bad = []
+    for i, shape in enumerate([(128, 128), (256, 384), (3, 256, 128), (384, 128)]):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = _adversarial(shape, dtype, 10 + i)
+            for fmt in (None, "ue8m0"):
+                tq, ts = _transformers(x, fmt=fmt)
+                q, s = quantize_blocks(x, scale_fmt=fmt, rule="transformers")
+                if not (_same(q, tq) and _same(s, ts.to(torch.float32))):
+                    bad.append((shape, dtype, fmt))
+                if fmt == "ue8m0":
+                    assert ts.dtype == torch.float8_e8m0fnu and torch.equal(ts.to(torch.float32), s)
+    assert not bad, bad
+
+
+def test_the_two_references_disagree_and_vllm_loads_either():
+    """Where vLLM's and transformers' quantizers differ (documented in quant/fp8.py): an all-zero block's
+    scale (1e-4/448 vs 1), the last bit of scales (1/(448/a) vs a/448), shapes that are not block
+    multiples (transformers passes them through unquantized). What vLLM's loader computes from either
+    -- codes times the stored block scale -- is within FP8 rounding of the input for both."""
+    from weightsync.sources import dequantize_blocks, quantize_blocks
+
+    x = torch.randn(512, 384, generator=torch.Generator().manual_seed(5))
+    x[:128, :128] = 0
+    rq, rs = _vllm(x)
+    tq, ts = _transformers(x)
+    assert rs[0, 0].item() == pytest.approx(1e-4 / 448) and ts[0, 0].item() == 1.0
+    assert (rs != ts).sum() > 0, "on random data some scales differ in the last bit"
+    nonzero = torch.ones_like(rs, dtype=torch.bool)
+    nonzero[0, 0] = False
+    assert ((rs - ts).abs()[nonzero] <= rs[nonzero] * 2**-23).all(), "and only in the last bit"
+    edge = torch.randn(130, 200)
+    tq_edge, ts_edge = _transformers(edge)
+    assert tq_edge.dtype == torch.float32 and ts_edge is None, "transformers leaves non-multiples unquantized"
+    q, s = quantize_blocks(edge)
+    assert _same(q, _vllm(edge)[0]) and s.shape == (2, 2)
+    for qq, ss in ((rq, rs), (tq, ts)):
+        deq = dequantize_blocks(qq, ss)
+        unit = ss.repeat_interleave(128, 0).repeat_interleave(128, 1)  # the block's scale
+        # e4m3: half an ulp is 2^-4 relative for normals, 2^-10 of the scale for subnormal codes
+        assert ((deq - x).abs() <= x.abs() * 2**-4 + unit * 2**-10).all()
+
+
+def test_dequantize_blocks_is_transformers_fp8dequantize():
+    """The receiver's dequantization (``dequantize_blocks``, what vLLM's loader multiplies) equals
+    transformers' ``Fp8Dequantize`` on block-multiple shapes, 2-D and 3-D."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from weightsync.sources import dequantize_blocks, quantize_blocks
+
+    class Q:
+        quantization_config = None
+
+    deq = Fp8Dequantize(Q())
+    for shape in ((256, 384), (3, 128, 256)):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+        q, s = quantize_blocks(x)
+        ours = dequantize_blocks(q, s)
+        theirs = deq._dequantize_one(q, s, torch.float32)
+        assert torch.equal(ours, theirs)
+
+
+def test_fused_gate_up_scales_follow_the_concat():
+    """A fused ``experts.gate_up_proj`` [E, 2I, H] with I not a block multiple: gate and up are
+    quantized as two tensors and their scales concatenated (``[E, 2*ceil(I/bN), ceil(H/bK)]``, the
+    rows vLLM's ``w13_weight_scale_inv`` holds): vLLM's fused-expert loader, which chunks the scale in
+    two like the weight, then reads exactly the per-expert gate and up scales."""
+    from weightsync.sources import FP8Config, quantize_blocks
+
+    cfg = FP8Config()
+    E, inter, hidden = 2, 192, 256
+    plan = cfg.plan("model.layers.0.mlp.experts.gate_up_proj", (E, 2 * inter, hidden))
+    assert plan.scale_name == "model.layers.0.mlp.experts.gate_up_proj_scale_inv"
+    assert plan.scale_shape == (E, 4, 2) and plan.parts == 2
+    down = cfg.plan("model.layers.0.mlp.experts.down_proj", (E, hidden, inter))
+    assert down.scale_shape == (E, 2, 2) and down.parts == 1
+    x = torch.randn(E, 2 * inter, hidden)
+    halves = [quantize_blocks(h) for h in x.chunk(2, dim=1)]
+    scale = torch.cat([h[1] for h in halves], dim=1)
+    gate_s, up_s = scale.chunk(2, dim=1)  # what RoutedExperts.load_weights does with a fused scale
+    for e in range(E):
+        assert torch.equal(gate_s[e], _vllm(x[e, :inter])[1]) and torch.equal(up_s[e], _vllm(x[e, inter:])[1])
+
+
+NAMES = {  # checkpoint name -> quantized by default?
+    "model.embed_tokens.weight": False, "lm_head.weight": False, "model.norm.weight": False,
+    "model.layers.0.input_layernorm.weight": False, "model.layers.0.self_attn.q_norm.weight": False,
+    "model.layers.0.self_attn.q_proj.weight": True, "model.layers.0.self_attn.o_proj.weight": True,
+    "model.layers.0.self_attn.q_proj.bias": False, "model.layers.0.self_attn.sinks": False,
+    "model.layers.0.mlp.gate_proj.weight": True, "model.layers.0.mlp.down_proj.weight": True,
+    "model.layers.1.mlp.gate.weight": False, "model.layers.1.mlp.gate.e_score_correction_bias": False,
+    "model.layers.1.mlp.experts.3.up_proj.weight": True, "model.layers.1.mlp.shared_expert.down_proj.weight": True,
+    "model.layers.1.mlp.shared_experts.gate_proj.weight": True, "model.layers.1.mlp.shared_expert_gate.weight": False,
+    "model.layers.1.block_sparse_moe.gate.weight": False, "model.layers.1.block_sparse_moe.experts.0.w1.weight": True,
+    "model.layers.0.self_attn.q_a_proj.weight": True, "model.layers.0.self_attn.q_a_layernorm.weight": False,
+    "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": True, "model.layers.0.self_attn.kv_b_proj.weight": True,
+    "model.layers.0.self_attn.indexer.wq_b.weight": True, "model.layers.0.self_attn.indexer.weights_proj.weight": False,
+    "model.layers.0.self_attn.indexer.k_norm.weight": False, "model.layers.0.mlp.router.weight": False,
+    "model.layers.0.linear_attn.conv1d.weight": False,
+}
+
+
+def test_default_selection_and_served_configs():
+    """The documented default set; ``modules_to_not_convert`` / ``ignored_layers`` (transformers'
+    matching); a served ``quantization_config`` read as vLLM reads it; what cannot be honoured is
+    refused naming the field."""
+    from weightsync.sources import FP8Config, FP8ConfigError
+
+    cfg = FP8Config()
+    for name, want in NAMES.items():
+        shape = (64, 32, 3) if name.endswith("conv1d.weight") else (64, 32) if name.endswith(".weight") else (64,)
+        assert (cfg.plan(name, shape) is not None) == want, name
+    served = FP8Config.from_hf({"quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 32],
+        "scale_fmt": "ue8m0", "modules_to_not_convert": ["model.layers.0.self_attn.o_proj", "mlp.down_proj"],
+    }})
+    assert served.block == (64, 32) and served.scale_fmt == "ue8m0"
+    assert served.plan("model.layers.0.self_attn.o_proj.weight", (64, 64)) is None
+    assert served.plan("model.layers.1.self_attn.o_proj.weight", (64, 64)).scale_shape == (1, 2)
+    assert served.plan("model.layers.3.mlp.down_proj.weight", (64, 64)) is None
+    assert FP8Config.from_hf({"quant_method": "fp8", "weight_block_size": [128, 128],
+                              "ignored_layers": ["lm_head", "re:.*q_proj"]}).not_convert == ("lm_head", "re:.*q_proj")
+    refusals = {
+        "weight_block_size": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+        "fmt": {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]},
+        "quant_method": {"quant_method": "awq", "weight_block_size": [128, 128]},
+        "scale_fmt": {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "e8m0x"},
+    }
+    for field, q in refusals.items():
+        with pytest.raises(FP8ConfigError, match=field):
+            FP8Config.from_hf(q)
+
+
+def _tiny_moe(hidden=256, inter=128, moe_inter=128, seed=0):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=128, vocab_size=96, num_experts=3, num_experts_per_tok=2,
+                         moe_intermediate_size=moe_inter, mlp_only_layers=[1], tie_word_embeddings=False)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+
+
+def _skeleton_state(model, quantization_config: dict) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """What transformers' own FP8 model holds for ``model``'s architecture under ``quantization_config``."""
+    import copy
+
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    q = quantization_config
+    cfg = FineGrainedFP8Config(weight_block_size=tuple(q["weight_block_size"]),
+                               modules_to_not_convert=q.get("modules_to_not_convert"))
+    m = copy.deepcopy(model)
+    replace_with_fp8_linear(m, modules_to_not_convert=cfg.modules_to_not_convert, quantization_config=cfg,
+                            pre_quantized=True)
+    return {n: (t.dtype, tuple(t.shape)) for n, t in m.state_dict().items()}
+
+
+def test_one_process_sources_checkpoint_and_served_folder():
+    """One process: ``FP8Source`` over ``SafetensorsSource`` (a ``save_pretrained`` folder) and over
+    vLLM's ``ModuleSource`` (fused experts): metadata = transformers' FP8 skeleton of the same
+    architecture, bytes = vLLM's quantizer on the file's tensors; ``save_safetensors`` writes an FP8
+    checkpoint ``from_pretrained`` loads with nothing missing or unexpected, its weights transformers'
+    dequantization of ours; that folder, as the served model, makes the same stream; folders that
+    disagree with the model raise before a byte moves; the caller's config and model are untouched."""
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer import ModuleSource
+
+    from weightsync.plugins.checkpoint import save_safetensors
+    from weightsync.sources import FP8Config, FP8ConfigError, FP8Source, SafetensorsSource, dequantize_blocks
+
+    model = _tiny_moe()
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(f"{d}/bf")
+        src = FP8Source(SafetensorsSource(f"{d}/bf"))
+        meta = {m.name: (m.dtype, tuple(m.shape)) for m in src.metadata}
+        skeleton = _skeleton_state(model, src.quantization_config)
+        # transformers' skeleton holds fused experts; the checkpoint per-expert names (save_pretrained's)
+        per_expert = {n for n in meta if re.search(r"\.experts\.\d+\.", n)}
+        assert {n: v for n, v in meta.items() if n not in per_expert} == \
+            {n: v for n, v in skeleton.items() if ".experts." not in n}
+        assert sum(1 for n in meta if n.endswith("weight_scale_inv")) == 4 * 2 + 3 * 3 * 1 + 3 * 1  # attn, experts, dense mlp
+        files = dict(SafetensorsSource(f"{d}/bf").iter_full())
+        got = dict(src.iter_full())
+        for name, t in files.items():
+            p = src._plans.get(name)
+            if p is None:
+                assert _same(got[name], t), name
+            else:
+                q, s = _vllm(t)
+                assert _same(got[name], q) and _same(got[p.scale_name], s), name
+
+        fused = FP8Source(ModuleSource(model))
+        fmeta = {m.name: (m.dtype, tuple(m.shape)) for m in fused.metadata}
+        assert fmeta == skeleton, sorted(set(fmeta.items()) ^ set(skeleton.items()))[:4]
+        fgot = dict(fused.iter_full())
+        gu = model.model.layers[0].mlp.experts.gate_up_proj.detach()
+        assert _same(fgot["model.layers.0.mlp.experts.gate_up_proj"],
+                     torch.cat([_vllm(gu[e])[0] for e in range(3)]).view(3, 256, 256))
+
+        cfg_before = model.config.to_dict()
+        save_safetensors(src, f"{d}/fp8", config=model.config)
+        assert model.config.to_dict() == cfg_before
+        loaded, info = AutoModelForCausalLM.from_pretrained(f"{d}/fp8", dtype=torch.float32, output_loading_info=True)
+        assert not any(info.values()), info
+        sd = loaded.state_dict()
+        deq = {name: dequantize_blocks(got[name], got[p.scale_name]) for name, p in src._plans.items()}
+        for name, t in deq.items():
+            if name not in per_expert:
+                assert torch.equal(sd[name], t.to(sd[name].dtype)), name
+        pre = "model.layers.0.mlp.experts"
+        for e in range(3):  # transformers holds the experts fused: [gate; up] and down
+            assert torch.equal(sd[f"{pre}.gate_up_proj"][e],
+                               torch.cat([deq[f"{pre}.{e}.gate_proj.weight"], deq[f"{pre}.{e}.up_proj.weight"]]))
+            assert torch.equal(sd[f"{pre}.down_proj"][e], deq[f"{pre}.{e}.down_proj.weight"])
+
+        served = FP8Config.from_checkpoint(f"{d}/fp8")
+        assert served.modules == frozenset(n[: -len(".weight")] for n in src._plans)
+        again = FP8Source(SafetensorsSource(f"{d}/bf"), f"{d}/fp8")
+        assert [(m.name, m.dtype, m.shape) for m in again.metadata] == [(m.name, m.dtype, m.shape) for m in src.metadata]
+
+        with pytest.raises(FP8ConfigError, match=r"scale has shape .* weight_block_size=\[64, 64\]"):
+            bad = FP8Config(block=(64, 64), modules=served.modules, expected_scales=served.expected_scales)
+            FP8Source(SafetensorsSource(f"{d}/bf"), bad).metadata
+        with pytest.raises(FP8ConfigError, match="does not send, e.g. 'model.layers.5.self_attn.q_proj'"):
+            FP8Source(SafetensorsSource(f"{d}/bf"), FP8Config(modules=served.modules | {"model.layers.5.self_attn.q_proj"})).metadata
+        with pytest.raises(FP8ConfigError, match="already quantized"):
+            FP8Source(src)
+        with pytest.raises(FP8ConfigError, match="already sends"):
+            FP8Source(SafetensorsSource(f"{d}/fp8")).metadata
