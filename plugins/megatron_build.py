@@ -243,7 +243,9 @@ def _hybrid_spec(mcfg: Any, vp: int | None) -> Any:
 
     L = mcfg.num_layers
     if mcfg.num_moe_experts:
-        base = get_gpt_decoder_layer_specs(mcfg, use_transformer_engine=False, normalization="RMSNorm")
+        plain = copy.copy(mcfg)  # megatron-core 0.19 asserts no experimental variant here: the MLP specs only
+        plain.experimental_attention_variant = None
+        base = get_gpt_decoder_layer_specs(plain, use_transformer_engine=False, normalization="RMSNorm")
     else:
         base = [get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")] * L
     freq = mcfg.linear_attention_freq
@@ -297,10 +299,26 @@ def _gdn_construction() -> Iterator[None]:
     g.HAVE_FLA = True
     if "model-parallel-rng" not in get_cuda_rng_tracker().get_states():
         g.get_cuda_rng_tracker = _NoForkTracker
+    # 0.19 also binds the delta-rule kernel at construction (``_setup_variant_attrs``, asserted not
+    # None): without fla, one that says so if called (``deterministic_mode`` binds megatron's torch one)
+    v = sys.modules[GatedDeltaNet._setup_variant_attrs.__module__] if hasattr(GatedDeltaNet, "_setup_variant_attrs") else None
+    kernel = getattr(v, "chunk_gated_delta_rule", False)
+    if v is not None and kernel is None:
+        v.chunk_gated_delta_rule = _no_fla_kernel
     try:
         yield
     finally:
         g.HAVE_FLA, g.get_cuda_rng_tracker = saved
+        if v is not None and kernel is None:
+            v.chunk_gated_delta_rule = kernel
+
+
+def _no_fla_kernel(*a: Any, **k: Any) -> Any:
+    raise RuntimeError(
+        "this GatedDeltaNet was built without flash-linear-attention: its forward needs fla's "
+        "chunk_gated_delta_rule (pip install flash-linear-attention), or deterministic_mode=True "
+        "(megatron's torch implementation)"
+    )
 
 
 def _mla_spec(spec: Any) -> Any:

@@ -89,8 +89,9 @@ def _te_like(spec):
         else:
             att.linear_qkv = norm_linear
         sub.input_layernorm = IdentityOp
-        if hasattr(sub.mlp.submodules, "linear_fc1"):
-            sub.mlp.submodules.linear_fc1 = norm_linear
+        mlp = getattr(sub.mlp, "submodules", None) or getattr(sub.mlp, "keywords", {}).get("submodules")
+        if hasattr(mlp, "linear_fc1"):  # (megatron-core 0.19 may hold the MLP spec as a partial)
+            mlp.linear_fc1 = norm_linear
             sub.pre_mlp_layernorm = IdentityOp
     return spec
 
