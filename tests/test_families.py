@@ -13,7 +13,7 @@ import pytest
 from weightsync.sources import families
 
 EXPECTED = (
-    "deepseek_v3", "glm4_moe", "gpt_oss", "llama", "minimax_m2", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_5_moe_text",
+    "deepseek_v3", "glm4_moe", "gpt_oss", "llama", "minimax_m2", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_5", "qwen3_5_moe_text",
     "qwen3_5_text", "qwen3_moe", "qwen3_next",
 )
 
@@ -75,3 +75,16 @@ def test_minimax_m2_is_refused_naming_the_whole_width_qk_norm():
         families.family_for(hf)
     with pytest.raises(ValueError, match="q_layernorm / k_layernorm per attention head"):
         megatron_config(hf, MegatronParallel())
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_vision_language_configs_are_refused_saying_to_pass_the_text_config(model_type):
+    from transformers import AutoConfig
+
+    from weightsync.sources.core.errors import UnmappedParameterError
+
+    hf = AutoConfig.for_model(model_type)
+    hf.architectures = [{"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}[model_type]]
+    with pytest.raises(UnmappedParameterError, match=r"hf_config=config\.text_config .*_text"):
+        families.family_for(hf)
+    families.family_for(hf.text_config)  # the language model's family exports it
