@@ -339,3 +339,146 @@ def test_one_process_sources_checkpoint_and_served_folder():
             FP8Source(src)
         with pytest.raises(FP8ConfigError, match="already sends"):
             FP8Source(SafetensorsSource(f"{d}/fp8")).metadata
+
+
+# ---- FSDP2, 2 ranks -------------------------------------------------------------------------------
+
+SMALL = (16, 16)  # tiny models: several blocks per tensor, edge blocks included
+LOCAL = (8, 16)  # every FSDP piece of the dense tiny model starts on a block boundary
+
+
+def _fsdp_world(rank, world_size, *, oracle_dir):
+    import torch.distributed as dist
+    from fsdp_worlds import drive_vllm_nccl, module_snapshot, no_collectives, pack, save_oracle, shard
+    from fsdp_worlds import snapshot_diff, stream, tiny_model, to_cpu
+    from torch.distributed.device_mesh import init_device_mesh
+    from worlds import errors_of
+
+    from weightsync.sources import FP8Config, FP8Source, FSDPSource
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    facts = {}
+    for family in ("qwen3", "qwen3_moe"):
+        model = tiny_model(family, tied=False, vocab=96)
+        if rank == 0:
+            save_oracle(model, os.path.join(oracle_dir, family), torch.bfloat16)
+            save_oracle(model, os.path.join(oracle_dir, family + "-fp32"))
+        shard(model, mesh)
+        before = module_snapshot(model)
+        f = {}
+        layouts = {"default": None} if family == "qwen3" else {"default": None, "fused": "fused"}
+        for tag, layout in layouts.items():
+            src = FP8Source(FSDPSource(model, dtype=torch.bfloat16, expert_layout=layout), FP8Config(block=SMALL))
+            with no_collectives():
+                f[f"{tag}_meta"] = [(m.name, str(m.dtype), tuple(m.shape)) for m in src.metadata]
+            f[f"{tag}_full"] = to_cpu(stream(src))
+            f[f"{tag}_qcfg"] = src.quantization_config
+        if family == "qwen3":
+            f["local"] = to_cpu(stream(FP8Source(FSDPSource(model, dtype=torch.bfloat16), FP8Config(block=LOCAL)), "local"))
+            f["local_refused"] = errors_of(lambda: stream(FP8Source(FSDPSource(model), FP8Config(block=(24, 16))), "local"))
+            bad = FP8Config(block=SMALL, modules=frozenset({"model.layers.0.self_attn.q_proj", "model.layers.7.mlp.up_proj"}))
+            with no_collectives():
+                f["served_mismatch"] = errors_of(lambda: FP8Source(FSDPSource(model), bad).metadata)
+            drive_vllm_nccl(FP8Source(FSDPSource(model, dtype=torch.bfloat16), FP8Config(block=SMALL)), rank, f)
+        f["module_changed"] = snapshot_diff(before, module_snapshot(model))
+        facts[family] = f
+        dist.barrier()
+    return pack(facts)
+
+
+@pytest.fixture(scope="module")
+def fsdp_world():
+    d = tempfile.mkdtemp()
+    return d, run_world(_fsdp_world, 2, oracle_dir=d, timeout=400)
+
+
+def _quantized_reference(tensors: dict, block, fused_experts: bool = False) -> dict[str, torch.Tensor]:
+    """vLLM's quantizer over ``save_pretrained``'s tensors, default selection; fused experts built the
+    way transformers holds them ([gate; up] per expert, halves quantized separately)."""
+    from weightsync.sources import FP8Config
+
+    cfg, out = FP8Config(block=block), {}
+    if fused_experts:
+        grouped: dict[str, dict] = {}
+        for name in list(tensors):
+            m = re.match(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
+            if m:
+                grouped.setdefault(m[1], {})[(int(m[2]), m[3])] = tensors.pop(name)
+        for pre, parts in grouped.items():
+            E = 1 + max(e for e, _ in parts)
+            gu = [_vllm(parts[(e, w)], block) for e in range(E) for w in ("gate_proj", "up_proj")]
+            out[f"{pre}.gate_up_proj"] = torch.stack([torch.cat([gu[2 * e][0], gu[2 * e + 1][0]]) for e in range(E)])
+            out[f"{pre}.gate_up_proj_scale_inv"] = torch.stack([torch.cat([gu[2 * e][1], gu[2 * e + 1][1]]) for e in range(E)])
+            dn = [_vllm(parts[(e, "down_proj")], block) for e in range(E)]
+            out[f"{pre}.down_proj"] = torch.stack([q for q, _ in dn])
+            out[f"{pre}.down_proj_scale_inv"] = torch.stack([s for _, s in dn])
+    for name, t in tensors.items():
+        p = cfg.plan(name, tuple(t.shape))
+        if p is None:
+            out[name] = t
+        else:
+            out[name], out[p.scale_name] = _vllm(t, block)
+    return out
+
+
+def _bf16_wire(d: str, family: str) -> dict[str, torch.Tensor]:
+    """``save_pretrained``'s tensors as a bf16 wire carries them: bf16, routers in fp32 (vLLM keeps them)."""
+    from fsdp_worlds import load_oracle
+
+    bf16, fp32 = load_oracle(os.path.join(d, family)), load_oracle(os.path.join(d, family + "-fp32"))
+    return {n: fp32[n] if n.endswith("mlp.gate.weight") else t for n, t in bf16.items()}
+
+
+def _equal_maps(got: dict, want: dict) -> list[str]:
+    bad = sorted(set(got) ^ set(want))
+    bad += [n for n in set(got) & set(want) if not _same(got[n], want[n])]
+    return bad
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_fsdp_fp8_stream_is_vllms_quantizer_on_save_pretrained(fsdp_world, family):
+    """Both ranks yield exactly vLLM's quantizer applied to ``save_pretrained``'s bf16 tensors (names,
+    dtypes, shapes, bytes), metadata in stream order without a collective, per-expert and fused
+    experts; the trainer's model is untouched."""
+    from fsdp_worlds import load_oracle
+
+    d, res = fsdp_world
+    oracle = _bf16_wire(d, family)
+    for rank in (0, 1):
+        f = res[rank][family]
+        assert not f["module_changed"], f["module_changed"]
+        for tag in ("default", "fused") if family == "qwen3_moe" else ("default",):
+            want = _quantized_reference(dict(oracle), SMALL, fused_experts=tag == "fused")
+            got = f[f"{tag}_full"]
+            assert not _equal_maps(got, want), (tag, _equal_maps(got, want)[:5])
+            assert [n for n, _, _ in f[f"{tag}_meta"]] == list(got), "metadata order is the stream's"
+            assert "lm_head" in f[f"{tag}_qcfg"]["modules_to_not_convert"]
+    assert res[0][family]["default_full"].keys() == res[1][family]["default_full"].keys()
+
+
+def test_fsdp_fp8_iter_local_nccl_and_refusals(fsdp_world):
+    """``iter_local`` with block-aligned pieces: the two ranks' pieces are the rows of the full FP8
+    tensors and scales; unaligned pieces raise on both ranks naming the parameter; vLLM's NCCL sender
+    check accepts the FP8 stream and a real non-sender engine drains it; a served config quantizing a
+    module the model lacks raises on both ranks, before any collective."""
+    from fsdp_worlds import load_oracle
+
+    d, res = fsdp_world
+    want = _quantized_reference(_bf16_wire(d, "qwen3"), LOCAL)
+    local = [res[r]["qwen3"]["local"] for r in (0, 1)]
+    assert local[0].keys() == want.keys()
+    for name, full in want.items():
+        pieces = [local[r][name] for r in (0, 1)]
+        if pieces[0].shape == full.shape:  # replicated (1-D, or not a Shard placement)
+            assert all(_same(p, full) for p in pieces), name
+        else:
+            assert _same(torch.cat(pieces), full), name
+    assert any(n.endswith("weight_scale_inv") and local[0][n].shape != want[n].shape for n in want), \
+        "some scales are sharded like their weights"
+    for r in (0, 1):
+        f = res[r]["qwen3"]
+        assert re.search(rf"rank {r}: FP8Source.iter_local: '.*' .* weight_block_size=\[24, 16\]", f["local_refused"] or "")
+        assert re.search(rf"rank {r}: .*does not send, e.g. 'model.layers.7.mlp.up_proj'", f["served_mismatch"] or "")
+    sent = res[0]["qwen3"]["nccl_sender"]
+    assert not _equal_maps(sent, _quantized_reference(_bf16_wire(d, "qwen3"), SMALL))
+    assert res[1]["qwen3"]["nccl_is_sender"] is False and res[1]["qwen3"]["nccl_nonsender_tensors"] > 0
