@@ -482,3 +482,73 @@ def test_fsdp_fp8_iter_local_nccl_and_refusals(fsdp_world):
     sent = res[0]["qwen3"]["nccl_sender"]
     assert not _equal_maps(sent, _quantized_reference(_bf16_wire(d, "qwen3"), SMALL))
     assert res[1]["qwen3"]["nccl_is_sender"] is False and res[1]["qwen3"]["nccl_nonsender_tensors"] > 0
+
+
+# ---- MegatronSource, 2 ranks ----------------------------------------------------------------------
+
+MEGATRON_LAYOUTS = [
+    dict(name="dense_tp2", family="qwen3", tp=2, dtype=torch.bfloat16),
+    dict(name="moe_ep2", family="qwen3_moe", ep=2),
+    dict(name="mla_tp2", family="deepseek_v3", tp=2, dtype=torch.bfloat16),
+]
+
+
+def _megatron_hf(lay):
+    from transformers import AutoConfig
+
+    if lay["family"] == "qwen3":
+        from megatron_worlds import hf_config
+
+        return hf_config("qwen3")
+    if lay["family"] == "deepseek_v3":
+        import mla_models
+
+        return mla_models.hf_config("q_lora")
+    from moe_models import FAMILIES
+
+    cfg = AutoConfig.for_model("qwen3_moe", **FAMILIES["qwen3_moe"])
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    return cfg
+
+
+def _megatron_fp8(rank, lay, hf, chunks, src):
+    """The quantized pass of the same model: rank 0's stream, every rank's metadata and yield count."""
+    from weightsync.sources import FP8Config, FP8Source, MegatronSource
+
+    fp8 = FP8Source(MegatronSource(chunks[0], hf_config=hf, dtype=lay.get("dtype")), FP8Config(block=SMALL))
+    got = {n: t.clone() for n, t in fp8.iter_full()}
+    return {"fp8_meta": [(m.name, str(m.dtype), tuple(m.shape), m.owners) for m in fp8.metadata],
+            "fp8_got": got if rank == 0 else len(got), "fp8_qcfg": fp8.quantization_config}
+
+
+def _megatron_world(rank, world_size, *, root):
+    from family_worlds import megatron_layouts
+
+    return megatron_layouts(rank, world_size, root=root, layouts=MEGATRON_LAYOUTS, hf_of=_megatron_hf,
+                            extra=_megatron_fp8)
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    return run_world(_megatron_world, 2, root=tempfile.mkdtemp(), timeout=900)
+
+
+@pytest.mark.parametrize("lay", MEGATRON_LAYOUTS, ids=lambda lay: lay["name"])
+def test_megatron_fp8_stream_is_vllms_quantizer_on_the_export(megatron_world, lay):
+    """TP2 (dense, bf16 wire), EP2 (MoE, fp32) and TP2 MLA (bf16): rank 0 alone yields, and what it
+    yields is vLLM's quantizer applied to ``MegatronSource``'s unquantized export of the same model
+    (proven equal to ``save_pretrained`` and to megatron's own ``dist_checkpointing`` by the family
+    tests), attention / MLA / dense MLP / expert / shared-expert projections quantized, embeddings,
+    norms, routers and their biases not; the metadata is the same on both ranks, owned by rank 0."""
+    r0, r1 = megatron_world[0][lay["name"]], megatron_world[1][lay["name"]]
+    want = _quantized_reference(dict(r0["got"]), SMALL)
+    got = r0["fp8_got"]
+    assert not _equal_maps(got, want), _equal_maps(got, want)[:5]
+    assert list(got) == [n for n, *_ in r0["fp8_meta"]] and r0["fp8_meta"] == r1["fp8_meta"]
+    assert all(o == (0,) for *_, o in r0["fp8_meta"]) and r1["fp8_got"] == 0
+    fp8 = {n for n, t in got.items() if t.dtype == torch.float8_e4m3fn}
+    assert fp8 and not any(re.search(r"embed|norm|lm_head|mlp\.gate\.|e_score", n) for n in fp8), sorted(fp8)[:5]
+    kinds = {"dense_tp2": r"self_attn\.o_proj", "moe_ep2": r"experts\.\d+\.down_proj",
+             "mla_tp2": r"kv_a_proj_with_mqa"}
+    assert any(re.search(kinds[lay["name"]], n) for n in fp8)
+    assert r0["unchanged"] and r1["unchanged"]

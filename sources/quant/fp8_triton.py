@@ -1,8 +1,9 @@
 """Block FP8 quantization as Triton kernels (CUDA only).
 
 ``fused`` (float32 scales): one launch per tensor, one program per ``(bN, bK)`` block: it reads the
-block once, computes its amax and float32 scale with the references' formulas (IEEE round-to-nearest
-divisions, ``tl.math.div_rn``, as torch's CUDA division) and writes the codes and the scale.
+block once, computes its amax and float32 scale with the references' formulas evaluated the way torch
+evaluates them on CUDA (a division by a Python float is a multiplication by its fp32 reciprocal;
+reciprocals IEEE-rounded) and writes the codes and the scale.
 UE8M0 scales go through the two-pass form below, whose scale math is torch's own ``log2``/``pow``:
 ``amax``: one program per ``(bN, bK)`` block reads it once and writes its max |x| (float32, exact).
 ``cast``: one program per block reads it once, multiplies by the block's float32 multiplier and
@@ -60,7 +61,8 @@ def _cast_kernel(x_ptr, mult_ptr, q_ptr, n, k, sxb, sxn, sxk, nb, kb, BN: tl.con
 
 @triton.jit
 def _fused_kernel(x_ptr, q_ptr, s_ptr, n, k, sxb, sxn, sxk, nb, kb, BN: tl.constexpr, BK: tl.constexpr,
-                  PN: tl.constexpr, PK: tl.constexpr, TRANSFORMERS: tl.constexpr, FMAX: tl.constexpr):
+                  PN: tl.constexpr, PK: tl.constexpr, TRANSFORMERS: tl.constexpr, FMAX: tl.constexpr,
+                  RCP_FMAX: tl.constexpr):
     """One block: amax, its float32 scale (IEEE-rounded divisions, the references' formulas), codes."""
     j = tl.program_id(0)
     i = tl.program_id(1)
@@ -72,18 +74,25 @@ def _fused_kernel(x_ptr, q_ptr, s_ptr, n, k, sxb, sxn, sxk, nb, kb, BN: tl.const
     ptrs = x_ptr + b.to(tl.int64) * sxb + rows[:, None].to(tl.int64) * sxn + cols[None, :].to(tl.int64) * sxk
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    # The references' formulas as torch evaluates them on CUDA: ``t / c`` (c a Python float) is
+    # ``t * fp32(1 / c)`` (PyTorch's div-by-CPU-scalar kernel), ``c / t`` is ``reciprocal(t) * c``
+    # (``Tensor.__rtruediv__``); the reciprocals are IEEE-rounded (div_rn).
     if TRANSFORMERS:  # s = 448 / amax (1 for an all-zero block), stores 1 / s, codes of clamp(x * s)
         pos = amax > 0
-        mult = tl.where(pos, tl.math.div_rn(FMAX, tl.where(pos, amax, 1.0)), 1.0)
+        mult = tl.where(pos, tl.math.div_rn(1.0, tl.where(pos, amax, 1.0)) * FMAX, 1.0)
         stored = tl.math.div_rn(1.0, mult)
         y = x * mult
         y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
     else:  # vLLM: sf = max(amax, 1e-4) / 448, stores sf, codes of x * (1 / sf)
-        stored = tl.math.div_rn(tl.maximum(amax, 1e-4), FMAX)
+        stored = tl.maximum(amax, 1e-4) * RCP_FMAX
         y = x * tl.math.div_rn(1.0, stored)
     out = q_ptr + b.to(tl.int64) * n * k + rows[:, None].to(tl.int64) * k + cols[None, :]
     tl.store(out, y.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + (b * nb + i) * kb + j, stored)
+
+
+#: fp32(1 / 448): what torch multiplies by when it divides a CUDA tensor by the Python float 448.
+_RCP_FMAX = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(448.0, dtype=torch.float32))
 
 
 def fused(x3: torch.Tensor, q: torch.Tensor, bn: int, bk: int, *, transformers: bool) -> torch.Tensor:
@@ -94,7 +103,7 @@ def fused(x3: torch.Tensor, q: torch.Tensor, bn: int, bk: int, *, transformers: 
     _fused_kernel[(kb, nb, b)](
         x3, q, scales, n, k, *x3.stride(), nb, kb, BN=bn, BK=bk,
         PN=triton.next_power_of_2(bn), PK=triton.next_power_of_2(bk),
-        TRANSFORMERS=transformers, FMAX=448.0, num_warps=8,
+        TRANSFORMERS=transformers, FMAX=448.0, RCP_FMAX=_RCP_FMAX, num_warps=8,
     )
     return scales
 
