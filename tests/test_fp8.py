@@ -552,3 +552,55 @@ def test_megatron_fp8_stream_is_vllms_quantizer_on_the_export(megatron_world, la
              "mla_tp2": r"kv_a_proj_with_mqa"}
     assert any(re.search(kinds[lay["name"]], n) for n in fp8)
     assert r0["unchanged"] and r1["unchanged"]
+
+
+# ---- the CLI and the demo -------------------------------------------------------------------------
+
+
+def test_cli_export_and_check_fp8():
+    """``weightsync export --quantize fp8`` (FSDP, 2 ranks) writes an FP8 checkpoint; ``weightsync check
+    --quantize fp8 --checkpoint`` of it from a Megatron TP2 model of the same config passes with every
+    tensor's bytes equal (two layouts, one FP8 checkpoint); ``check --quantize fp8`` against
+    ``save_pretrained``'s index passes for a MoE preset at EP2; and a served config whose block size
+    differs from the folder's scales fails naming the module."""
+    import json
+
+    from worlds import run_cli
+
+    with tempfile.TemporaryDirectory() as d:
+        out = f"{d}/fp8"
+        r = run_cli("export", "--model", "tiny-qwen3", "--quantize", "fp8", "--out", out, nproc=2)
+        assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+        q = json.load(open(f"{out}/config.json"))["quantization_config"]
+        assert q["quant_method"] == "fp8" and q["weight_block_size"] == [128, 128] and "lm_head" in q["modules_to_not_convert"]
+        r = run_cli("check", "--model", "tiny-qwen3", "--quantize", "fp8", "--checkpoint", out,
+                    "--layout", "megatron", "--tp", "2", nproc=2)
+        assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+        assert re.search(r"bytes: (\d+) of \1 tensors compared equal", r.stdout), r.stdout
+        r = run_cli("check", "--model", "tiny-qwen3-moe", "--quantize", "fp8", "--layout", "megatron", "--ep", "2",
+                    nproc=2)
+        assert r.returncode == 0 and "PASS" in r.stdout and "float8_e4m3fn" in r.stdout, r.stdout + r.stderr
+        cfg = json.load(open(f"{out}/config.json"))
+        cfg["quantization_config"]["weight_block_size"] = [16, 16]
+        json.dump(cfg, open(f"{d}/served.json", "w"))
+        r = run_cli("check", "--model", "tiny-qwen3", "--quantize", "fp8", "--quantize-config", f"{d}/served.json",
+                    "--checkpoint", out, nproc=1)
+        assert r.returncode == 1 and "weight_scale_inv" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_demo_fp8_syncs_within_tolerance_and_control():
+    """``weightsync demo --quantize fp8`` on 2 ranks: every sync's wire checksums match and the
+    receiver's dequantized logits are within ``FP8_LOGITS_TOL`` of the trainer's; before any sync (a
+    receiver with other weights) they are far outside it -- the tolerance can fail."""
+    from worlds import run_cli
+
+    from weightsync.plugins.cli.demo import FP8_LOGITS_TOL
+
+    r = run_cli("demo", "--steps", "2", "--quantize", "fp8", nproc=2)
+    assert r.returncode == 0 and "2/2 syncs verified" in r.stdout, r.stdout + r.stderr
+    rel = [float(x) for x in re.findall(r"max rel \|diff\| ([0-9.e-]+) <=", r.stdout)]
+    assert len(rel) == 2 and all(0 < x <= FP8_LOGITS_TOL for x in rel), r.stdout
+    m = re.search(r"before any sync: .*\(max rel \|diff\| ([0-9.e+-]+)\)", r.stdout)
+    assert m, r.stdout
+    before = float(m[1])
+    assert before > 5 * FP8_LOGITS_TOL, r.stdout

@@ -6,8 +6,8 @@ config with seed 0 (``presets.build_model``). ``--layout fsdp``: that model, FSD
 ``GPTModel`` built from the same config at ``--tp/--pp/--vpp/--ep`` (``megatron_build``), loaded
 with that model's checkpoint tensors (``megatron_build.load_hf_weights``), and
 ``MegatronSource(mode="full")``: rank 0 owns every tensor. So ``export`` in one layout and
-``check --checkpoint`` in the other compare equal bytes. Both honour ``--dtype`` (wire dtype) and
-``--expert-layout``.
+``check --checkpoint`` in the other compare equal bytes. Both honour ``--dtype`` (wire dtype),
+``--expert-layout`` and ``--quantize fp8`` (the source wrapped in ``FP8Source``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from vllm.distributed.weight_transfer.base import WeightSource
 
 from ..presets import build_model
 
-__all__ = ["build_source", "checkpoint_state", "shard_fsdp2"]
+__all__ = ["build_source", "checkpoint_state", "quantized", "shard_fsdp2"]
 
 
 def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -64,11 +64,22 @@ def build_source(
         load_hf_weights(chunks, config, state)
         del state
         model = chunks if args.vpp else chunks[0]
-        return MegatronSource(model, hf_config=config, dtype=dtype, mode="full", expert_layout=expert_layout)
+        return quantized(args, MegatronSource(model, hf_config=config, dtype=dtype, mode="full",
+                                              expert_layout=expert_layout))
     from weightsync.sources import FSDPSource
 
     model = shard_fsdp2(hf_model if hf_model is not None else build_model(config, seed=0))
-    return FSDPSource(model, dtype=dtype, expert_layout=expert_layout)
+    return quantized(args, FSDPSource(model, dtype=dtype, expert_layout=expert_layout))
+
+
+def quantized(args: argparse.Namespace, source: WeightSource) -> WeightSource:
+    """``source``, or with ``--quantize fp8`` its ``FP8Source`` (config from ``--quantize-config``,
+    else ``check --checkpoint``'s folder, else weightsync's default)."""
+    if getattr(args, "quantize", None) is None:
+        return source
+    from weightsync.sources import FP8Source
+
+    return FP8Source(source, getattr(args, "quantize_config", None) or getattr(args, "checkpoint", None))
 
 
 def shard_fsdp2(model: torch.nn.Module) -> torch.nn.Module:

@@ -11,6 +11,11 @@ Three things must agree for a pass to be PASS:
    unfolded into vLLM's per-expert names, ``unfold_experts``);
 3. every rank's verdict (gathered, so a failure on any rank fails the check everywhere).
 
+``--quantize fp8`` checks ``FP8Source`` over the same source: the oracle of 2. becomes the FP8
+checkpoint of that index (``quantized_index``: each quantized weight ``float8_e4m3fn`` and its
+float32 ``weight_scale_inv``), or, with ``--checkpoint``, the FP8 folder itself (whose
+``quantization_config`` and scales then define what is quantized).
+
 ``--checkpoint PATH`` replaces the oracle of 2. with a checkpoint folder (``SafetensorsSource``'s
 reader: headers only, validated) and adds bytes: rank 0 compares every tensor it yields with the
 folder's tensor of that name (``safe_open``, read lazily), and a failure lists the first
@@ -44,7 +49,7 @@ from ..presets import build_model, load_config
 from .build import build_source
 from .demo import format_bytes
 
-__all__ = ["run_check", "checkpoint_index", "fold_experts", "unfold_experts"]
+__all__ = ["run_check", "checkpoint_index", "fold_experts", "quantized_index", "unfold_experts"]
 
 
 def checkpoint_index(model: torch.nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -116,6 +121,22 @@ def unfold_experts(
             continue
         for e in range(shape[0]):
             out[f"{m['prefix']}.{e}.{m['leaf']}"] = (dt, tuple(shape[1:]))
+    return out
+
+
+def quantized_index(
+    index: dict[str, tuple[torch.dtype, tuple[int, ...]]], config: Any
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The checkpoint index as an FP8 checkpoint of ``config`` (an ``FP8Config``) holds it: each
+    planned weight ``float8_e4m3fn`` followed by its float32 scale."""
+    out = {}
+    for name, (dt, shape) in index.items():
+        plan = config.plan(name, tuple(shape)) if dt.is_floating_point else None
+        if plan is None:
+            out[name] = (dt, shape)
+        else:
+            out[name] = (torch.float8_e4m3fn, shape)
+            out[plan.scale_name] = (torch.float32, plan.scale_shape)
     return out
 
 
@@ -195,6 +216,8 @@ def run_check(args: argparse.Namespace) -> int:
             oracle = fold_experts(oracle)
         elif getattr(args, "expert_layout", None) == "per_expert":
             oracle = unfold_experts(oracle)
+        if not args.checkpoint and source is not None and getattr(args, "quantize", None):
+            oracle = quantized_index(oracle, source.config)
         code = _report(
             args, config, dtype, meta, oracle, verdicts, world, source,
             checkpoint=args.checkpoint, content=folder.bytes_differ if folder is not None else None,

@@ -139,7 +139,9 @@ def run_demo(
         trainer_logits = _logits(model, eval_ids)
         if rank == 0:
             before, _ = client.logits(eval_ids.tolist())
-            say(f"  before any sync: receiver logits equal trainer's: {torch.equal(before, trainer_logits)}")
+            rel = float((before - trainer_logits).abs().max() / trainer_logits.abs().max().clamp(min=1e-30))
+            say(f"  before any sync: receiver logits equal trainer's: {torch.equal(before, trainer_logits)} "
+                f"(max rel |diff| {rel:.3g})")
 
         for step in range(1, steps + 1):
             ids = torch.randint(0, config.vocab_size, (4, 32), generator=gen)

@@ -137,6 +137,16 @@ def _source_args(p: argparse.ArgumentParser, presets: str) -> None:
         "or fused (vLLM 0.33's experts.gate_up_proj / down_proj)",
     )
     p.add_argument("--dtype", default=None, help="wire dtype, e.g. bfloat16 (default: the model's)")
+    p.add_argument(
+        "--quantize", choices=("fp8",), default=None,
+        help="send block-FP8 weights + weight_scale_inv (FP8Source): what an FP8 checkpoint holds",
+    )
+    p.add_argument(
+        "--quantize-config", metavar="PATH", default=None,
+        help="with --quantize: the served model's config.json or FP8 checkpoint folder to take the block "
+        "size, scale format and quantized modules from (default: 128x128 blocks and weightsync's default "
+        "set; check --checkpoint PATH: that folder's)",
+    )
     p.add_argument("--hidden", type=int, help="override hidden size")
     p.add_argument("--layers", type=int, help="override number of layers")
 
