@@ -378,7 +378,7 @@ def _controls(hf, exported: dict) -> dict[str, dict]:
     return out
 
 
-def _forward_world(rank, world_size, *, presets):
+def _forward_world(rank, world_size, *, presets, device="cpu"):
     import sys
 
     sys.path.insert(0, os.path.join(HERE, "gpu"))
@@ -391,6 +391,10 @@ def _forward_world(rank, world_size, *, presets):
     from weightsync.sources import MegatronSource
 
     allow_cpu_forward()
+    if device != "cpu":  # fp32 on both sides (no TF32); megatron's attention forks the CUDA RNG tracker
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     gdn = sys.modules[GatedDeltaNet.reset_parameters.__module__]  # 0.16: the layer's module; 0.19: common.py
     if not getattr(gdn, "HAVE_FLA", False):
         gdn.l2norm = _l2norm
@@ -402,29 +406,53 @@ def _forward_world(rank, world_size, *, presets):
         (model,) = mm.build_megatron(hf, MegatronParallel(), seed=5,
                                      overrides={"init_method_std": 0.1, "deterministic_mode": True})
         model.eval()
-        ids = torch.randint(0, hf.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
-        exported = {n: t.clone() for n, t in MegatronSource(model, hf_config=hf).iter_full()}
+        if device != "cpu":
+            model_parallel_cuda_manual_seed(0)
+            model.to(device)
+        ids = torch.randint(0, hf.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3)).to(device)
+        exported = {n: t.detach().cpu().clone() for n, t in MegatronSource(model, hf_config=hf).iter_full()}
         with torch.no_grad():
             ref = megatron_logits(model, ids, hf.vocab_size)
-        f = {"shape": tuple(ref.shape), "scale": ref.abs().max().item()}
-        f["diff"] = (mm.hf_logits(hf, exported, ids) - ref).abs().max().item()
+        f = {"shape": tuple(ref.shape), "scale": ref.abs().max().item(), "device": str(ref.device)}
+        f["diff"] = (mm.hf_logits(hf, exported, ids, device=device) - ref).abs().max().item()
         for name, change in _controls(hf, exported).items():
-            f[name] = (mm.hf_logits(hf, {**exported, **change}, ids) - ref).abs().max().item()
+            f[name] = (mm.hf_logits(hf, {**exported, **change}, ids, device=device) - ref).abs().max().item()
         facts[preset] = f
     return pack(facts)
 
 
-def test_forward_logits_megatron_vs_transformers_from_export():
-    """megatron-core's own forward (TP1, CPU: its torch delta rule, ``deterministic_mode``) and
-    transformers' Qwen3-Next / Qwen3.5 loaded from the export compute the same logits; swapping two
-    key-head groups (Qwen3-Next) or z with v (Qwen3.5), dropping the output norm's +1, or
-    un-interleaving q and gate moves them far beyond the tolerance."""
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_forward_logits_megatron_vs_transformers_from_export(device):
+    """megatron-core's own forward (TP1; its torch delta rule, ``deterministic_mode``: no
+    flash-linear-attention needed) and transformers' Qwen3-Next / Qwen3.5 loaded from the export
+    compute the same fp32 logits, on the CPU and (where there is one) on a CUDA GPU with TF32 off;
+    swapping two key-head groups (Qwen3-Next) or z with v (Qwen3.5), dropping the output norm's +1,
+    or un-interleaving q and gate moves them far beyond the tolerance."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     presets = ["tiny-qwen3-next", "tiny-qwen3.5"]
-    res = run_world(_forward_world, 1, presets=presets, timeout=600)[0]
+    if device == "cpu":
+        res = run_world(_forward_world, 1, presets=presets, timeout=600)[0]
+    else:  # a fresh interpreter: a forked rank cannot use CUDA once the parent touched it
+        import json
+        import subprocess
+        import sys
+
+        code = (
+            "import os, json, torch.distributed as dist; os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='29577'); "
+            "dist.init_process_group('gloo', rank=0, world_size=1); import test_qwen3_next as t; "
+            "from fsdp_worlds import unpack; "
+            f"print('RESULT ' + json.dumps(unpack({{0: t._forward_world(0, 1, presets={presets!r}, device='cuda')}})[0]))"
+        )
+        out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=600)
+        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+        assert out.returncode == 0 and line, out.stderr[-3000:]
+        res = json.loads(line[-1][len("RESULT "):])
     for preset in presets:
         f = res[preset]
+        assert f["device"].startswith(device), f
         assert f["diff"] <= TOL * f["scale"], (preset, f)
-        ctrls = [k for k in f if k not in ("shape", "scale", "diff")]
+        ctrls = [k for k in f if k not in ("shape", "scale", "diff", "device")]
         assert len(ctrls) == 3, f
         for c in ctrls:
             assert f[c] > 100 * TOL * f["scale"], (preset, c, f)
