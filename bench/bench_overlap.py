@@ -23,7 +23,7 @@ every rank running the same one between barriers:
 Memory, rank 0: the source's tracked peak extra bytes (``PassStats.peak_extra_bytes``) and of it the
 bytes posted ahead (``ahead_peak_bytes``), against the stated bound (two gather groups -- the largest
 group held by the overlap-off pass, twice -- plus the send block packed ahead on CPU); the writer's peak queued bytes against
-``write_queue_bytes``; and the RSS rise over each variant (``bench_checkpoint.PeakRSS``).
+``write_queue_bytes``; and the RSS rise over each variant (``PeakHWM``: the kernel's high-water mark, no sampling thread).
 
     python bench/bench_overlap.py
     python bench/bench_overlap.py --hidden 512 --layers 36 --dir /dev/shm/ws-bench   # Qwen3-8B's depth; tmpfs
@@ -47,6 +47,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
+from _history import Guard, ratio_noise  # noqa: E402
+
 
 def _model(args) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -65,11 +67,68 @@ def _drain(source) -> None:
         del t
 
 
-def _send(source, bandwidth: float) -> None:
-    """A consumer that spends ``nbytes / bandwidth`` seconds on each tensor (a simulated send)."""
+def _send(source, bandwidth: float, first: list | None = None) -> None:
+    """A consumer that spends ``nbytes / bandwidth`` seconds on each tensor (a simulated send).
+    ``first`` gets the seconds until the first tensor arrived (the first group's gather)."""
+    t0, seen, slept = time.perf_counter(), False, 0.0
     for _name, t in source.iter_full():
+        if not seen:
+            seen = True
+            if first is not None:
+                first.append(time.perf_counter() - t0)
+        s0 = time.perf_counter()
         time.sleep(t.numel() * t.element_size() / bandwidth)
+        slept += time.perf_counter() - s0
         del t
+    if first is not None:
+        first.append(-slept)  # (negative: the consumer's own time, as slept, see _first_and_consumer)
+
+
+def _first_and_consumer(first: list) -> tuple[float, float]:
+    """Median seconds to the first tensor and median seconds the consumer itself took (its sleeps
+    as measured: they overshoot the intended ``nbytes / bandwidth`` by a few percent)."""
+    return (statistics.median([v for v in first if v >= 0]), statistics.median([-v for v in first if v < 0]))
+
+
+def overlap_bound(first_s: float, consumer_s: float, back_to_back_s: float) -> float:
+    """The best overlap ratio this shape allows: nothing overlaps the first group's gather (no tensor
+    to send yet), then at best the consumer runs without a pause: (first + consumer) / back to back."""
+    return (first_s + consumer_s) / back_to_back_s
+
+
+class PeakHWM:
+    """Peak RSS of this process while active, above its size at entry (``grew``), read from the
+    kernel's high-water mark (``/proc/self/status`` VmHWM after resetting it through
+    ``/proc/self/clear_refs``): no sampling thread, so nothing competes for the GIL or a core
+    with the pass being timed (``bench_checkpoint.PeakRSS`` samples every 2 ms from a thread).
+    Falls back to ``PeakRSS`` where clear_refs cannot be written."""
+
+    def __enter__(self) -> "PeakHWM":
+        self._fallback = None
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.start = self._rss()
+        except OSError:
+            from bench_checkpoint import PeakRSS as _Sampled
+
+            self._fallback = _Sampled().__enter__()
+        return self
+
+    @staticmethod
+    def _rss(field: str = "VmRSS:") -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+        raise OSError(field)
+
+    def __exit__(self, *exc) -> None:
+        if self._fallback is not None:
+            self._fallback.__exit__(*exc)
+            self.grew = self._fallback.grew
+        else:
+            self.grew = self._rss("VmHWM:") - self.start
 
 
 def _disk_floor(path: str, nbytes: int) -> None:
@@ -89,7 +148,6 @@ def _disk_floor(path: str, nbytes: int) -> None:
 
 def _worker(rank, world, args):
     warnings.filterwarnings("ignore")
-    from bench_checkpoint import PeakRSS
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -101,8 +159,10 @@ def _worker(rank, world, args):
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    on = FSDPSource(model, overlap=True)
-    off = FSDPSource(model, overlap=False)
+    kw = {"group_bytes": int(args.group_mb * 2**20)} if args.group_mb else {}
+    pre = {"prefetch_bytes": int(args.prefetch_mb * 2**20)} if args.prefetch_mb else {}
+    on = FSDPSource(model, overlap=True, **kw, **pre)
+    off = FSDPSource(model, overlap=False, **kw)
     for s in (on, off):
         _drain(s)  # warm-up (the first pass also agrees on metadata)
     total = sum(math.prod(m.shape) * m.dtype.itemsize for m in on.metadata)
@@ -115,7 +175,10 @@ def _worker(rank, world, args):
     bandwidth = total / (args.send_ratio * float(g))
     root = args.dir
     keys = ("gathers_off", "gathers_on", "send_off", "send_on", "save_on", "save_sync", "disk")
+    if args.send_only:
+        keys = keys[:4]
     times: dict[str, list[float]] = {k: [] for k in keys}
+    first: list[float] = []  # seconds to the first tensor of the overlap-on send pass
     rss: dict[str, list[int]] = {k: [] for k in keys}
     stats: dict[str, dict] = {}
     reports: dict[str, dict] = {}
@@ -123,7 +186,7 @@ def _worker(rank, world, args):
         "gathers_off": lambda rep: _drain(off),
         "gathers_on": lambda rep: _drain(on),
         "send_off": lambda rep: _send(off, bandwidth),
-        "send_on": lambda rep: _send(on, bandwidth),
+        "send_on": lambda rep: _send(on, bandwidth, first),
         "save_on": lambda rep: save_safetensors(on, os.path.join(root, f"on-{rep}"), max_shard_bytes=args.shard),
         "save_sync": lambda rep: save_safetensors(
             off, os.path.join(root, f"sync-{rep}"), max_shard_bytes=args.shard, write_queue_bytes=0
@@ -133,7 +196,7 @@ def _worker(rank, world, args):
     for rep in range(args.reps):
         for k in keys:
             dist.barrier()
-            with PeakRSS() as m:
+            with PeakHWM() as m:
                 t0 = time.perf_counter()
                 out = runs[k](rep)
                 times[k].append(time.perf_counter() - t0)
@@ -152,6 +215,8 @@ def _worker(rank, world, args):
     return {
         "seconds": {k: statistics.median(v) for k, v in times.items()},
         "all": times,
+        "first": _first_and_consumer(first)[0],
+        "consumer": _first_and_consumer(first)[1],
         "rss": {k: statistics.median(v) for k, v in rss.items()},
         "stats": stats,
         "reports": reports,
@@ -173,6 +238,10 @@ def main() -> None:
     ap.add_argument("--send-ratio", type=float, default=1.0, help="simulated send time / overlap-off gathers")
     ap.add_argument("--max-shard-mb", type=float, default=200.0)
     ap.add_argument("--dir", default=None, help="where save_safetensors writes (default: a temp folder in /tmp)")
+    ap.add_argument("--group-mb", type=float, default=0, help="FSDPSource group_bytes (MiB; 0: one group per unit)")
+    ap.add_argument("--prefetch-mb", type=float, default=0, help="FSDPSource prefetch_bytes with overlap (MiB; 0: one group ahead)")
+    ap.add_argument("--send-only", action="store_true", help="only the gathers and send variants (no checkpoint writes)")
+    ap.add_argument("--record", action="store_true", help="append this run's ratios to bench/results/history.jsonl")
     args = ap.parse_args()
     args.shard = int(args.max_shard_mb * 10**6)
     from bench_checkpoint import writing_world
@@ -198,9 +267,21 @@ def main() -> None:
         "disk": "disk floor: pwrite + fsync of the bytes, rank 0",
     }
     for k, label in labels.items():
+        if k not in s:
+            continue
         print(f"{label:<48} {s[k]:>8.3f}   " + " ".join(f"{v:.3f}" for v in r["all"][k]))
-    print(f"ratio send overlap on / off: x{s['send_on'] / s['send_off']:.2f} (target <= 0.65; "
-          f"back to back would be x1.00, perfect overlap ~x{max(s['gathers_on'], s['send_off'] - s['gathers_off']) / s['send_off']:.2f})")
+    b = overlap_bound(r["first"], r["consumer"], s["send_off"])
+    send_ratio = s["send_on"] / s["send_off"]
+    print(f"ratio send overlap on / off: x{send_ratio:.2f} (goal: within 0.05 of the bound; back to back would "
+          f"be x1.00); bound for this shape x{b:.2f} = (first group's gather {r['first']:.3f} s + consumer "
+          f"{r['consumer']:.3f} s) / back to back {s['send_off']:.3f} s: {'met' if send_ratio <= b + 0.05 else 'NOT met'}")
+    per_rep = [a / b_ for a, b_ in zip(r["all"]["send_on"], r["all"]["send_off"])]
+    guard = Guard("bench_overlap", f"hidden{args.hidden} layers{args.layers} vocab{args.vocab} world{args.world} "
+                  f"send{args.send_ratio:g}", record=args.record)
+    guard.check("send overlap on/off", send_ratio, ratio_noise(per_rep))
+    if args.send_only:
+        guard.finish()
+        return
     print(f"ratio save_safetensors / plain pass, overlap on: x{s['save_on'] / s['gathers_on']:.2f} (target <= 1.25); "
           f"sequential: x{s['save_sync'] / s['gathers_off']:.2f}; gathers on / off: x{s['gathers_on'] / s['gathers_off']:.2f}")
     floor = max(s["gathers_on"], s["disk"])
@@ -223,6 +304,9 @@ def main() -> None:
         f"(headers); sequential writer queued {r['reports']['save_sync']['peak_queued_bytes']}"
     )
     print("RSS rise (rank 0, MB, median): " + "; ".join(f"{k} {v / 1e6:.1f}" for k, v in r["rss"].items()))
+    guard.check("save_safetensors/plain pass", s["save_on"] / s["gathers_on"],
+                ratio_noise(r["all"]["save_on"], r["all"]["gathers_on"]))
+    guard.finish()
     sys.stdout.flush()
 
 
