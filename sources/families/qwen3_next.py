@@ -33,7 +33,6 @@ multi-token-prediction weights (``mtp.*``) of released checkpoints.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from . import qwen2_moe
