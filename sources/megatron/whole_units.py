@@ -92,7 +92,8 @@ def local_step(
     sizes = tuple(nbytes(s, dtype) for s in out_shapes)
     if kind.shifts_values:  # the kind's own to_wire (values change) instead of a plain, batchable cast
         plain = split
-        return LocalStep(param, rows, lambda t: plain(kind.to_wire(t, dtype)), piece + copied, sizes, param.dtype)
+        return LocalStep(param, rows, lambda t: plain(kind.to_wire(t, dtype)), piece + copied, sizes, param.dtype,
+                         total=sum(sizes))
     step = LocalStep(param, rows, split, cast + copied, sizes, dtype, total=sum(sizes))
     return with_views(step, names) if names and not cast and not copied else step
 
