@@ -604,3 +604,23 @@ def test_demo_fp8_syncs_within_tolerance_and_control():
     assert m, r.stdout
     before = float(m[1])
     assert before > 5 * FP8_LOGITS_TOL, r.stdout
+
+
+def test_gpt_oss_experts_go_out_as_they_are():
+    """GPT-OSS keeps its experts transposed and gate/up-interleaved (fused, or per expert under vLLM's
+    gpt_oss names): 128x128 blocks of those tensors are not an FP8 checkpoint's (GPT-OSS ships MXFP4
+    experts), so ``FP8Source`` sends them as they are and lists them in ``modules_to_not_convert``;
+    its attention projections go out FP8, router and sinks not."""
+    from moe_models import tiny_model
+    from vllm.distributed.weight_transfer import ModuleSource
+
+    from weightsync.sources import FP8Config, FP8Source, FSDPSource
+
+    model = tiny_model("gpt_oss")
+    for src in (FP8Source(ModuleSource(model), FP8Config(block=(8, 8))),
+                FP8Source(FSDPSource(model, expert_layout="per_expert", rank=0), FP8Config(block=(8, 8)))):
+        fp8 = {m.name for m in src.metadata if m.dtype == torch.float8_e4m3fn}
+        assert "model.layers.0.self_attn.q_proj.weight" in fp8, sorted(fp8)
+        assert not any("experts" in n or "router" in n or "sinks" in n for n in fp8), sorted(fp8)
+    kept = FP8Source(ModuleSource(model), FP8Config(block=(8, 8))).quantization_config["modules_to_not_convert"]
+    assert "model.layers.0.mlp.experts" in kept

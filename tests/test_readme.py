@@ -57,6 +57,9 @@ NOT_RUN: dict[str, str] = {
     "bash .ci/run": "the test suite this test is part of",
     "bash .ci/gpu": "needs a CUDA GPU (docs/gpu.md; tests/gpu is skipped without one)",
     "source .ci/env.sh": "activates (and, when cold, builds) the venv this test already runs in",
+    "weightsync demo --quantize fp8":
+        "2 ranks under torchrun (~30 s); tests/test_fp8.py::test_demo_fp8_syncs_within_tolerance_and_control "
+        "runs the same demo with --steps 2",
     "weightsync demo --nproc 2 --steps 3":
         "2 ranks under torchrun (~30 s); tests/test_demo_cli.py::test_demo_two_ranks_verifies_every_sync "
         "runs the same demo with --steps 2",

@@ -28,6 +28,7 @@ rank 0's, so it costs no wall time. ``MegatronSource`` yields on rank 0 only, so
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from functools import cached_property
 from typing import Any
@@ -76,6 +77,10 @@ class FP8Source(WeightSource):
                 if p is not None:
                     plans[m.name] = p
         rank = current_rank()
+        # A fused expert stack with biases is GPT-OSS's transposed, gate/up-interleaved layout: its
+        # blocks are not an FP8 checkpoint's (GPT-OSS ships MXFP4 experts); it goes out as it is.
+        for name in [n for n in plans if _FUSED_EXPERTS.search(n) and _stack(n) + ".gate_up_proj_bias" in names]:
+            del plans[name]
         clash = sorted(p.scale_name for p in plans.values() if p.scale_name in names)
         if clash:
             raise FP8ConfigError(
@@ -140,6 +145,8 @@ class FP8Source(WeightSource):
         plans = self._plans
         kept = [m.name[: -len(".weight")] for m in self.source.metadata
                 if m.name.endswith(".weight") and len(m.shape) == 2 and m.name not in plans]
+        kept += sorted({_stack(m.name) for m in self.source.metadata
+                        if _FUSED_EXPERTS.search(m.name) and m.name not in plans})
         return self.config.to_hf(kept)
 
     # ---- passes -----------------------------------------------------------------------------
@@ -222,6 +229,14 @@ class FP8Source(WeightSource):
 
     def __repr__(self) -> str:
         return f"FP8Source({self.source!r}, {self.config!r})"
+
+
+_FUSED_EXPERTS = re.compile(r"(^|\.)experts\.(gate_up_proj|down_proj)$")
+
+
+def _stack(name: str) -> str:
+    """``<layer>.mlp.experts`` of a fused expert tensor's name."""
+    return name.rsplit(".", 1)[0]
 
 
 def quantized(source: WeightSource, config: FP8Config | Mapping[str, Any] | str | None = None,
