@@ -81,9 +81,22 @@ def _numerics(facts: Facts, device: str) -> None:
                 if not (torch.equal(q2.view(torch.uint8), out["w.weight"].view(torch.uint8))
                         and torch.equal(s2, out["w.weight_scale_inv"].float())):
                     bad_t.append(f"{what} ue8m0={ue}")
+    # the batched launch (what FP8Source uses on CUDA) gives every tensor's reference bytes too
+    from weightsync.sources.quant.fp8 import quantize_many  # noqa: PLC0415
+
+    for dt in (torch.bfloat16, torch.float32):
+        xs = [x for x, what in cases if x.dtype == dt]
+        for rule in ("vllm", "transformers"):
+            for x, (q, s) in zip(xs, quantize_many(xs, (128, 128), rule=rule)):
+                tq, ts = quantize_blocks(x, (128, 128), rule=rule)
+                rq, rs = per_block_cast_to_fp8(x, [128, 128]) if rule == "vllm" else (tq, ts)
+                if not (torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+                        and torch.equal(q.view(torch.uint8), tq.view(torch.uint8))):
+                    bad_path.append(f"batched {tuple(x.shape)} {dt} {rule}")
     facts.check("CUDA quantize_blocks == vLLM per_block_cast_to_fp8 (bitwise)", not bad_v, f"{n} cases; bad: {bad_v[:4]}")
     facts.check("CUDA quantize_blocks(rule=transformers) == transformers Fp8Quantize (bitwise)", not bad_t, f"bad: {bad_t[:4]}")
-    facts.check("Triton kernels == weightsync's torch path (bitwise)", not bad_path, f"bad: {bad_path[:4]}")
+    facts.check("Triton kernels (one tensor, batched) == weightsync's torch path and vLLM (bitwise)", not bad_path,
+                f"bad: {bad_path[:4]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         from vllm.utils.deep_gemm import per_block_cast_to_fp8
 
         from weightsync.sources import FP8Source, FSDPSource, quantize_blocks
+        from weightsync.sources.quant.fp8 import quantize_many  # noqa: PLC0415
 
         _numerics(facts, device)
         dist.init_process_group("nccl" if not args.dry_run else "gloo", store=dist.HashStore(),  # 1 rank
@@ -137,11 +151,21 @@ def main(argv: list[str] | None = None) -> int:
         # 2. quantization alone, one tensor at a time
         weights = [plain[n] for n in plans]
         read = sum(w.numel() * w.element_size() for w in weights)
-        q_ours = timed(lambda: [quantize_blocks(w) for w in weights], device=device, reps=reps, warmup=warmup)
+        windows, cur, held = [], [], 0  # FP8Source's windows: consecutive weights up to batch_bytes
+        for w in weights:
+            cur.append(w)
+            held += w.numel() * w.element_size()
+            if held >= fp8.batch_bytes:
+                windows.append(cur)
+                cur, held = [], 0
+        windows += [cur] if cur else []
+        q_ours = timed(lambda: [quantize_many(ws) for ws in windows], device=device, reps=reps, warmup=warmup)
+        q_one = timed(lambda: [quantize_blocks(w) for w in weights], device=device, reps=reps, warmup=warmup)
+        facts.number("quantize_blocks one launch per tensor best_ms", round(min(q_one) * 1e3, 3))
         q_vllm = timed(lambda: [per_block_cast_to_fp8(w, [128, 128]) for w in weights], device=device,
                        reps=reps, warmup=warmup)
         ct = copy_floor(read, device=device, reps=reps)
-        for tag, ts in (("weightsync quantize_blocks", q_ours), ("vLLM per_block_cast_to_fp8", q_vllm)):
+        for tag, ts in (("weightsync quantize_many (FP8Source's windows)", q_ours), ("vLLM per_block_cast_to_fp8", q_vllm)):
             r = min(ts) / min(ct)
             facts.number(f"{tag} best_ms", round(min(ts) * 1e3, 3))
             facts.number(f"{tag} / d2d copy of the bytes read (best)", round(r, 2),

@@ -44,6 +44,7 @@ __all__ = [
     "SCALE_FORMATS",
     "dequantize_blocks",
     "quantize_blocks",
+    "quantize_many",
     "scale_shape",
 ]
 
@@ -123,6 +124,25 @@ def quantize_blocks(
         _cast_torch(x3, mult, q, bn, bk, clamp=rule == "transformers")
     assert tuple(scale_inv.shape) == sshape
     return q.view(x.shape), scale_inv.reshape(scale_shape(tuple(x.shape), (bn, bk))).contiguous()
+
+
+def quantize_many(
+    xs: list[torch.Tensor],
+    block: tuple[int, int] = (128, 128),
+    *,
+    scale_fmt: str | None = None,
+    rule: Rule = "vllm",
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[quantize_blocks(x, ...) for x in xs]``, the same bytes; on CUDA 2-D tensors of one dtype and
+    device go through one Triton launch (``fp8_triton.batched``; the results are then views of two
+    shared buffers). Everything else -- CPU, UE8M0 scales, 3-D stacks, a single tensor -- one by one."""
+    kernels = _triton_kernels() if xs and xs[0].is_cuda else None
+    if (kernels is None or scale_fmt is not None or len(xs) < 2 or rule not in RULES
+            or any(x.dim() != 2 or x.dtype != xs[0].dtype or x.device != xs[0].device for x in xs)
+            or xs[0].dtype not in (torch.bfloat16, torch.float16, torch.float32)
+            or any(x.numel() == 0 for x in xs)):
+        return [quantize_blocks(x, block, scale_fmt=scale_fmt, rule=rule) for x in xs]
+    return kernels.batched(xs, int(block[0]), int(block[1]), transformers=rule == "transformers")
 
 
 def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),

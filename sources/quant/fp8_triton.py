@@ -4,6 +4,9 @@
 block once, computes its amax and float32 scale with the references' formulas evaluated the way torch
 evaluates them on CUDA (a division by a Python float is a multiplication by its fp32 reciprocal;
 reciprocals IEEE-rounded) and writes the codes and the scale.
+``batched``: the same for many 2-D tensors in one launch (a descriptor table of addresses and
+shapes; per-tensor host work is one row of it), which is what makes a model's worth of small
+projections cost about a copy instead of one Python launch each.
 UE8M0 scales go through the two-pass form below, whose scale math is torch's own ``log2``/``pow``:
 ``amax``: one program per ``(bN, bK)`` block reads it once and writes its max |x| (float32, exact).
 ``cast``: one program per block reads it once, multiplies by the block's float32 multiplier and
@@ -20,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["amax", "cast", "fused"]
+__all__ = ["amax", "batched", "cast", "fused"]
 
 
 @triton.jit
@@ -106,6 +109,76 @@ def fused(x3: torch.Tensor, q: torch.Tensor, bn: int, bk: int, *, transformers: 
         TRANSFORMERS=transformers, FMAX=448.0, RCP_FMAX=_RCP_FMAX, num_warps=8,
     )
     return scales
+
+
+@triton.jit
+def _batched_kernel(desc_ptr, m, BN: tl.constexpr, BK: tl.constexpr, PN: tl.constexpr, PK: tl.constexpr,
+                    MAXM: tl.constexpr, IN_T: tl.constexpr, TRANSFORMERS: tl.constexpr, FMAX: tl.constexpr,
+                    RCP_FMAX: tl.constexpr):
+    """Many 2-D tensors in one launch: program ``pid`` is global block ``pid``; the descriptor row of
+    its tensor -- ``(x, q, scale addresses, n, k, x row stride, x column stride, first block)`` --
+    is the last one whose first block is <= pid. The block's math is ``_fused_kernel``'s."""
+    pid = tl.program_id(0)
+    idx = tl.arange(0, MAXM)
+    starts = tl.load(desc_ptr + idx * 8 + 7, mask=idx < m, other=2**62)
+    t = tl.sum((starts <= pid).to(tl.int32), axis=0) - 1
+    row = desc_ptr + t * 8
+    x_ptr = tl.load(row).to(tl.pointer_type(IN_T))
+    q_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float8e4nv))
+    s_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    n = tl.load(row + 3)
+    k = tl.load(row + 4)
+    sxn = tl.load(row + 5)
+    sxk = tl.load(row + 6)
+    local = pid - tl.load(row + 7)
+    kb = (k + BK - 1) // BK
+    i = local // kb
+    j = local % kb
+    rows = i * BN + tl.arange(0, PN)
+    cols = j * BK + tl.arange(0, PK)
+    mask = (tl.arange(0, PN)[:, None] < BN) & (tl.arange(0, PK)[None, :] < BK)
+    mask = mask & (rows[:, None] < n) & (cols[None, :] < k)
+    x = tl.load(x_ptr + rows[:, None] * sxn + cols[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    if TRANSFORMERS:
+        pos = amax > 0
+        mult = tl.where(pos, tl.math.div_rn(1.0, tl.where(pos, amax, 1.0)) * FMAX, 1.0)
+        stored = tl.math.div_rn(1.0, mult)
+        y = x * mult
+        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
+    else:
+        stored = tl.maximum(amax, 1e-4) * RCP_FMAX
+        y = x * tl.math.div_rn(1.0, stored)
+    tl.store(q_ptr + rows[:, None] * k + cols[None, :], y.to(tl.float8e4nv), mask=mask)
+    tl.store(s_ptr + local, stored)
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def batched(xs: list[torch.Tensor], bn: int, bk: int, *, transformers: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[(codes, float32 scales)]`` of 2-D tensors of one dtype on one device, in one launch. The
+    outputs are views of two buffers (one of codes, one of scales) that live as long as any view."""
+    dev, dtype = xs[0].device, xs[0].dtype
+    total = sum(x.numel() for x in xs)
+    nblocks = [-(-x.shape[0] // bn) * -(-x.shape[1] // bk) for x in xs]
+    q_all = torch.empty(total, dtype=torch.float8_e4m3fn, device=dev)
+    s_all = torch.empty(sum(nblocks), dtype=torch.float32, device=dev)
+    rows, out, qoff, soff = [], [], 0, 0
+    qbase, sbase = q_all.data_ptr(), s_all.data_ptr()
+    for x, nbk in zip(xs, nblocks):
+        n, k = x.shape
+        rows.append((x.data_ptr(), qbase + qoff, sbase + 4 * soff, n, k, x.stride(0), x.stride(1), soff))
+        out.append((q_all[qoff:qoff + n * k].view(n, k), s_all[soff:soff + nbk].view(-(-n // bn), -(-k // bk))))
+        qoff += n * k
+        soff += nbk
+    desc = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+    _batched_kernel[(soff,)](
+        desc, len(xs), BN=bn, BK=bk, PN=triton.next_power_of_2(bn), PK=triton.next_power_of_2(bk),
+        MAXM=triton.next_power_of_2(len(xs)), IN_T=_TL_DTYPES[dtype], TRANSFORMERS=transformers,
+        FMAX=448.0, RCP_FMAX=_RCP_FMAX, num_warps=8,
+    )
+    return out
 
 
 def _grid(x3: torch.Tensor, bn: int, bk: int) -> tuple[int, int, int]:

@@ -9,9 +9,11 @@ Invariants:
   same on every rank; a config that cannot hold for this model (a module an FP8 checkpoint
   quantizes that the model does not send, a different scale shape, a scale name the model already
   sends) raises ``FP8ConfigError`` on every rank when metadata is first read -- before bytes move.
-* **One tensor at a time, after its gather.** Each full (or local) tensor the wrapped source yields
-  is quantized on its own device as it arrives and dropped: the pass holds one quantized weight and
-  its scale beyond what the wrapped source holds, never a model-size buffer. A source that overlaps
+* **One tensor at a time, after its gather** (on CPU; on CUDA a bounded window). Each full (or
+  local) tensor the wrapped source yields is quantized on its own device as it arrives and dropped.
+  On CUDA, consecutive 2-D weights (and the small tensors between them) up to ``batch_bytes``
+  (default 64 MiB of inputs) are quantized in one Triton launch and then yielded in order: per-tensor
+  launches cost more host time than the quantization itself. Never a model-size buffer. A source that overlaps
   (FSDP's next gather already posted, Megatron's next receives) keeps doing so while a tensor is
   quantized and consumed.
 * **The stream is checked** against this metadata on every rank (names, FP8/float32 dtypes, scale
@@ -41,11 +43,16 @@ from ..core.layout import chunk_rows
 from ..core.logs import current_rank, get_logger
 from ..core.errors import FP8ConfigError
 from .config import FP8Config, QuantPlan
-from .fp8 import FP8_DTYPE, quantize_blocks
+from .fp8 import FP8_DTYPE, quantize_blocks, quantize_many
 
 __all__ = ["FP8Source", "quantized"]
 
 logger = get_logger(__name__)
+
+#: On CUDA, quantize runs of consecutive weights up to this many input bytes in one launch.
+DEFAULT_BATCH_BYTES = 64 << 20
+#: Unquantized tensors at most this large ride along in a batch (norms); larger ones flush it.
+_SMALL_BYTES = 1 << 20
 
 
 class FP8Source(WeightSource):
@@ -57,12 +64,15 @@ class FP8Source(WeightSource):
     """
 
     def __init__(self, source: WeightSource, config: FP8Config | Mapping[str, Any] | str | None = None, *,
-                 check: bool = True) -> None:
+                 check: bool = True, batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
         if isinstance(source, FP8Source):
             raise FP8ConfigError("FP8Source: the source is already quantized (FP8Source over FP8Source)")
+        if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 0:
+            raise FP8ConfigError(f"FP8Source(batch_bytes={batch_bytes!r}): a non-negative int")
         self.source = source
         self.config = config if isinstance(config, FP8Config) else (FP8Config() if config is None else FP8Config.from_hf(config))
         self.check = check
+        self.batch_bytes = batch_bytes
 
     # ---- metadata ---------------------------------------------------------------------------
 
@@ -212,15 +222,57 @@ class FP8Source(WeightSource):
         yield from stream
 
     def _stream(self, inner: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """One tensor at a time; on CUDA, runs of consecutive 2-D weights up to ``batch_bytes`` (and the
+        small tensors between them) are quantized in one launch (``quantize_many``), then yielded in
+        order -- a bounded window, never more than ``batch_bytes`` of inputs held."""
+        pending: list[tuple[str, torch.Tensor]] = []
+        held = 0
         try:
             for name, tensor in inner:
+                p = self._plans.get(name)
+                nbytes = tensor.numel() * tensor.element_size()
+                if (self.batch_bytes and tensor.is_cuda and (
+                        (p is not None and p.parts == 1 and tensor.dim() == 2)
+                        or (p is None and pending and nbytes <= _SMALL_BYTES))):
+                    pending.append((name, tensor))
+                    held += nbytes
+                    del tensor
+                    if held >= self.batch_bytes:
+                        yield from self._flush(pending)
+                        held = 0
+                    continue
+                if pending:
+                    yield from self._flush(pending)
+                    held = 0
                 pairs = self._quantize(name, tensor)
                 del tensor  # the generator holds the only reference, and drops it once quantized
                 yield from pairs
+            if pending:
+                yield from self._flush(pending)
         finally:
+            pending.clear()
             close = getattr(inner, "close", None)
             if callable(close):
                 close()
+
+    def _flush(self, pending: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Quantize ``pending``'s planned weights in one launch and yield everything in order; empties
+        ``pending`` (the inputs are dropped before the first yield)."""
+        cfg = self.config
+        planned = [t for n, t in pending if n in self._plans]
+        done = iter(quantize_many(planned, cfg.block, scale_fmt=cfg.scale_fmt, rule=cfg.rule))
+        del planned
+        out = [(n, next(done) if n in self._plans else t) for n, t in pending]
+        pending.clear()
+        out.reverse()
+        while out:  # pop as we go: nothing yielded stays referenced here
+            name, item = out.pop()
+            if name in self._plans:
+                yield name, item[0]
+                yield self._plans[name].scale_name, item[1]
+            else:
+                yield name, item
+            del item
 
     def __getattr__(self, name: str) -> Any:  # stats and helpers of the wrapped source
         if name in ("source", "config", "check"):
