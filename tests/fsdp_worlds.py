@@ -54,6 +54,24 @@ def tiny_model(family: str, *, tied: bool, seed: int = 0, **kw) -> torch.nn.Modu
     return AutoModelForCausalLM.from_config(tiny_config(family, tied=tied, **kw))
 
 
+def tiny_vlm(seed: int = 0) -> torch.nn.Module:
+    """A tiny Qwen2.5-VL built with ``from_config`` (text tower 2 layers, vision tower 2 blocks)."""
+    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
+
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=127, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
+        ),
+        vision_config=dict(
+            depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+            fullatt_block_indexes=[1],
+        ),
+    )
+    torch.manual_seed(seed)
+    return AutoModelForImageTextToText.from_config(cfg)
+
+
 def save_oracle(model: torch.nn.Module, directory: str, dtype: torch.dtype | None = None) -> None:
     """``save_pretrained`` of an unsharded copy (optionally cast): the naming/bytes oracle."""
     m = copy.deepcopy(model)
@@ -496,6 +514,27 @@ def world_wrappers(rank: int, world_size: int, *, oracle_dir: str) -> dict:
     facts["moe_default_full"] = to_cpu(stream(src))
     facts["moe_default_layout"] = getattr(src.expert_transform, "layout", None)
     facts["dense_expert_transform"] = FSDPSource(model).expert_transform
+
+    # 6b) a VLM built with from_config (Qwen2.5-VL: in memory model.language_model.* / model.visual.*,
+    #     save_pretrained writes model.* / visual.* by a mapping keyed on the class name, which
+    #     fully_shard renames) and the same model loaded with from_pretrained: both as saved.
+    vlm = tiny_vlm(seed=7)
+    vlm_dir = os.path.join(oracle_dir, "vlm")
+    if rank == 0:
+        save_oracle(vlm, vlm_dir)
+    dist.barrier()
+    vlm_loaded = type(vlm).from_pretrained(vlm_dir)
+    facts["vlm_inmemory"] = [n for n, _ in vlm.named_parameters()]
+    for key, m in (("vlm_config", vlm), ("vlm_pretrained", vlm_loaded)):
+        for blk in m.model.visual.blocks:
+            fully_shard(blk, mesh=mesh)
+        for layer in m.model.language_model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(m.model, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        facts[key + "_class"] = type(m).__name__
+        facts[key] = to_cpu(stream(FSDPSource(m)))
+        facts[key + "_bf16"] = to_cpu(stream(FSDPSource(m, dtype=torch.bfloat16)))
 
     #    bad input: every rank raises a named error before any gather, none hangs. Fused experts
     #    in a model transformers has no conversion mapping for (llama + a custom experts module).

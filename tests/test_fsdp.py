@@ -210,6 +210,24 @@ def test_moe_experts_default_to_the_checkpoint_layout(wrappers):
         assert f["dense_expert_transform"] is None
 
 
+def test_vlm_from_config_and_from_pretrained_as_save_pretrained_writes(wrappers):
+    """Qwen2.5-VL (issue 27): save_pretrained writes model.* / visual.* for the in-memory
+    model.language_model.* / model.visual.*; FSDPSource sends those names (and bytes, fp32 and
+    bf16) whether the model came from from_config or from_pretrained, though fully_shard renamed
+    the classes the rename is keyed on."""
+    results, d = wrappers
+    oracle = load_oracle(os.path.join(d, "vlm"))
+    assert "model.embed_tokens.weight" in oracle and "visual.patch_embed.proj.weight" in oracle
+    assert not any(n.startswith("model.language_model.") for n in oracle)
+    bf16 = {k: v.to(torch.bfloat16) for k, v in oracle.items()}
+    for rank, f in results.items():
+        assert "model.language_model.embed_tokens.weight" in f["vlm_inmemory"]
+        for key in ("vlm_config", "vlm_pretrained"):
+            assert f[key + "_class"].startswith("FSDP")
+            assert_same_tensors(f[key], oracle, f"rank {rank} {key}")
+            assert_same_tensors(f[key + "_bf16"], bf16, f"rank {rank} {key} bf16")
+
+
 def test_bad_input_raises_named_errors_on_every_rank(wrappers):
     results, _ = wrappers
     for rank, f in results.items():

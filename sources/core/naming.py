@@ -186,6 +186,66 @@ def _state_tensors(module: nn.Module, include_buffers: bool) -> list[tuple[str, 
     return out
 
 
+def _unwrapped_class(cls: type) -> type:
+    """The class a module had before ``fully_shard`` / ``replicate`` swapped in their dynamic
+    subclass (``type(f"FSDP{cls.__name__}", (FSDPModule, cls), ...)``)."""
+    for _ in range(8):
+        bases = cls.__bases__
+        if (
+            len(bases) == 2
+            and bases[0].__module__.startswith("torch.distributed.")
+            and cls.__name__.endswith(bases[1].__name__)
+        ):
+            cls = bases[1]
+        else:
+            break
+    return cls
+
+
+def _unwrapped_tree(root: nn.Module, pretrained_cls: type) -> nn.Module:
+    """``root`` as transformers' ``get_model_conversion_mapping`` should see it: the model before
+    wrapping. That lookup goes by each ``PreTrainedModel`` submodule's class name (then
+    ``config.model_type``), skips classes whose ``__module__`` is not transformers', and scopes by
+    module path. ``fully_shard`` renames the classes (``FSDPQwen2_5_VLForConditionalGeneration``,
+    defined in torch), so a sharded model built with ``from_config`` would otherwise lose its
+    class-keyed mapping (Qwen2.5-VL's ``model.language_model.*`` -> ``model.*`` renames).
+
+    When no class or path is wrapped, ``root`` itself. Otherwise a data-free skeleton: one bare
+    instance of each unwrapped ``PreTrainedModel`` class (``__init__`` not run; only ``config``
+    set) at its de-wrapped path, plain ``nn.Module`` placeholders between them. Nothing of the
+    live model is changed.
+    """
+    wrappers = _wrapper_paths(root)
+    found = [
+        (path, checkpoint_name(path, wrappers), m)
+        for path, m in root.named_modules()
+        if isinstance(m, pretrained_cls)
+    ]
+    if all(_unwrapped_class(type(m)) is type(m) and path == name for path, name, m in found):
+        return root
+
+    def bare(m: nn.Module) -> nn.Module:
+        cls = _unwrapped_class(type(m))
+        s = cls.__new__(cls)
+        nn.Module.__init__(s)
+        s.config = m.config
+        return s
+
+    top = bare(root)
+    for _, name, m in found:
+        if not name:
+            continue
+        parent = top
+        *segs, leaf = name.split(".")
+        for seg in segs:
+            child = parent._modules.get(seg)
+            if child is None:
+                child = parent._modules[seg] = nn.Module()
+            parent = child
+        parent._modules[leaf] = bare(m)
+    return top
+
+
 def _conversion_check(root: nn.Module, names: list[str]) -> tuple[dict[str, str], list[tuple[str, str]]]:
     """What transformers does to each name when saving: ``(renames, converted)``.
 
@@ -212,8 +272,9 @@ def _conversion_check(root: nn.Module, names: list[str]) -> tuple[dict[str, str]
     conversions = getattr(root, "_weight_conversions", None)
     if conversions is None:
         # Same choice as transformers' revert_weight_conversion for a model not built by
-        # from_pretrained: the default mapping, without legacy renames and prefix changes.
-        conversions = get_model_conversion_mapping(root, add_legacy=False)
+        # from_pretrained: the default mapping, without legacy renames and prefix changes --
+        # looked up for the unwrapped classes (see _unwrapped_tree).
+        conversions = get_model_conversion_mapping(_unwrapped_tree(root, PreTrainedModel), add_legacy=False)
         conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
     if not conversions:
         return {}, []
