@@ -13,7 +13,10 @@ CUDA IPC engines on a Qwen3-1.7B-shaped model, against the BF16 pass of the same
 4. Time of one ``send_weights()``: FP8 pass / BF16 pass, packed and unpacked, interleaved rep by rep.
    Goal: <= 1.35x packed. Wire bytes: exactly an FP8 checkpoint's (embeddings stay BF16).
 
-    python bench/bench_gpu_fp8.py [--reps 7] [--warmup 2] [--dry-run] [--json out.json]
+Every ratio is compared with the last recorded run (``bench/_history.py``: REGRESSION when worse by
+more than the run's noise, 5% at least); ``--record`` (or ``OUT`` set, as under ``.ci/gpu``) records it.
+
+    python bench/bench_gpu_fp8.py [--reps 7] [--warmup 2] [--dry-run] [--record] [--json out.json]
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
 
+from _history import Guard, ratio_noise  # noqa: E402
 from _timing import copy_floor, sync, timed  # noqa: E402
 from facts import Facts, log  # noqa: E402
 
+SHAPE = "qwen3-1.7b bf16 1gpu"
 GOAL_QUANT_VS_COPY = 2.0
 GOAL_FP8_VS_BF16_PACKED = 1.35
 
@@ -105,8 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model, loopback transport")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--record", action="store_true", help="append this run's ratios to bench/results/history.jsonl")
     args = ap.parse_args(argv)
     facts = Facts("bench_fp8", dry_run=args.dry_run)
+    guard = Guard("bench_fp8", SHAPE + (" dry-run" if args.dry_run else ""),
+                  record=args.record or (bool(os.environ.get("OUT")) and not args.dry_run), printer=lambda line: None)
+    ratios: list[tuple[str, float, float]] = []
     import torch
 
     from hf_side import bench_config, build_hf, digest, tiny_config
@@ -172,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"(goal <= {GOAL_QUANT_VS_COPY}: {'met' if r <= GOAL_QUANT_VS_COPY else 'NOT met'})"
                          if tag.startswith("weightsync") else "")
         facts.number("d2d copy of the bytes read best_ms", round(min(ct) * 1e3, 3))
+        ratios.append(("quantize/copy best", min(q_ours) / min(ct), ratio_noise(q_ours, ct)))
 
         # 3. round trips: received bytes == vLLM's quantizer on the trainer's weights
         want = {}
@@ -221,9 +231,15 @@ def main(argv: list[str] | None = None) -> int:
                 goal = f" (goal <= {GOAL_FP8_VS_BF16_PACKED}: {'met' if r <= GOAL_FP8_VS_BF16_PACKED else 'NOT met'})" \
                     if packed else ""
                 facts.number(f"ratio FP8/BF16 pass {tag} {stat}", round(r, 3), goal)
+                if stat == "median":
+                    ratios.append((f"FP8/BF16 {tag} median", r, ratio_noise(times["fp8"], times["bf16"])))
             for eng in engines.values():
                 eng.shutdown()
             client.call("track", True)
+        for ratio, value, noise in ratios:
+            bad = guard.check(ratio, value, noise)
+            facts.check(f"{ratio} no worse than the last recorded run", bad is None, guard.lines[-1])
+        guard.finish()
         log(f"[bench_fp8] done: {len(plans)} quantized tensors")
     except Exception as e:  # noqa: BLE001
         facts.error("bench_fp8", e)
