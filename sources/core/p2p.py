@@ -53,6 +53,19 @@ class PostedGather:
         self._out, self._waits, self._peer_of, self._what = out, waits, peer_of, what
         self.held_bytes = held_bytes
 
+    def completed(self) -> bool:
+        """Every posted transfer already completed (a poll, never a wait: a helper thread may call it)."""
+        return all(w.is_completed() for _peer, w, _keep in list(self._waits))
+
+    @property
+    def pieces(self) -> list[torch.Tensor] | None:
+        """On ``dst``: the pieces in order (valid once ``completed()``); elsewhere None."""
+        return self._out
+
+    def release_pieces(self) -> None:
+        """Drop the reference to the received pieces (their consumer made its outputs from them)."""
+        self._out = None
+
     def finish(self, timeout_s: float) -> list[torch.Tensor] | None:
         rank = dist.get_rank()
         for peer, w, _keep in self._waits:

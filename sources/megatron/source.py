@@ -53,7 +53,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, Literal
 
 import torch
@@ -66,6 +66,7 @@ from ..families.base import DENSE_MLP, Entry
 from ..core.layout import VOCAB, vocab_is_chunked, vocab_rows
 from ..core.logs import get_logger
 from .whole_units import LocalStep, local_step, mark_precast, nbytes, precast
+from .ahead import SplitAhead
 from .moe import MegatronMoEExporter, expert_format, megatron_moe_suffixes
 from .mla import mla_geometry, resolve_kinds
 from .plan import Geometry, Unit, build_plan, mlp_kind
@@ -562,17 +563,21 @@ class MegatronSource(WeightSource):
         return posted
 
     def _ahead(self, k: int, posted: dict[int, PostedGather], stats: PassStats) -> None:
-        """Overlap, on rank 0 (the receiver) only: post step ``k + 1``'s receives now, unless a MoE
-        layer's export follows step ``k`` (its transfers keep their place) or rank 0 holds step
-        ``k + 1`` whole. Peers post each send at its own step, as without overlap: rank 0's receive
-        being posted is what lets the next send run while rank 0's consumer handles this unit, and a
-        peer never has more than one cast piece out. Between any two ranks the transfers are posted
-        in plan order on both sides, so they pair up as without overlap."""
+        """Overlap, on rank 0 (the receiver) only: post the receives of the next step that moves
+        anything -- steps rank 0 holds whole (norms at TP > 1) move nothing and are looked past --
+        unless a MoE layer's export comes first (its transfers keep their place). One transfer
+        ahead. Peers post each send at its own step, as without overlap: rank 0's receive being
+        posted is what lets the next send run while rank 0's consumer handles this unit, and a peer
+        never has more than one cast piece out. Between any two ranks the transfers are posted in
+        plan order on both sides, so they pair up as without overlap."""
+        if not self.overlap or self._topo.rank != 0 or self._steps[k][2] is not None:
+            return
         j = k + 1
-        if (
-            not self.overlap or self._topo.rank != 0 or j >= len(self._steps)
-            or self._steps[k][2] is not None or j in posted or self._steps[j][1] is not None
-        ):
+        while j < len(self._steps) and self._steps[j][1] is not None:
+            if self._steps[j][2] is not None:
+                return
+            j += 1
+        if j >= len(self._steps) or j in posted:
             return
         posted[j] = self._post(self._steps[j][0], stats)
         stats.ahead_peak_bytes = max(stats.ahead_peak_bytes, posted[j].held_bytes)
@@ -585,6 +590,7 @@ class MegatronSource(WeightSource):
             self._moe.stats = stats
         tensors = sent = peak = held = 0
         posted: dict[int, PostedGather] = {}  # step -> its transfer, posted ahead (overlap)
+        split_ahead: SplitAhead | None = None
         try:
             self._start()
             # Ranks of other data-parallel replicas have no dense unit to send, but with expert
@@ -594,6 +600,8 @@ class MegatronSource(WeightSource):
                 return
             casts, peak = precast(self._precast, self.dtype) if self._precast else (iter(()), 0)
             transfers = self.overlap and any(s[1] is None for s in self._steps)  # none at TP1 on rank 0
+            if transfers and self._topo.rank == 0 and self._device.type == "cpu":
+                split_ahead = SplitAhead()  # rank 0's concatenation / splits off this thread (megatron/ahead.py)
             for k, (unit, local, moe_layer) in enumerate(self._steps):
                 if local is not None and local.views is not None and local.param.data_ptr() == local.ptr:
                     tensors += len(local.views)
@@ -619,15 +627,16 @@ class MegatronSource(WeightSource):
                 elif dense:
                     mine = posted.pop(k, None) or self._post(unit, stats)
                     self._ahead(k, posted, stats)
-                    pieces = mine.finish(self.timeout_s)
+                    done = split_ahead.take(k) if split_ahead is not None else None  # waited + concatenated
+                    pieces = mine.finish(self.timeout_s)  # bounded wait (nothing left if the helper waited)
+                    if split_ahead is not None and posted:  # rank 0, CPU: the next unit on the helper
+                        j = min(posted)
+                        split_ahead.start(j, posted[j], partial(self._concat, self._steps[j][0], stats=stats, gather=posted[j]),
+                                          self.timeout_s)
                     copies = 0
-                    if pieces is not None:
-                        outs = unit.kind.concat(pieces, **self._geometry_kw(unit))
-                        # Outputs that are views of a received piece are already held; count the copies.
-                        have = {p.untyped_storage().data_ptr() for p in pieces}
-                        copies = sum(nbytes(o.shape, o.dtype) for o in outs if o.untyped_storage().data_ptr() not in have)
-                        stats.hold(copies)
-                        del pieces
+                    if pieces is not None or done is not None:
+                        outs, copies = done if done is not None else self._concat(unit, pieces, stats=stats)
+                        del pieces, done
                         for name, out in zip(unit.names, outs):
                             stats.yielded(nbytes(out.shape, out.dtype))
                             yield name, out
@@ -639,6 +648,8 @@ class MegatronSource(WeightSource):
                 if moe_layer is not None:
                     yield from self._moe.export(moe_layer)  # type: ignore[union-attr]
         finally:
+            if split_ahead is not None:
+                split_ahead.close()
             for g in posted.values():  # a consumer stopped early: wait out what was posted ahead
                 g.drain(self.timeout_s)
                 stats.hold(-g.held_bytes)
@@ -646,6 +657,23 @@ class MegatronSource(WeightSource):
             stats.bytes += sent
             stats.peak_extra_bytes = max(stats.peak_extra_bytes, peak + held)
             stats.stop()
+
+    def _concat(
+        self, unit: Unit, pieces: list[torch.Tensor], *, stats: PassStats, gather: PostedGather | None = None
+    ) -> tuple[tuple, int]:
+        """``unit``'s HF tensors from its received pieces, and the bytes of those that are copies
+        (held from now on; outputs that are views of a piece are held already). With ``gather``
+        (the helper, ``megatron/ahead.py``), pieces no output is a view of are dropped at once and
+        no longer counted: ahead of the unit being yielded rank 0 holds its pieces or its outputs."""
+        outs = unit.kind.concat(pieces, **self._geometry_kw(unit))
+        have = {p.untyped_storage().data_ptr() for p in pieces}
+        copies = sum(nbytes(o.shape, o.dtype) for o in outs if o.untyped_storage().data_ptr() not in have)
+        stats.hold(copies)
+        if gather is not None and copies and not any(o.untyped_storage().data_ptr() in have for o in outs):
+            stats.hold(-gather.held_bytes)
+            gather.held_bytes = 0
+            gather.release_pieces()
+        return outs, copies
 
     # ---- local mode ---------------------------------------------------------------------------
 

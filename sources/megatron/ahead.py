@@ -1,0 +1,85 @@
+"""Rank 0's layout work for the unit received ahead, on a helper thread (CPU, overlap).
+
+With overlap, rank 0 posts the next unit's point-to-point receives before it hands on the current
+unit's tensors (``MegatronSource._ahead``). What remained in the iterating thread is rank 0's own
+host work once those pieces arrived: the concatenation of the TP shards and the QKV / GLU splits
+(``Layout.concat``) -- on CPU a copy of every byte, which nothing overlapped (bench_overlap_megatron:
+x0.96 with a simulated send). ``SplitAhead`` moves it to one helper thread, as FSDPSource's helper
+unpacks the next gathered tensor (``fsdp/prefetch.py``):
+
+* The helper never posts a transfer: posting stays in the iterating thread, in plan order, so
+  the peers pair up as without it. It waits for the unit's receives -- ``PostedGather.finish``,
+  gloo's own bounded wait (``waits.wait_p2p``), the same wait the iterating thread would make:
+  gloo's point-to-point work completes only inside ``wait`` (``is_completed`` never advances on
+  its own), so a helper that only polled would start no earlier than the iterating thread -- and
+  then runs the unit's ``concat`` on the received pieces.
+* The iterating thread, at that unit's step, takes the helper's outputs: a wait that failed
+  (``SyncTimeoutError`` naming the peer and the parameter) is raised there, at that unit's step,
+  as before; a pass that stops early waits out the helper (bounded by the same ``timeout_s``)
+  before draining what is still posted.
+* Memory: the helper drops the pieces once concatenated, so ahead of the unit being yielded rank 0
+  holds each posted unit's pieces *or* its outputs, never both once a concat is done -- what is
+  ahead stays within the lookahead's byte bound (``MegatronSource._ahead``); while a concat runs,
+  its input and output coexist, as they do in the iterating thread.
+* CPU only: on CUDA the concatenation is an asynchronous kernel already, issued on the caller's
+  stream in the iterating thread (``MegatronSource`` does not start a helper there).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ..core.p2p import PostedGather
+
+__all__ = ["SplitAhead"]
+
+
+class SplitAhead:
+    """One helper thread working through the units posted ahead, in plan order (see the module
+    docstring): one job per posted unit, so its work is bounded by what is posted ahead."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._jobs: dict[int, tuple[Future, threading.Event]] = {}
+
+    def start(self, step: int, gather: PostedGather, fn: Callable[[list], Any], timeout_s: float) -> None:
+        """Wait for ``gather``'s receives (``step``'s unit) and run ``fn(pieces)``, on the helper."""
+        if step in self._jobs:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-split")
+        stop = threading.Event()
+        self._jobs[step] = (self._pool.submit(self._run, gather, fn, stop, timeout_s), stop)
+
+    @staticmethod
+    def _run(gather: PostedGather, fn: Callable[[list], Any], stop: threading.Event, timeout_s: float) -> Any:
+        if stop.is_set():
+            return None
+        pieces = gather.finish(timeout_s)  # bounded (gloo's own wait); raises naming peer and tensor
+        if pieces is None or stop.is_set():
+            return None
+        return fn(pieces)  # (``fn`` drops the pieces its outputs replace: memory bound unchanged)
+
+    def take(self, step: int) -> Any:
+        """The helper's result for ``step`` (waiting for it; its wait's error raised here), or None
+        when none ran for it."""
+        job = self._jobs.pop(step, None)
+        return None if job is None else job[0].result()
+
+    def close(self) -> None:
+        """Wait out the helper's jobs (each bounded by its wait's ``timeout_s``; results and errors
+        dropped: the pass is ending) and end the thread."""
+        jobs, self._jobs = self._jobs, {}
+        for _fut, stop in jobs.values():
+            stop.set()
+        for fut, _stop in jobs.values():
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 - a result nobody will read
+                pass
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
