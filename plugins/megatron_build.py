@@ -321,11 +321,46 @@ def _no_fla_kernel(*a: Any, **k: Any) -> Any:
     )
 
 
-def _mla_spec(spec: Any) -> Any:
-    """``spec`` (a block spec or one layer spec) with ``MLACoreAttention`` as core attention."""
+def _mla_spec(spec: Any, dsa: bool = False) -> Any:
+    """``spec`` (a block spec or one layer spec) with ``MLACoreAttention`` as core attention, or
+    (``dsa``) megatron-core's ``DSAttention`` holding its ``DSAIndexer`` as
+    ``get_dsa_module_spec_for_backend`` assembles it -- with ``DuplicatedLinear`` where that asks
+    the backend for ``linear()``, which the local spec provider does not have."""
+    core: Any = MLACoreAttention
+    if dsa:
+        from megatron.core.models.backends import LocalSpecProvider
+        from megatron.core.transformer.experimental_attention_variant.dsa import (
+            DSAIndexer, DSAIndexerSubmodules, DSAttention, DSAttentionSubmodules,
+        )
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        norm = LocalSpecProvider().layer_norm(rms_norm=False, for_qk=True)
+        core = ModuleSpec(module=DSAttention, submodules=DSAttentionSubmodules(indexer=ModuleSpec(
+            module=DSAIndexer, submodules=DSAIndexerSubmodules(
+                linear_wq_b=DuplicatedLinear, linear_wk=DuplicatedLinear, k_norm=norm,
+                linear_weights_proj=DuplicatedLinear,
+            ),
+        )))
     for layer in getattr(spec, "layer_specs", None) or [spec]:
-        layer.submodules.self_attention.submodules.core_attention = MLACoreAttention
+        layer.submodules.self_attention.submodules.core_attention = core
     return spec
+
+
+class DuplicatedLinear(torch.nn.Module):
+    """A linear layer every TP rank holds whole (Transformer Engine's ``TELinear(parallel_mode=
+    "duplicated")``, what megatron-core's DSA spec builds the indexer's projections from): one
+    ``weight`` ``[out, in]``, no TP attributes, so ``dist_checkpointing`` saves it replicated."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any, init_method: Callable[..., Any],
+                 bias: bool = False, skip_bias_add: bool = False, **_: Any) -> None:
+        super().__init__()
+        if bias:
+            raise NotImplementedError("DuplicatedLinear holds no bias (the DSA indexer asks for none)")
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        init_method(self.weight)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return torch.nn.functional.linear(x, self.weight), None
 
 
 @contextlib.contextmanager
@@ -430,7 +465,7 @@ def build_chunks(
                     qk_layernorm=mcfg.qk_layernorm, multi_latent_attention=mla, normalization="RMSNorm"
                 )
             if mla:
-                spec = _mla_spec(spec)
+                spec = _mla_spec(spec, dsa=getattr(mcfg, "experimental_attention_variant", None) == "dsa")
             if spec_hook is not None:
                 spec = spec_hook(spec)
             chunks.append(

@@ -33,6 +33,12 @@ pieces as ``Shard(dim)`` without gathering. The fused layouts:
 * Norms whose stored weight differs from HF's by a constant (``shifted``: ``hf = megatron + shift``,
   e.g. the gated-delta-net output norm of a ``layernorm_zero_centered_gamma`` model): applied by
   ``to_wire`` in fp32 before the one cast to the wire dtype, never after it.
+* DSA indexer rows (``indexer_rope_*``, DeepSeek-V3.2 / GLM-5): megatron-core's ``DSAIndexer``
+  ropes the *last* ``r = qk_pos_emb_head_dim`` channels of each ``d = index_head_dim`` head in
+  interleaved pairs ``(2i, 2i+1)`` (MLA rope); transformers ropes the *first* ``r`` in half-split
+  pairs ``(i, i + r/2)`` (DeepSeek-V3.2) or interleaved pairs (GLM-5). Same scores need the same
+  pairs at the same frequencies, so each head's rows (``wq_b``; ``wk`` and the ``k_norm`` weight and
+  bias for the one key head) are permuted (``indexer_rope_rows``). Duplicated over TP.
 * Vocabulary-parallel embedding / output layer: rows are padded to ``padded_vocab`` (a multiple of
   ``make_vocab_size_divisible_by * tp``) and split evenly; HF keeps ``vocab_size`` rows. Shard ``r``
   holds HF rows ``[r*padded/tp, (r+1)*padded/tp) & [0, vocab_size)``; whether that is a
@@ -68,6 +74,10 @@ __all__ = [
     "GDN_QKV_Z_B_A",
     "GDN_CONV",
     "SHIFTED_PLUS_ONE",
+    "INDEXER_ROPE_HALF",
+    "INDEXER_ROPE_INTERLEAVED",
+    "IndexerRope",
+    "indexer_rope_rows",
     "GatedDeltaNet",
     "split_gated_qkv",
     "vocab_rows",
@@ -399,6 +409,48 @@ class Shifted(Replicated):
         return (t.to(torch.float32) + self.shift).to(dtype)
 
 
+def indexer_rope_rows(head_dim: int, rope_dim: int, pairing: str) -> torch.Tensor:
+    """For one DSA indexer head: HF channel ``j`` is megatron channel ``rows[j]``.
+
+    megatron ``[nope | pe]`` with pe pairs ``(pe[2i], pe[2i+1])`` at frequency ``i``; HF ``[pe | nope]``
+    with pairs ``(pe[i], pe[i + r/2])`` (``"half"``) or ``(pe[2i], pe[2i+1])`` (``"interleaved"``)."""
+    d, r = head_dim, rope_dim
+    if not 0 < r <= d or r % 2:
+        raise ValueError(f"indexer rope dims {r} do not fit an indexer head of {d} channels as even pairs")
+    base = d - r
+    if pairing == "half":
+        pe = [base + 2 * j for j in range(r // 2)] + [base + 2 * j + 1 for j in range(r // 2)]
+    elif pairing == "interleaved":
+        pe = [base + j for j in range(r)]
+    else:
+        raise ValueError(f"unknown indexer rope pairing {pairing!r}")
+    return torch.tensor(pe + list(range(base)), dtype=torch.long)
+
+
+class IndexerRope(Replicated):
+    """DSA indexer rows, duplicated over TP: each ``head_dim``-row block permuted from megatron's
+    rope channel placement to transformers' (``indexer_rope_rows``; ``indexer_rope = (index_head_dim,
+    qk_rope_head_dim)`` from the family's ``layout_kw``)."""
+
+    split_copies = True
+
+    def __new__(cls, name: str, pairing: str) -> "IndexerRope":
+        obj = super().__new__(cls, name)
+        obj.pairing = pairing
+        return obj
+
+    def __reduce__(self) -> tuple:
+        return layout, (str(self),)  # unpickles to the registered kind
+
+    def split(self, shard: torch.Tensor, *, indexer_rope: tuple[int, int] = (0, 0), **_: Any):
+        d, r = indexer_rope
+        if not d or shard.shape[0] % d:
+            raise ValueError(f"{self}: {shard.shape[0]} rows are not whole indexer heads of {d} channels")
+        per = indexer_rope_rows(d, r, self.pairing)
+        idx = (torch.arange(shard.shape[0] // d)[:, None] * d + per[None]).reshape(-1)
+        return (shard.index_select(0, idx.to(shard.device)),)
+
+
 class Vocab(Column):
     """Vocabulary-parallel embedding / output layer: rows padded, then split evenly over TP."""
 
@@ -414,10 +466,13 @@ GDN_QKVZ_BA = GatedDeltaNet("gdn_qkvz_ba", "qkvz_ba")
 GDN_QKV_Z_B_A = GatedDeltaNet("gdn_qkv_z_b_a", "qkv_z_b_a")
 GDN_CONV = GatedDeltaNet("gdn_conv", "conv")
 SHIFTED_PLUS_ONE = Shifted("replicated_plus_one", 1.0)
+INDEXER_ROPE_HALF = IndexerRope("indexer_rope_half", "half")
+INDEXER_ROPE_INTERLEAVED = IndexerRope("indexer_rope_interleaved", "interleaved")
 #: every kind by the name family tables use.
 KINDS: dict[str, Layout] = {k: k for k in (
     REPLICATED, COLUMN, ROW, QKV_LAYOUT, GLU_LAYOUT, STACK, STACK_COLUMN, VOCAB,
     QKV_GATED, GDN_QKVZ_BA, GDN_QKV_Z_B_A, GDN_CONV, SHIFTED_PLUS_ONE,
+    INDEXER_ROPE_HALF, INDEXER_ROPE_INTERLEAVED,
 )}
 
 

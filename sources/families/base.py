@@ -247,6 +247,9 @@ class Family:
     #: that this checkpoint cannot express beyond the shared checks (``MegatronSource`` raises
     #: ``UnmappedParameterError`` listing them at construction, on every rank).
     megatron_mismatch: Callable[[Any, Any], list[str]] = lambda cfg, mcfg: []
+    #: MLA families: ``mcfg -> reason or None`` checks of the Megatron MLA variants this checkpoint
+    #: cannot express (None: DeepSeek-V3's ``MEGATRON_REFUSALS``; DSA families allow their variant).
+    mla_refusals: tuple[Callable[[Any], str | None], ...] | None = None
 
     def layer_keys(self, hf_config: Any, *, fused_down: bool = False, layer: int | None = None) -> dict[str, Entry]:
         """Megatron layer-relative names (local spec) this checkpoint has, in HF order.

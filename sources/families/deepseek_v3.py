@@ -166,15 +166,16 @@ def sigmoid_moe_fields(hf: Any) -> dict[str, Field]:
     return moe
 
 
-def unsupported(hf: Any) -> str | None:
-    """HF-side DeepseekV3 attention variants no megatron-core ``MLASelfAttention`` computes."""
+def unsupported(hf: Any, *, always_interleaved: bool = False) -> str | None:
+    """HF-side DeepseekV3 attention variants no megatron-core ``MLASelfAttention`` computes
+    (``always_interleaved``: the model has no ``rope_interleave`` switch, e.g. DeepSeek-V3.2)."""
     why = []
     if getattr(hf, "attention_bias", False):
         why.append(
             "attention_bias=True (q_a_proj / kv_a_proj_with_mqa / o_proj biases): megatron-core's MLA "
             "builds its q/kv projections without bias"
         )
-    if not getattr(hf, "rope_interleave", True):
+    if not always_interleaved and not getattr(hf, "rope_interleave", True):
         why.append(
             "rope_interleave=False: megatron-core's MLA rope rotates the interleaved pairs (x0, x1), "
             "(x2, x3), ... of the rope dims, which is HF's rope_interleave=True"

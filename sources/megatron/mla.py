@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import UnmappedParameterError
-from ..families import Entry
+from ..families import Entry, family_for
 from ..families.deepseek_v3 import FAMILY as DEEPSEEK_V3
 from ..families.deepseek_v3 import MEGATRON_REFUSALS, MLA
 
@@ -96,10 +96,13 @@ def mla_geometry(hf_config: Any, mcfg: Any, *, family_is_mla: bool, rank: int) -
         raise UnmappedParameterError(f"rank {rank}: MegatronSource cannot map the attention: {side}")
     if not mla:
         return None
-    why = [w for refuse in MEGATRON_REFUSALS if (w := refuse(mcfg))]
+    family = family_for(hf_config, check=False)
+    refusals = family.mla_refusals if family.mla_refusals is not None else MEGATRON_REFUSALS
+    why = [w for refuse in refusals if (w := refuse(mcfg))]
     if why:
+        as_what = "DeepseekV3" if family.mla_refusals is None else family.name
         raise UnmappedParameterError(
-            f"rank {rank}: MegatronSource cannot export this Megatron MLA as DeepseekV3: " + "; ".join(why)
+            f"rank {rank}: MegatronSource cannot export this Megatron MLA as {as_what}: " + "; ".join(why)
         )
     hf = hf_config
     g = MLAGeometry(

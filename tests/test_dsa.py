@@ -1,0 +1,239 @@
+"""MegatronSource over megatron-core DeepSeek sparse attention (``experimental_attention_variant="dsa"``,
+DeepSeek-V3.2: MLA + MoE as DeepSeek-V3 plus the lightning indexer on every layer) on CPU gloo ranks:
+
+* names, shapes and dtypes == transformers' ``save_pretrained`` of the same DeepseekV32 config (fp32
+  and bf16 wires); every tensor == megatron-core's own ``dist_checkpointing`` of the model cut by the
+  documented layout -- DeepSeek-V3's MLA / MoE layout (``test_mla_megatron``) and, for the indexer,
+  each head's rows moved from megatron's ``[nope | pe (interleaved pairs)]`` to transformers'
+  ``[pe (half-split pairs) | nope]`` (written here as a reshape, independently of
+  ``layout.indexer_rope_rows``);
+* the indexer's scores: megatron's ``DSAIndexer.forward_with_scores`` vs transformers'
+  ``DeepseekV32Indexer`` holding the exported tensors (fp32; the Hadamard rotation, orthogonal and
+  skipped by transformers, left out on both sides), with negative controls: ``wq_b`` or ``wk`` copied
+  verbatim (no row permutation) give other scores;
+* what the checkpoint cannot express is refused on every rank, naming the field.
+
+Layouts (2 ranks): TP2 fp32 and bf16, EP2 fp32 and bf16, PP2, a Megatron model without the DSA
+variant (refused); the CLI's ``check --layout megatron`` at TP2 and EP2.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+
+import pytest
+import torch
+from family_worlds import check_cli, check_layout, check_refusals, preset_config
+from fsdp_worlds import unpack
+from worlds import run_world as _run_world
+
+pytestmark = pytest.mark.slow
+
+PRESET, ARCH = "tiny-deepseek-v32", "DeepseekV32ForCausalLM"
+TOL = 1e-5
+_IDX = "self_attention.core_attention.indexer."
+
+
+def run_world(*a, **k):
+    return unpack(_run_world(*a, **k))
+
+
+def _hf_of(lay) -> object:
+    return preset_config(PRESET, ARCH, **lay.get("hf", {}))
+
+
+# ---- in the ranks --------------------------------------------------------------------------------
+
+
+def _refusals(model, hf) -> dict[str, str | None]:
+    """What MegatronSource raises for hf_configs this DSA model cannot be exported as."""
+    from worlds import errors_of
+
+    from weightsync.sources import MegatronSource
+
+    bad = {
+        "index_topk": preset_config(PRESET, ARCH, index_topk=hf.index_topk + 1),
+        "index_n_heads": preset_config(PRESET, ARCH, index_n_heads=2 * hf.index_n_heads),
+        "index_head_dim": preset_config(PRESET, ARCH, index_head_dim=hf.index_head_dim + 8),
+        "attention_bias": preset_config(PRESET, ARCH, attention_bias=True),
+        # a DeepSeek-V3 checkpoint has no indexer tensors
+        "deepseek_v3": preset_config("tiny-deepseek-v3", "DeepseekV3ForCausalLM"),
+    }
+    return {k: errors_of(lambda c=c: MegatronSource(model, hf_config=c)) for k, c in bad.items()}
+
+
+@torch.no_grad()
+def indexer_scores(chunks, hf, exported: dict[str, torch.Tensor], layer: int = 1) -> dict[str, float]:
+    """Megatron's indexer scores of ``layer`` vs transformers' indexer holding ``exported``'s tensors
+    (and two negative controls: wq_b / wk verbatim from megatron). Max abs differences and scale."""
+    import megatron.core.transformer.experimental_attention_variant.dsa as dsa
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as m32
+
+    mod = next(lay for c in chunks for lay in c.decoder.layers if lay.layer_number - 1 == layer)
+    ind = mod.self_attention.core_attention.indexer
+    g = torch.Generator().manual_seed(4)
+    S, B = 12, 2
+    x = torch.randn(S, B, hf.hidden_size, generator=g)
+    qr = torch.randn(S, B, hf.q_lora_rank, generator=g)
+    from mla_models import forward_shims
+
+    saved = dsa.rotate_activation
+    dsa.rotate_activation = lambda t: t  # the Hadamard rotation: orthogonal, transformers skips it
+    try:
+        with forward_shims():
+            ref, _ = ind.forward_with_scores(x, qr)
+    finally:
+        dsa.rotate_activation = saved
+    pre = f"model.layers.{layer}.self_attn.indexer."
+
+    def hf_scores(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        hf_ind = m32.DeepseekV32Indexer(hf, layer_idx=layer).float()
+        hf_ind.load_state_dict({n[len(pre):]: t.float() for n, t in tensors.items() if n.startswith(pre)})
+        rope = m32.DeepseekV32RotaryEmbedding(config=hf)
+        h = x.transpose(0, 1)
+        pos = torch.arange(S)[None].expand(B, S)
+        cos, sin = rope(h, pos)
+        got = {}
+        topk = torch.Tensor.topk
+
+        def grab(self, *a, **k):  # transformers' index_scores, as its topk receives them
+            got["scores"] = self.clone()
+            return topk(self, *a, **k)
+
+        torch.Tensor.topk = grab
+        try:
+            hf_ind(h, qr.transpose(0, 1), (cos, sin), torch.zeros(B, S, S), pos)
+        finally:
+            torch.Tensor.topk = topk
+        return got["scores"]
+
+    out = {"scale": ref.abs().max().item(), "shape": tuple(ref.shape)}
+    out["diff"] = (hf_scores(exported) - ref).abs().max().item()
+    for ctrl, msuf in (("wq_b", "linear_wq_b.weight"), ("wk", "linear_wk.weight")):
+        verbatim = dict(exported)
+        verbatim[pre + f"{ctrl}.weight"] = getattr(ind, msuf.split(".")[0]).weight.detach().clone()
+        out[f"{ctrl}_ctrl"] = (hf_scores(verbatim) - ref).abs().max().item()
+    return out
+
+
+def _layout_facts(rank, lay, hf, chunks, src) -> dict:
+    f = {
+        "kinds": {u.key[2]: u.kind for u in src.plan if u.key[0] == "layer"},
+        "layer_names": sorted({n.split(".", 3)[3] for c in chunks for n, _ in c.named_parameters()
+                               if n.startswith("decoder.layers.")}),
+    }
+    if lay.get("refusals"):
+        f["refusals"] = _refusals(chunks[0], hf)
+    if lay.get("oracle") and rank == 0:
+        exported = {n: t.clone() for n, t in src.iter_full()}
+        f["scores"] = indexer_scores(chunks, hf, exported)
+    elif lay.get("oracle"):
+        list(src.iter_full())  # rank 1 takes part in the pass rank 0 reads
+    return f
+
+
+def _world(rank, world_size, *, root, layouts):
+    import mla_models as mm
+    from family_worlds import megatron_layouts
+
+    def build(hf, par, lay):
+        return mm.build_megatron(hf, par, overrides=lay.get("overrides"))
+
+    return megatron_layouts(rank, world_size, root=root, layouts=layouts, hf_of=_hf_of, extra=_layout_facts,
+                            build=build)
+
+
+# ---- oracles (parent process) ----------------------------------------------------------------------
+
+
+def _indexer_rows(t: torch.Tensor, d: int, r: int) -> torch.Tensor:
+    """Megatron rows of heads ``[nope (d-r) | pe (r), pairs (2i, 2i+1)]`` -> transformers'
+    ``[pe pairs (i, i + r/2) | nope]`` (per head of ``d`` rows)."""
+    heads = t.reshape(-1, d, *t.shape[1:])
+    nope, pe = heads[:, : d - r], heads[:, d - r :]
+    return torch.cat([pe[:, 0::2], pe[:, 1::2], nope], 1).reshape(t.shape)
+
+
+def _expected(ck, hf) -> dict[str, torch.Tensor]:
+    from test_mla_megatron import _expected as mla_expected
+    from test_moe_megatron import _ck
+
+    want = mla_expected(ck, hf)
+    d, r = hf.index_head_dim, hf.qk_rope_head_dim
+    for i in range(hf.num_hidden_layers):
+        pre = f"model.layers.{i}.self_attn.indexer."
+        for msuf, hname in (("linear_wq_b.weight", "wq_b.weight"), ("linear_wk.weight", "wk.weight"),
+                            ("k_norm.weight", "k_norm.weight"), ("k_norm.bias", "k_norm.bias")):
+            want[pre + hname] = _indexer_rows(_ck(ck, _IDX + msuf, i), d, r)
+        want[pre + "weights_proj.weight"] = _ck(ck, _IDX + "linear_weights_proj.weight", i)
+    return want
+
+
+def _check(res, root, lay) -> dict:
+    hf = _hf_of(lay)
+    r0 = check_layout(res, root, lay, hf, expected=_expected, kept_fp32=re.compile(r"mlp\.gate\.weight$"),
+                      fused_qkv=False)
+    for suffix in ("linear_wq_b.weight", "linear_wk.weight", "k_norm.weight", "k_norm.bias"):
+        assert r0["kinds"][_IDX + suffix] == "indexer_rope_half", (suffix, r0["kinds"])
+    assert r0["kinds"][_IDX + "linear_weights_proj.weight"] == "replicated"
+    assert _IDX + "linear_wq_b.weight" in r0["layer_names"]
+    return r0
+
+
+TWO_RANKS = [
+    dict(name="tp2", tp=2, refusals=True, oracle=True),
+    dict(name="tp2_bf16", tp=2, dtype=torch.bfloat16),
+    dict(name="ep2", ep=2),
+    dict(name="ep2_bf16", ep=2, dtype=torch.bfloat16),
+    dict(name="pp2", pp=2),
+    dict(name="no_dsa", tp=2, refuse={"experimental_attention_variant": None}),
+]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    root = tempfile.mkdtemp()
+    return root, run_world(_world, 2, root=root, layouts=TWO_RANKS, timeout=900)
+
+
+@pytest.mark.parametrize("lay", [lay for lay in TWO_RANKS if "refuse" not in lay], ids=lambda lay: lay["name"])
+def test_two_ranks_export_equals_save_pretrained_and_megatron_checkpoint(two_ranks, lay):
+    root, res = two_ranks
+    r0 = _check(res, root, lay)
+    if lay["name"].startswith("ep2"):
+        bias = r0["got"]["model.layers.1.mlp.gate.e_score_correction_bias"]
+        assert bias.dtype == torch.float32 and r0["got"]["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    if lay.get("dtype") is torch.bfloat16:
+        assert r0["got"]["model.layers.1.self_attn.indexer.wq_b.weight"].dtype == torch.bfloat16
+
+
+def test_indexer_scores_megatron_vs_transformers_and_verbatim_copies_are_caught(two_ranks):
+    _, res = two_ranks
+    s = res[0]["tp2"]["scores"]
+    assert s["shape"] == (2, 12, 12) and s["scale"] > 0.01, s
+    assert s["diff"] <= TOL * s["scale"], s
+    # negative controls: the rows copied verbatim (no rope-channel permutation) give other scores,
+    # off by a tenth of the scores' scale or more (measured: about their scale)
+    assert s["wq_b_ctrl"] > 0.1 * s["scale"] and s["wk_ctrl"] > 0.1 * s["scale"], s
+
+
+def test_refusals_raise_on_every_rank_naming_the_field(two_ranks):
+    _, res = two_ranks
+    check_refusals(res, {
+        "index_topk": ("UnmappedParameterError", "dsa_indexer_topk"),
+        "index_n_heads": ("UnmappedParameterError", "dsa_indexer_n_heads"),
+        "index_head_dim": ("UnmappedParameterError", "dsa_indexer_head_dim"),
+        "attention_bias": ("UnmappedParameterError", "attention_bias=True"),
+        "deepseek_v3": ("UnmappedParameterError", "experimental_attention_variant='dsa'"),
+    })
+    for r in res:
+        err = res[r]["no_dsa"]["error"]
+        assert err and err.startswith("UnmappedParameterError") and "no DSA indexer" in err and f"rank {r}" in err, err
+
+
+@pytest.mark.parametrize("extra", [("--tp", "2"), ("--ep", "2")], ids=["tp2", "ep2"])
+def test_check_cli_megatron(extra):
+    tp = extra[1] if extra[0] == "--tp" else "1"
+    ep = extra[1] if extra[0] == "--ep" else "1"
+    check_cli(PRESET, "--layout", "megatron", *extra, nproc=2, layout_line=f"layout megatron tp{tp} pp1 vpp1 ep{ep} x2")
