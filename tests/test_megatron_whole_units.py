@@ -47,6 +47,18 @@ def _rank(rank, world_size):
     got = dict(pairs)[name2]
     facts["new_storage_aliased"] = got.data_ptr() == fc2.data_ptr() and torch.equal(got, fc2.detach())
     facts["tensors"] = len(pairs) == len(src.metadata)
+    # a bf16 wire from this fp32 model: small tensors go through the batched cast; those whose
+    # split is the tensor itself (norms, row/column matrices) are yielded as their cast piece
+    bf = MegatronSource(model, hf_config=cfg, dtype=torch.bfloat16)
+    facts["identity_steps"] = sum(s.identity for _u, s, _m in bf._steps if s is not None)
+    got = {n: t.clone() for n, t in bf.iter_full()}
+    norm = params["decoder.final_layernorm.weight"]
+    facts["bf16_equal"] = (
+        torch.equal(got[name2], fc2.detach().to(torch.bfloat16))
+        and torch.equal(got["model.norm.weight"], norm.detach().to(torch.bfloat16))
+        and torch.equal(got[name1], fc1.detach()[half:].to(torch.bfloat16))
+        and len(got) == len(bf.metadata)
+    )
     return facts
 
 
@@ -56,3 +68,4 @@ def test_views_split_once_follow_the_parameter():
     assert f["first_equal"] and f["inplace_seen"], f
     assert f["replaced_seen"] and f["replaced_glu_seen"] and f["new_storage_aliased"], f
     assert f["tensors"], f
+    assert f["identity_steps"] > 0 and f["bf16_equal"], f

@@ -607,6 +607,10 @@ class MegatronSource(WeightSource):
                     tensors += len(local.views)
                     sent += local.total
                     yield from local.views  # split at construction: views of the parameter (whole_units)
+                elif local is not None and local.identity:
+                    tensors += 1
+                    sent += local.total
+                    yield unit.names[0], next(casts)  # its piece of the batched cast is the HF tensor
                 elif local is not None:
                     if local.precast:
                         t = next(casts)

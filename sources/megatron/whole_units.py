@@ -60,6 +60,9 @@ class LocalStep(NamedTuple):
     views: tuple[tuple[str, torch.Tensor], ...] | None = None
     ptr: int = 0  # ``param.data_ptr()`` the views were made from
     total: int = 0  # sum of ``sizes``
+    #: a ``precast`` step whose split returns its (contiguous, cast) input as its one HF tensor:
+    #: the batched cast's piece is yielded as it is (norms)
+    identity: bool = False
 
 
 def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -120,7 +123,10 @@ def mark_precast(steps: list[LocalStep | None], dtype: torch.dtype) -> list[Loca
             size = s.param.numel() * dtype.itemsize
             if total + size <= PRECAST_CAP_BYTES:
                 total += size
-                s = s._replace(precast=True)
+                probe = torch.empty(s.param.shape, dtype=dtype, device=s.param.device)
+                outs = s.split(probe)
+                same = len(outs) == 1 and outs[0].data_ptr() == probe.data_ptr() and outs[0].shape == probe.shape
+                s = s._replace(precast=True, identity=same)
         out.append(s)
     return out
 
