@@ -100,6 +100,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # DeepSeek-V3.2: the same plus the DSA lightning indexer on every layer (4 heads x 16, rope on 8
     # of them, top 4 tokens).
     "tiny-deepseek-v32": dict(_DEEPSEEK_V3, model_type="deepseek_v32", index_n_heads=4, index_head_dim=16, index_topk=4),
+    # GLM-5: the same structure, its indexer roping interleaved pairs; layer 0 dense (first-k 1).
+    "tiny-glm5": dict(_DEEPSEEK_V3, model_type="glm_moe_dsa", index_n_heads=4, index_head_dim=16, index_topk=4),
     # The same without q_lora_rank (DeepSeek-V2-Lite style): one q_proj instead of q_a/q_b.
     "tiny-deepseek-v3-no-q-lora": dict(_DEEPSEEK_V3, q_lora_rank=None),
     # GLM-4.5 structure: partial rotary (half of each 24-wide head), q/k/v biases, q/k norms, layer 0
@@ -224,7 +226,7 @@ def load_config(
         config.hidden_size = hidden
         config.intermediate_size = 2 * hidden
         # qwen3 keeps its own head_dim; DeepSeek-V3's head_dim is the rope dim (qk_rope_head_dim).
-        if getattr(config, "head_dim", None) is not None and config.model_type not in ("qwen3", "deepseek_v3", "deepseek_v32"):
+        if getattr(config, "head_dim", None) is not None and config.model_type not in ("qwen3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
             config.head_dim = hidden // heads
     if layers is not None:
         _check_resize(None, None, layers)

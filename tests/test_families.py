@@ -13,7 +13,7 @@ import pytest
 from weightsync.sources import families
 
 EXPECTED = (
-    "deepseek_v3", "deepseek_v32", "glm4_moe", "gpt_oss", "llama", "minimax_m2", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_5", "qwen3_5_moe_text",
+    "deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa", "gpt_oss", "llama", "minimax_m2", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_5", "qwen3_5_moe_text",
     "qwen3_5_text", "qwen3_moe", "qwen3_next",
 )
 
@@ -38,7 +38,7 @@ def test_registry_lists_one_module_per_family_without_importing_torch():
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-qwen3-moe",
-                                    "tiny-mixtral", "tiny-deepseek-v3", "tiny-deepseek-v32", "tiny-glm4-moe", "tiny-gpt-oss",
+                                    "tiny-mixtral", "tiny-deepseek-v3", "tiny-deepseek-v32", "tiny-glm5", "tiny-glm4-moe", "tiny-gpt-oss",
                                     "tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"])
 def test_the_builder_builds_exactly_the_family_table(preset):
     """Every field of the family's table is set on the builder's config to the table's value: there

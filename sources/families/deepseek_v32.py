@@ -25,6 +25,7 @@ transformers 5.20 ``DeepseekV32Indexer``), docs/families.md has the detail:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from . import deepseek_v3 as v3
@@ -91,8 +92,10 @@ def _no_variant_check(mcfg: Any) -> str | None:
     return f"experimental_attention_variant={variant!r}: not DSA"
 
 
-def dsa_family(name: str, architectures: tuple[str, ...], *, pairing: str) -> Family:
-    """A DSA family: DeepSeek-V3's MLA + MoE tables with the indexer rows permuted for ``pairing``."""
+def dsa_family(name: str, architectures: tuple[str, ...], *, pairing: str,
+               also_unsupported: Callable[[Any], str | None] = lambda hf: None) -> Family:
+    """A DSA family: DeepSeek-V3's MLA + MoE tables with the indexer rows permuted for ``pairing``
+    (``also_unsupported``: the family's own HF-side refusals)."""
     table = indexer_table(f"indexer_rope_{pairing}")
 
     def layer_table(family: Family, hf: Any, fused_down: bool) -> dict[str, Entry]:
@@ -103,7 +106,7 @@ def dsa_family(name: str, architectures: tuple[str, ...], *, pairing: str) -> Fa
         return out
 
     def unsupported(hf: Any) -> str | None:
-        why = [w for w in (v3.unsupported(hf, always_interleaved=True),) if w]
+        why = [w for w in (v3.unsupported(hf, always_interleaved=True), also_unsupported(hf)) if w]
         if not getattr(hf, "q_lora_rank", None):
             why.append(f"q_lora_rank=None: the {name} indexer's wq_b reads the q latent")
         return "; ".join(why) or None
