@@ -32,7 +32,6 @@ Nothing here mutates its input.
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
@@ -157,7 +156,7 @@ def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
 # ---- torch path (CPU, or CUDA without Triton) -------------------------------------------------
 
 
-def _row_chunks(rows_blocks: int, bn: int, k: int) -> int:
+def _row_chunks(bn: int, k: int) -> int:
     """Block rows per chunk so a float32 temporary stays under ``_CHUNK_ELEMS``."""
     return max(1, _CHUNK_ELEMS // max(1, bn * k))
 
@@ -175,7 +174,7 @@ def _padded(x3: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
 def _amax_torch(x3: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
     b, n, k = x3.shape
     nb = -(-n // bn)
-    step = _row_chunks(nb, bn, k)
+    step = _row_chunks(bn, k)
     out = []
     for i in range(0, nb, step):
         part = _padded(x3[:, i * bn:(i + step) * bn], bn, bk)
@@ -186,7 +185,7 @@ def _amax_torch(x3: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
 def _cast_torch(x3: torch.Tensor, mult: torch.Tensor, q: torch.Tensor, bn: int, bk: int, *, clamp: bool) -> None:
     b, n, k = x3.shape
     nb = -(-n // bn)
-    step = _row_chunks(nb, bn, k)
+    step = _row_chunks(bn, k)
     for i in range(0, nb, step):
         rows = slice(i * bn, min(n, (i + step) * bn))
         part = _padded(x3[:, rows], bn, bk)
@@ -215,8 +214,3 @@ def _triton_kernels():
         except Exception:  # noqa: BLE001 - no Triton (CPU builds): the torch path is exact too
             _KERNELS = None
     return _KERNELS
-
-
-def blocks_of(shape: tuple[int, ...], block: tuple[int, int]) -> int:
-    """How many scale entries a weight of ``shape`` has."""
-    return math.prod(scale_shape(shape, block))
