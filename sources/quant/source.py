@@ -30,7 +30,6 @@ rank 0's, so it costs no wall time. ``MegatronSource`` yields on rank 0 only, so
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Mapping
 from functools import cached_property
 from typing import Any
@@ -42,7 +41,7 @@ from ..core.check import check_stream, local_shape
 from ..core.layout import chunk_rows
 from ..core.logs import current_rank, get_logger
 from ..core.errors import FP8ConfigError
-from .config import FP8Config, QuantPlan
+from .config import _FUSED_EXPERTS, FP8Config, QuantPlan
 from .fp8 import FP8_DTYPE, quantize_blocks, quantize_many
 
 __all__ = ["FP8Source", "quantized"]
@@ -281,9 +280,6 @@ class FP8Source(WeightSource):
 
     def __repr__(self) -> str:
         return f"FP8Source({self.source!r}, {self.config!r})"
-
-
-_FUSED_EXPERTS = re.compile(r"(^|\.)experts\.(gate_up_proj|down_proj)$")
 
 
 def _stack(name: str) -> str:
