@@ -50,6 +50,7 @@ attributes). Other families raise ``ValueError`` naming ``model_type``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -457,8 +458,15 @@ def build_chunks(
             if hybrid:
                 spec = _hybrid_spec(mcfg, vp)
             elif mcfg.num_moe_experts:
+                # megatron-core 0.19 asserts no experimental attention variant in the decoder-block
+                # spec (0.16 ignores it): the MLP / MLA layer specs from a copy without it; DSA's
+                # core attention is put in by _mla_spec below, and GPTModel gets the real config
+                spec_cfg = mcfg
+                if getattr(mcfg, "experimental_attention_variant", None) == "dsa":
+                    spec_cfg = copy.copy(mcfg)
+                    spec_cfg.experimental_attention_variant = None
                 spec = get_gpt_decoder_block_spec(
-                    mcfg, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp
+                    spec_cfg, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp
                 )
             else:
                 spec = get_gpt_layer_local_spec(

@@ -149,24 +149,79 @@ def _layout_facts(rank, lay, hf, chunks, src) -> dict:
     return f
 
 
-def _world(rank, world_size, *, root, layouts):
+def _build(hf, par, lay):
     import mla_models as mm
+
+    return mm.build_megatron(hf, par, overrides=lay.get("overrides"))
+
+
+def _world(rank, world_size, *, root, layouts):
     from family_worlds import megatron_layouts
 
-    def build(hf, par, lay):
-        return mm.build_megatron(hf, par, overrides=lay.get("overrides"))
-
     return megatron_layouts(rank, world_size, root=root, layouts=layouts, hf_of=_hf_of, extra=_layout_facts,
-                            build=build)
+                            build=_build)
+
+
+def other_pairing(family):
+    """``family`` with the *other* transformers pairing's indexer kind (half-split <-> interleaved):
+    the rows a family table with the wrong pairing would send -- a negative control that is wrong
+    on every megatron-core (on 0.19 without ``dsa_indexer_rope_interleaved`` DeepSeek-V3.2's own
+    kind is the identity, so a verbatim copy would not be)."""
+    from dataclasses import replace
+
+    from weightsync.sources.families import Entry
+
+    def layer_table(fam, hf, fused_down):
+        out = {}
+        for k, e in family.layer_table(fam, hf, fused_down).items():
+            if e.kind.startswith("indexer_rope_"):
+                e = Entry("indexer_rope_interleaved" if e.kind == "indexer_rope_half" else "indexer_rope_half", e.hf)
+            out[k] = e
+        return out
+
+    return replace(family, layer_table=layer_table)
+
+
+def control_facts(rank, lay, hf, chunks, src) -> dict:
+    """``_layout_facts`` plus the export under ``other_pairing`` (rank 0 keeps it; every rank takes part)."""
+    from weightsync.sources import MegatronSource
+    from weightsync.sources.families import family_for, register
+
+    facts = _layout_facts(rank, lay, hf, chunks, src)
+    real = family_for(hf)
+    register(other_pairing(real))
+    try:
+        model = chunks if len(chunks) > 1 else chunks[0]
+        got = {n: t.clone() for n, t in MegatronSource(model, hf_config=hf, dtype=lay.get("dtype")).iter_full()}
+    finally:
+        register(real)
+    if rank == 0:
+        facts["control"] = got
+    return facts
 
 
 # ---- oracles (parent process) ----------------------------------------------------------------------
 
 
+def _megatron_pe_first() -> bool:
+    """megatron-core 0.19+ (``TransformerConfig.dsa_indexer_rope_interleaved`` exists; the builder
+    leaves it False): the indexer ropes the first ``r`` channels in half-split pairs. Before (0.16-0.18):
+    the last ``r`` channels, MLA-interleaved pairs."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return "dsa_indexer_rope_interleaved" in TransformerConfig.__dataclass_fields__
+
+
 def _indexer_rows(t: torch.Tensor, d: int, r: int, pairing: str) -> torch.Tensor:
-    """Megatron rows of heads ``[nope (d-r) | pe (r), pairs (2i, 2i+1)]`` -> transformers'
-    ``[pe | nope]``, pe pairs ``(i, i + r/2)`` (``"half"``) or ``(2i, 2i+1)`` (per head of ``d`` rows)."""
+    """Megatron rows of heads -> transformers' ``[pe | nope]``, pe pairs ``(i, i + r/2)``
+    (``"half"``) or ``(2i, 2i+1)`` (per head of ``d`` rows). Megatron 0.16-0.18: ``[nope (d-r) | pe
+    (r), pairs (2i, 2i+1)]``; 0.19: ``[pe, pairs (i, i + r/2) | nope]``."""
     heads = t.reshape(-1, d, *t.shape[1:])
+    if _megatron_pe_first():
+        pe, nope = heads[:, :r], heads[:, r:]
+        if pairing == "interleaved":  # (i, i + r/2) -> adjacent
+            pe = torch.stack([pe[:, : r // 2], pe[:, r // 2 :]], 2).reshape(pe.shape)
+        return torch.cat([pe, nope], 1).reshape(t.shape)
     nope, pe = heads[:, : d - r], heads[:, d - r :]
     if pairing == "half":
         pe = torch.cat([pe[:, 0::2], pe[:, 1::2]], 1)

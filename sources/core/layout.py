@@ -33,12 +33,14 @@ pieces as ``Shard(dim)`` without gathering. The fused layouts:
 * Norms whose stored weight differs from HF's by a constant (``shifted``: ``hf = megatron + shift``,
   e.g. the gated-delta-net output norm of a ``layernorm_zero_centered_gamma`` model): applied by
   ``to_wire`` in fp32 before the one cast to the wire dtype, never after it.
-* DSA indexer rows (``indexer_rope_*``, DeepSeek-V3.2 / GLM-5): megatron-core's ``DSAIndexer``
-  ropes the *last* ``r = qk_pos_emb_head_dim`` channels of each ``d = index_head_dim`` head in
-  interleaved pairs ``(2i, 2i+1)`` (MLA rope); transformers ropes the *first* ``r`` in half-split
-  pairs ``(i, i + r/2)`` (DeepSeek-V3.2) or interleaved pairs (GLM-5). Same scores need the same
-  pairs at the same frequencies, so each head's rows (``wq_b``; ``wk`` and the ``k_norm`` weight and
-  bias for the one key head) are permuted (``indexer_rope_rows``). Duplicated over TP.
+* DSA indexer rows (``indexer_rope_*``, DeepSeek-V3.2 / GLM-5): megatron-core 0.16-0.18's
+  ``DSAIndexer`` ropes the *last* ``r = qk_pos_emb_head_dim`` channels of each ``d = index_head_dim``
+  head in interleaved pairs ``(2i, 2i+1)`` (MLA rope); 0.19 ropes the *first* ``r``, in half-split
+  pairs ``(i, i + r/2)`` or, with ``dsa_indexer_rope_interleaved``, interleaved ones (``megatron_rope``
+  below); transformers ropes the *first* ``r`` in half-split pairs (DeepSeek-V3.2) or interleaved
+  pairs (GLM-5). Same scores need the same pairs at the same frequencies, so each head's rows
+  (``wq_b``; ``wk`` and the ``k_norm`` weight and bias for the one key head) are permuted
+  (``indexer_rope_rows``; the identity where both sides agree). Duplicated over TP.
 * Vocabulary-parallel embedding / output layer: rows are padded to ``padded_vocab`` (a multiple of
   ``make_vocab_size_divisible_by * tp``) and split evenly; HF keeps ``vocab_size`` rows. Shard ``r``
   holds HF rows ``[r*padded/tp, (r+1)*padded/tp) & [0, vocab_size)``; whether that is a
@@ -78,6 +80,8 @@ __all__ = [
     "INDEXER_ROPE_INTERLEAVED",
     "IndexerRope",
     "indexer_rope_rows",
+    "indexer_megatron_rope",
+    "INDEXER_MEGATRON_ROPE",
     "GatedDeltaNet",
     "split_gated_qkv",
     "vocab_rows",
@@ -409,28 +413,55 @@ class Shifted(Replicated):
         return (t.to(torch.float32) + self.shift).to(dtype)
 
 
-def indexer_rope_rows(head_dim: int, rope_dim: int, pairing: str) -> torch.Tensor:
+#: where a megatron-core ``DSAIndexer`` keeps each head's rope channels (``megatron_rope``):
+#: 0.16-0.18 ``[nope | pe]`` with MLA-interleaved pairs (no ``dsa_indexer_rope_interleaved`` field);
+#: 0.19 ``[pe | nope]``, half-split pairs, or interleaved ones with ``dsa_indexer_rope_interleaved``.
+INDEXER_MEGATRON_ROPE = ("last_interleaved", "first_half", "first_interleaved")
+
+
+def indexer_megatron_rope(mcfg: Any) -> str:
+    """Where ``mcfg``'s megatron-core ``DSAIndexer`` ropes (``INDEXER_MEGATRON_ROPE``): read from the
+    config class, since the ``dsa_indexer_rope_interleaved`` field came with the move to the first
+    channels (megatron-core 0.19; 0.16-0.18 ``_apply_rope`` splits ``[nope, pe]`` and ropes MLA-style)."""
+    if not hasattr(mcfg, "dsa_indexer_rope_interleaved"):
+        return "last_interleaved"
+    return "first_interleaved" if mcfg.dsa_indexer_rope_interleaved else "first_half"
+
+
+def indexer_rope_rows(head_dim: int, rope_dim: int, pairing: str, megatron_rope: str = "last_interleaved") -> torch.Tensor:
     """For one DSA indexer head: HF channel ``j`` is megatron channel ``rows[j]``.
 
-    megatron ``[nope | pe]`` with pe pairs ``(pe[2i], pe[2i+1])`` at frequency ``i``; HF ``[pe | nope]``
-    with pairs ``(pe[i], pe[i + r/2])`` (``"half"``) or ``(pe[2i], pe[2i+1])`` (``"interleaved"``)."""
+    HF ``[pe | nope]`` with pe pairs ``(pe[i], pe[i + r/2])`` (``pairing="half"``) or ``(pe[2i],
+    pe[2i+1])`` (``"interleaved"``) at frequency ``i``; megatron as ``megatron_rope`` says
+    (``INDEXER_MEGATRON_ROPE``). Pair ``i`` of one side is pair ``i`` of the other, in the same order
+    (the cos and sin halves of a rotation), so the scores are the same."""
     d, r = head_dim, rope_dim
     if not 0 < r <= d or r % 2:
         raise ValueError(f"indexer rope dims {r} do not fit an indexer head of {d} channels as even pairs")
-    base = d - r
-    if pairing == "half":
-        pe = [base + 2 * j for j in range(r // 2)] + [base + 2 * j + 1 for j in range(r // 2)]
-    elif pairing == "interleaved":
-        pe = [base + j for j in range(r)]
-    else:
+    if pairing not in ("half", "interleaved"):
         raise ValueError(f"unknown indexer rope pairing {pairing!r}")
-    return torch.tensor(pe + list(range(base)), dtype=torch.long)
+    if megatron_rope not in INDEXER_MEGATRON_ROPE:
+        raise ValueError(f"unknown megatron indexer rope placement {megatron_rope!r}")
+    pe_at, _, m_pairing = megatron_rope.partition("_")
+    base = d - r if pe_at == "last" else 0
+    nope = list(range(d - r)) if pe_at == "last" else list(range(r, d))
+    # megatron's pair i: (first, second) channel
+    if m_pairing == "interleaved":
+        pairs = [(base + 2 * i, base + 2 * i + 1) for i in range(r // 2)]
+    else:
+        pairs = [(base + i, base + i + r // 2) for i in range(r // 2)]
+    if pairing == "half":
+        pe = [a for a, _ in pairs] + [b for _, b in pairs]
+    else:
+        pe = [c for pair in pairs for c in pair]
+    return torch.tensor(pe + nope, dtype=torch.long)
 
 
 class IndexerRope(Replicated):
     """DSA indexer rows, duplicated over TP: each ``head_dim``-row block permuted from megatron's
     rope channel placement to transformers' (``indexer_rope_rows``; ``indexer_rope = (index_head_dim,
-    qk_rope_head_dim)`` from the family's ``layout_kw``)."""
+    qk_rope_head_dim, megatron_rope)`` from the family's ``layout_kw``, which reads the placement off
+    the Megatron config)."""
 
     split_copies = True
 
@@ -442,11 +473,11 @@ class IndexerRope(Replicated):
     def __reduce__(self) -> tuple:
         return layout, (str(self),)  # unpickles to the registered kind
 
-    def split(self, shard: torch.Tensor, *, indexer_rope: tuple[int, int] = (0, 0), **_: Any):
-        d, r = indexer_rope
+    def split(self, shard: torch.Tensor, *, indexer_rope: tuple = (0, 0), **_: Any):
+        d, r, *where = indexer_rope
         if not d or shard.shape[0] % d:
             raise ValueError(f"{self}: {shard.shape[0]} rows are not whole indexer heads of {d} channels")
-        per = indexer_rope_rows(d, r, self.pairing)
+        per = indexer_rope_rows(d, r, self.pairing, *where)
         idx = (torch.arange(shard.shape[0] // d)[:, None] * d + per[None]).reshape(-1)
         return (shard.index_select(0, idx.to(shard.device)),)
 

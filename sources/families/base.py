@@ -240,9 +240,10 @@ class Family:
     #: ``(layer-relative suffix, hf_config) -> full HF shapes`` of the family's own tensors (None:
     #: the shared shapes of ``megatron/plan.py``).
     tensor_shapes: Callable[[str, Any], tuple[tuple[int, ...], ...] | None] = lambda suffix, cfg: None
-    #: ``hf_config -> {keyword: value}`` the family's layout kinds need besides the shared geometry
-    #: (e.g. the gated delta net's head counts).
-    layout_kw: Callable[[Any], dict[str, Any]] = lambda cfg: {}
+    #: ``(hf_config, Megatron TransformerConfig or None) -> {keyword: value}`` the family's layout
+    #: kinds need besides the shared geometry (e.g. the gated delta net's head counts; where a DSA
+    #: indexer's megatron-core ropes, which depends on its version and config).
+    layout_kw: Callable[..., dict[str, Any]] = lambda cfg, mcfg=None: {}
     #: ``(hf_config, Megatron TransformerConfig) -> [problem, ...]``: what a live Megatron model has
     #: that this checkpoint cannot express beyond the shared checks (``MegatronSource`` raises
     #: ``UnmappedParameterError`` listing them at construction, on every rank).

@@ -8,15 +8,19 @@ attention, holding ``DSAIndexer``: ``linear_wq_b``, ``linear_wk``, ``k_norm`` (L
 What the mapping rests on (megatron-core 0.16.1 ``transformer/experimental_attention_variant/dsa.py``,
 transformers 5.20 ``DeepseekV32Indexer``), docs/families.md has the detail:
 
-* Same scores, other channel placement: megatron ropes the *last* ``qk_rope_head_dim`` channels of
-  each indexer head in interleaved pairs, transformers the *first* ones in half-split pairs; the
-  rows of ``wq_b`` (per head), ``wk`` and the ``k_norm`` weight and bias (the one key head; a
-  LayerNorm is equivariant under a channel permutation applied to its weight and bias too) are
-  permuted: layout kind ``indexer_rope_half`` (``sources/core/layout.py``). ``weights_proj`` is
-  the same tensor. GLM-5 (``glm_moe_dsa.py``) is this with interleaved pairs.
+* Same scores, other channel placement: megatron-core 0.16-0.18 ropes the *last*
+  ``qk_rope_head_dim`` channels of each indexer head in interleaved pairs, 0.19 the *first* ones in
+  half-split pairs (interleaved with ``dsa_indexer_rope_interleaved=True``), transformers the
+  *first* ones in half-split pairs; the rows of ``wq_b`` (per head), ``wk`` and the ``k_norm``
+  weight and bias (the one key head; a LayerNorm is equivariant under a channel permutation applied
+  to its weight and bias too) are permuted as the Megatron config says: layout kind
+  ``indexer_rope_half`` (``sources/core/layout.py``; the identity on 0.19 without the flag).
+  ``weights_proj`` is the same tensor. GLM-5 (``glm_moe_dsa.py``) is this with interleaved pairs.
 * Refused on every rank (``megatron_mismatch`` / ``mla_refusals``): a Megatron MLA without the DSA
   variant (it has no indexer), other indexer sizes or top-k, and DeepSeek-V3's MLA refusals
-  (no latent norms, ``rotary_interleaved=True``). HF-side: ``q_lora_rank=None`` (the indexer reads
+  (no latent norms, ``rotary_interleaved=True``); megatron-core 0.19's cross-layer top-k sharing
+  (``dsa_indexer_topk_freq`` > 1: transformers' DeepSeek-V3.2 runs an indexer per layer) and
+  ``dsa_indexer_scoring_relu=False`` (transformers' scores take the ReLU). HF-side: ``q_lora_rank=None`` (the indexer reads
   the q latent) and ``attention_bias=True``.
 * Exported as they are: the indexer-loss settings (``dsa_indexer_loss_coeff``,
   ``dsa_indexer_use_sparse_loss``) only add a training loss (the forward and the weights' meaning
@@ -28,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..core.layout import indexer_megatron_rope
 from . import deepseek_v3 as v3
 from .base import Entry, Family, Field
 
@@ -71,8 +76,17 @@ def _dsa_fields(hf: Any) -> dict[str, Field]:
     }
 
 
+#: megatron-core 0.19 DSA settings with a value transformers cannot compute otherwise: field ->
+#: (the one value that can be exported, why).
+_FIXED_019 = {
+    "dsa_indexer_topk_freq": (1, "cross-layer top-k sharing: transformers runs the indexer on every layer"),
+    "dsa_indexer_scoring_relu": (True, "transformers' indexer scores take the ReLU of q.k"),
+}
+
+
 def _mismatch(hf: Any, mcfg: Any) -> list[str]:
-    bad = []
+    bad = [f"Megatron {f}={getattr(mcfg, f)!r} ({why})" for f, (ok, why) in _FIXED_019.items()
+           if hasattr(mcfg, f) and getattr(mcfg, f) != ok]
     for field, (hf_name, want) in _dsa_fields(hf).items():
         have = getattr(mcfg, field, None)
         if have != want:
@@ -121,7 +135,8 @@ def dsa_family(name: str, architectures: tuple[str, ...], *, pairing: str,
         unsupported=unsupported,
         unbuildable=v3.unbuildable,
         tensor_shapes=_shapes,
-        layout_kw=lambda hf: {"indexer_rope": (hf.index_head_dim, hf.qk_rope_head_dim)},
+        layout_kw=lambda hf, mcfg=None: {"indexer_rope": (
+            hf.index_head_dim, hf.qk_rope_head_dim, indexer_megatron_rope(mcfg))},
         megatron_mismatch=_mismatch,
         mla_refusals=(v3._no_latent_norms, v3._interleaved, _no_variant_check),
     )

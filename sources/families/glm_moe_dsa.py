@@ -2,8 +2,10 @@
 interleaved rope, the DSA lightning indexer, DeepSeek-V3's sigmoid group-limited MoE with shared
 experts and ``e_score_correction_bias``) whose indexer ropes its first ``qk_rope_head_dim`` channels
 in *interleaved* pairs (``apply_rotary_pos_emb_interleave``) where DeepSeek-V3.2's are half-split:
-megatron's pairs are already interleaved, so each indexer head's rows only move the rope channels
-from last to first (layout kind ``indexer_rope_interleaved``).
+megatron-core 0.16-0.18's pairs are already interleaved, so each indexer head's rows only move the
+rope channels from last to first; 0.19 ropes the first channels, in interleaved pairs with
+``dsa_indexer_rope_interleaved=True`` (the identity) or half-split ones (re-paired) (layout kind
+``indexer_rope_interleaved``).
 
 Refused besides DeepSeek-V3.2's refusals (naming the field): ``indexer_types`` with a ``"shared"``
 layer (transformers builds no indexer there and reuses the previous layer's top-k; megatron-core's

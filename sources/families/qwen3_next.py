@@ -172,7 +172,7 @@ def gdn_family(name: str, architectures: tuple[str, ...], in_proj_kind: str, in_
         unsupported=unsupported,
         hybrid=hybrid,
         tensor_shapes=_shapes(in_proj_rows),
-        layout_kw=lambda hf: {"gdn_heads": _heads(hf)},
+        layout_kw=lambda hf, mcfg=None: {"gdn_heads": _heads(hf)},
         megatron_mismatch=megatron_mismatch,
     )
 

@@ -219,7 +219,7 @@ class MegatronSource(WeightSource):
         except UnmappedParameterError as e:
             raise UnmappedParameterError(f"rank {rank}: {e}") from e
         #: keyword arguments the family's layout kinds need (e.g. the gated delta net's heads).
-        self._layout_kw: dict[str, Any] = self.family.layout_kw(hf_config)
+        self._layout_kw: dict[str, Any] = self.family.layout_kw(hf_config, mcfg)
         #: global layers (0-based) whose MLP is MoE, from Megatron's config.
         self.moe_layers: list[int] = [i for i in range(mcfg.num_layers) if mlp_kind(mcfg, i) == "moe"]
         if self.moe_layers and mode == "local":
