@@ -321,11 +321,63 @@ def test_refusals_raise_on_every_rank_naming_the_field(two_ranks):
         assert err.startswith("UnmappedParameterError") and "attention_output_gate=False" in err and f"rank {r}" in err, err
 
 
-def test_four_ranks_tp2_ep2():
+#: The one 4-rank world of the frontier families (starting a world costs many seconds): Qwen3-Next and
+#: the DSA families (``test_dsa``: DeepSeek-V3.2 fp32, GLM-5 bf16) at TP2 x EP2, each DSA layout with
+#: its negative control (``test_dsa.other_pairing``).
+FOUR_RANKS = [
+    dict(name="next_tp2_ep2", preset="tiny-qwen3-next", tp=2, ep=2),
+    dict(name="v32_tp2_ep2", family="deepseek_v32", tp=2, ep=2),
+    dict(name="glm5_tp2_ep2_bf16", family="glm_moe_dsa", tp=2, ep=2, dtype=torch.bfloat16),
+]
+
+
+def _is_dsa(lay) -> bool:
+    return "family" in lay
+
+
+def _world4(rank, world_size, *, root, layouts):
+    """``megatron_layouts`` over layouts of two test modules: each layout built, named and checked by
+    its own module (``test_dsa`` for the ones with a ``family``)."""
+    import test_dsa as dsa
+    from family_worlds import megatron_layouts
+
+    def pick(lay, mine, theirs):
+        return theirs if _is_dsa(lay) else mine
+
+    return megatron_layouts(
+        rank, world_size, root=root, layouts=layouts,
+        hf_of=lambda lay: pick(lay, _hf_of, dsa._hf_of)(lay),
+        extra=lambda r, lay, *a: pick(lay, _facts, dsa.control_facts)(r, lay, *a),
+        build=lambda hf, par, lay: pick(lay, _build, dsa._build)(hf, par, lay),
+    )
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
     root = tempfile.mkdtemp()
-    lay = dict(name="next_tp2_ep2", preset="tiny-qwen3-next", tp=2, ep=2)
-    res = run_world(_world, 4, root=root, layouts=[lay], timeout=900)
-    assert _check(res, root, lay)["stats"]["bytes_received"] > 0
+    return root, run_world(_world4, 4, root=root, layouts=FOUR_RANKS, timeout=1200)
+
+
+@pytest.mark.parametrize("lay", FOUR_RANKS, ids=lambda lay: lay["name"])
+def test_four_ranks_tp2_ep2(four_ranks, lay):
+    """TP2 x EP2 on 4 gloo ranks: names, shapes, dtypes == ``save_pretrained``, every tensor ==
+    megatron's ``dist_checkpointing`` cut by the family's documented layout; the other ranks' shards
+    really arrive. DSA: the export with the other transformers pairing (negative control) differs
+    from that checkpoint exactly in the four permuted indexer tensors of every layer."""
+    import test_dsa as dsa
+    from moe_megatron import load_full_checkpoint
+
+    root, res = four_ranks
+    r0 = dsa._check(res, root, lay) if _is_dsa(lay) else _check(res, root, lay)
+    assert r0["stats"]["bytes_received"] > 0
+    if _is_dsa(lay):
+        hf = dsa._hf_of(lay)
+        want = dsa._expected(load_full_checkpoint(f"{root}/{lay['name']}"), hf)
+        got = r0["control"]
+        assert {n: tuple(t.shape) for n, t in got.items()} == {n: tuple(t.shape) for n, t in want.items()}
+        differ = sorted(n for n, t in want.items() if not torch.equal(got[n], t.to(got[n].dtype)))
+        assert differ == sorted(f"model.layers.{i}.self_attn.indexer.{x}" for i in range(hf.num_hidden_layers)
+                                for x in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias")), differ
 
 
 @pytest.mark.parametrize("preset,extra,nproc", [
