@@ -27,6 +27,7 @@ import torch
 
 __all__ = [
     "FAMILIES",
+    "FRONTIER",
     "tiny_config",
     "bench_config",
     "build_hf",
@@ -48,6 +49,23 @@ FAMILIES = {
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    # the frontier families (issue 27): tiny configs are weightsync's CLI presets (``FRONTIER``)
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
+}
+
+#: family -> the ``weightsync.plugins.presets`` preset its tiny config is (gated delta net hybrids,
+#: DSA), with overrides: the DSA configs take ``rms_norm_eps=1e-6`` because megatron's indexer
+#: ``k_norm`` uses ``layernorm_epsilon`` and transformers' a fixed 1e-6 (docs/families.md).
+FRONTIER = {
+    "qwen3_next": ("tiny-qwen3-next", {}),
+    "qwen3_5_text": ("tiny-qwen3.5", {}),
+    "qwen3_5_moe_text": ("tiny-qwen3.5-moe", {}),
+    "deepseek_v32": ("tiny-deepseek-v32", {"rms_norm_eps": 1e-6}),
+    "glm_moe_dsa": ("tiny-glm5", {"rms_norm_eps": 1e-6}),
 }
 
 
@@ -59,10 +77,21 @@ def _classes(family: str) -> tuple[type, type]:
 
 
 def tiny_config(family: str, *, layers: int = 2, **overrides: Any) -> Any:
-    """A small config of ``family`` whose every feature differs from the defaults somewhere:
+    """A small config of ``family`` whose every feature differs from the defaults somewhere
+    (``FRONTIER`` families: weightsync's tiny preset, ``overrides`` applied):
     vocab not a multiple of 128 (Megatron pads it), rope theta and eps not the defaults,
     GQA (4 heads, 2 groups), head_dim not hidden/heads. ``overrides`` (DeepSeek-V3 only, e.g.
     ``q_lora_rank=None``) replace fields of the family's config."""
+    if family in FRONTIER:
+        from transformers import AutoConfig
+
+        from weightsync.plugins.presets import PRESETS
+
+        preset, over = FRONTIER[family]
+        kw = {**PRESETS[preset], **over, **overrides}
+        cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+        cfg.architectures = [FAMILIES[family][1]]
+        return cfg
     if overrides and family != "deepseek_v3":
         raise TypeError(f"tiny_config({family!r}): overrides are for deepseek_v3 only, got {sorted(overrides)}")
     cfg_cls, _ = _classes(family)

@@ -38,6 +38,8 @@ __all__ = [
     "forward_conditions",
     "ORACLE_OVERRIDES",
     "mla_core_attention",
+    "FRONTIER_TYPES",
+    "build_frontier",
 ]
 
 #: Expert formats to try, in order; those that cannot be built here are reported as skips.
@@ -262,6 +264,8 @@ def build_megatron(
 
     from weightsync.sources import family_for
 
+    if getattr(hf_config, "model_type", None) in FRONTIER_TYPES:
+        return build_frontier(hf_config, dtype=dtype, device=device, seed=seed, perturb=perturb)
     cpu = not device.startswith("cuda")
     config = megatron_config(hf_config, dtype=dtype, cpu=cpu, init=init)
     torch.manual_seed(seed)
@@ -278,6 +282,52 @@ def build_megatron(
     if perturb:
         perturb_(model, seed=seed + 1)
     return model
+
+
+#: model types built by ``build_frontier`` (the one builder's hybrid gated-delta-net block and DSA spec).
+FRONTIER_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "deepseek_v32", "glm_moe_dsa")
+
+
+def build_frontier(
+    hf_config: Any,
+    *,
+    dtype: torch.dtype,
+    device: str,
+    seed: int = 0,
+    perturb: bool = True,
+    fla: bool = False,
+    overrides: dict[str, Any] | None = None,
+) -> torch.nn.Module:
+    """A TP1 ``GPTModel`` of a frontier family (``FRONTIER_TYPES``) from weightsync's one builder
+    (``weightsync.plugins.megatron_build.build_megatron_gpt``: the local-spec hybrid block of
+    ``GatedDeltaNet`` and gated attention, or MLA with megatron's ``DSAttention`` / ``DSAIndexer``),
+    with ``ORACLE_OVERRIDES`` and ``init_method_std`` 0.1 (sharper attention, routing and indexer
+    scores, so a mistake shows), built on the CPU (``use_cpu_initialization``) and moved to
+    ``device``. Gated delta net: ``deterministic_mode`` (megatron's torch chunked delta rule and
+    conv1d) unless ``fla`` (flash-linear-attention's Triton kernels, megatron's default path). MoE:
+    fp32 router, no load-balancing loss, as ``megatron_config``. Rebuilds megatron's parallel state
+    (TP1) over the default process group. ``perturb``: norms / biases off 1 / 0 per global name
+    (``tests/megatron_worlds.randomize_norms_and_biases``) and the routers' expert bias random."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    import mla_models as mm
+
+    from weightsync.plugins.megatron_build import MegatronParallel, build_megatron_gpt
+
+    over = dict(ORACLE_OVERRIDES, init_method_std=0.1, **(overrides or {}))
+    if hf_config.model_type.startswith("qwen3"):
+        over.setdefault("deterministic_mode", not fla)
+    if getattr(hf_config, "num_experts", None) or getattr(hf_config, "n_routed_experts", None):
+        over.update(moe_router_dtype="fp32", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+    build = mm.build_megatron if perturb else build_megatron_gpt
+    (model,) = build(hf_config, MegatronParallel(), seed=seed, dtype=dtype, overrides=over)
+    if device.startswith("cuda"):
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(0)
+    return model.to(device=device).eval()
 
 
 @torch.no_grad()

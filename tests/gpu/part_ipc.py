@@ -16,7 +16,12 @@ transformers receiver can only match the trainer's logits through ``FSDPSource``
 ``--family`` takes a comma list of ``hf_side.FAMILIES`` (default qwen3; the checks of any other
 family start with its name): e.g. ``glm4_moe`` -- partial rotary, q/k/v biases, q/k norms, a dense
 first layer, routed + shared experts, a sigmoid router whose score-correction bias stays fp32 in a
-bf16 model.
+bf16 model. The frontier families (``hf_side.FRONTIER``: qwen3_next, qwen3_5_text,
+qwen3_5_moe_text, deepseek_v32, glm_moe_dsa; part ``ipc_frontier``) are weightsync's tiny presets;
+their Megatron trainer is the one builder's model (``megatron_side.build_frontier``), and the
+receiver's logits are compared with transformers' forward of the trainer's export, while what the
+receiver got on the first sync must be ``save_pretrained`` of that transformers model byte for byte
+(Megatron's own forward of these families is the subject of ``part_frontier.py``).
 
 Checked, packed and unpacked, each over two refits (the second after the trainer's weights changed):
 * exported names/shapes equal what transformers' ``save_pretrained`` writes for the config;
@@ -94,6 +99,7 @@ def _build_trainer(kind: str, cfg, device: str, dtype, facts: Facts, label: str 
     import torch
 
     from hf_side import build_hf, fixed_batch, hf_logits, saved_digests
+    from megatron_side import FRONTIER_TYPES
 
     ids = fixed_batch(cfg.vocab_size, device=device)
     label = label or kind
@@ -147,9 +153,34 @@ def _build_trainer(kind: str, cfg, device: str, dtype, facts: Facts, label: str 
             allow_cpu_forward()
         model = build_megatron(cfg, dtype=dtype, device=device, seed=11)
         log(f"[ipc] megatron trainer: {describe(model)}")
+        src = MegatronSource(model, hf_config=cfg)
+        if cfg.model_type in FRONTIER_TYPES:
+            # Megatron's forward of these families is the oracle parts' subject (oracle_dsa,
+            # oracle_gdn: stand-ins and kernels there); here the reference is transformers' own
+            # forward of the trainer's current export (same implementation as the receiver), and
+            # save_pretrained of that model is what the receiver must get byte for byte.
+            from hf_side import saved_digests
+
+            return model, src, (lambda: hf_logits(_export_model(src, cfg, device), ids)), model, \
+                saved_digests(_export_model(src, cfg, device))
         fn = lambda: megatron_logits(model, ids, cfg.vocab_size)  # noqa: E731
-        return model, MegatronSource(model, hf_config=cfg), fn, model, None
+        return model, src, fn, model, None
     raise KeyError(kind)
+
+
+def _export_model(src, cfg, device: str):
+    """A transformers model of ``cfg`` (fp32) holding ``src``'s current export, loaded strictly
+    (``HFReceiver``: every parameter written, no unknown name)."""
+    import torch
+
+    from hf_side import HFReceiver, build_hf
+
+    hf = build_hf(cfg, device=device, dtype=torch.float32, seed=99)
+    recv = HFReceiver(hf, track=False)
+    recv.load_weights(src.iter_full())
+    if recv.missing():
+        raise AssertionError(f"export left transformers parameters unwritten: {recv.missing()[:5]}")
+    return hf
 
 
 def _cmp(a, b):
@@ -162,6 +193,7 @@ def run_source(kind: str, family: str, device: str, mode: str, client, facts: Fa
     import torch
 
     from hf_side import checkpoint_layout, digest, fixed_batch, tiny_config
+    from megatron_side import FRONTIER_TYPES
     from receiver import trainer_engine
 
     if kind == "lora":
@@ -195,6 +227,8 @@ def run_source(kind: str, family: str, device: str, mode: str, client, facts: Fa
     cross_impl = kind in ("megatron", "lora")
     tol = FP32_CROSS_IMPL_REL if cross_impl else BF16_SAME_IMPL_REL
     ref_name = {"megatron": "Megatron fwd", "lora": "PEFT unmerged fwd"}.get(kind, "same model")
+    if kind == "megatron" and cfg.model_type in FRONTIER_TYPES:
+        ref_name = "transformers fwd of the trainer's export, fp32"
 
     for packed in (False, True):
         tag = f"{label}/{'packed' if packed else 'unpacked'}"

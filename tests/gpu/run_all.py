@@ -43,6 +43,11 @@ PARTS = [
     ("oracle_moe", "tests/gpu/part_oracle.py", ["--configs", "qwen3_moe,glm4_moe,gpt_oss"], 240),
     ("oracle_mla", "tests/gpu/part_mla.py", [], 120),
     ("ipc_families", "tests/gpu/part_ipc.py", ["--source", "fsdp,megatron", "--family", "glm4_moe,gpt_oss"], 240),
+    # the frontier families (issue 27): IPC round trips, then Megatron-vs-transformers oracles
+    ("ipc_frontier", "tests/gpu/part_ipc.py", ["--source", "fsdp,megatron", "--family",
+                                               "qwen3_next,qwen3_5_text,qwen3_5_moe_text,deepseek_v32,glm_moe_dsa"], 300),
+    ("oracle_dsa", "tests/gpu/part_frontier.py", ["--families", "deepseek_v32,glm_moe_dsa"], 240),
+    ("oracle_gdn", "tests/gpu/part_frontier.py", ["--families", "qwen3_next,qwen3_5_text,qwen3_5_moe_text"], 240),
 ]
 
 
