@@ -365,6 +365,18 @@ def world_megatron_overlap(rank: int, world_size: int) -> bytes:
         facts[f"dense_{label}"] = _cpu(src.iter_full())
         facts[f"dense_{label}_stats"] = src.last_pass.as_dict()
         facts[f"dense_{label}_again"] = _cpu(src.iter_full())  # a second pass on the same source
+    # The byte budget of what rank 0 posts ahead (megatron/ahead.py): 1 byte = one unit ahead.
+    import weightsync.sources.megatron.source as msource
+
+    default_budget, msource.AHEAD_BYTES = msource.AHEAD_BYTES, 1
+    try:
+        src = MegatronSource(model, hf_config=cfg, dtype=torch.bfloat16, overlap=True)
+        facts["dense_one"] = _cpu(src.iter_full())
+        facts["dense_one_stats"] = src.last_pass.as_dict()
+        facts["max_unit_bytes"] = max(src._unit_bytes(u) for u in src.plan)
+    finally:
+        msource.AHEAD_BYTES = default_budget
+    facts["budget"] = default_budget
     hf = _hf_config("qwen3_moe", layers=2, experts=4, hidden=16, moe_ffn=12, shared=None)
     init_parallel(tp=2, ep=2)
     moe = build_gpt(hf, moe_config(hf, tp=2, ep=2))
@@ -377,7 +389,8 @@ def world_megatron_overlap(rank: int, world_size: int) -> bytes:
 
 def test_megatron_overlap_same_stream_collectives_and_bound():
     """Overlap on: the same tensors, bytes and collectives as off, on every rank; rank 0 receives the
-    next unit while the consumer holds this one (ahead_peak_bytes > 0), peers still have one cast
+    next units while the consumer holds this one (ahead_peak_bytes > 0), as far as the byte budget
+    ``AHEAD_BYTES`` (plus one unit) goes, one unit at a budget of 1 byte; peers still have one cast
     piece out at a time; a second pass on the same source equals the first (nothing left posted)."""
     res = unpack(run_world(world_megatron_overlap, 4, timeout=500))
     f0 = res[0]
@@ -392,6 +405,12 @@ def test_megatron_overlap_same_stream_collectives_and_bound():
         if r:
             assert f["dense_on"] == [] and f["moe_on"] == []
     assert f0["dense_on_stats"]["ahead_peak_bytes"] > 0  # rank 0 had a transfer in flight ahead
+    # The lookahead's byte budget: one unit ahead at a budget of 1 byte; more under the default,
+    # never more than the budget + one unit (received pieces: half of each TP-split unit or less).
+    assert _bytes_equal(f0["dense_one"], f0["dense_off"])
+    one, deep = f0["dense_one_stats"]["ahead_peak_bytes"], f0["dense_on_stats"]["ahead_peak_bytes"]
+    assert 0 < one <= f0["max_unit_bytes"] < deep <= f0["budget"] + f0["max_unit_bytes"], (one, deep)
+    assert f0["dense_one_stats"]["collectives"] == f0["dense_off_stats"]["collectives"]
     for r in (1, 2, 3):  # a peer sends one cast piece at a time, overlap or not
         assert res[r]["dense_on_stats"]["peak_extra_bytes"] <= res[r]["max_piece_bytes"], r
         assert res[r]["dense_on_stats"]["ahead_peak_bytes"] == 0, r

@@ -34,7 +34,23 @@ from typing import Any
 
 from ..core.p2p import PostedGather
 
-__all__ = ["SplitAhead"]
+__all__ = ["AHEAD_BYTES", "SplitAhead"]
+
+#: How far rank 0 posts receives ahead (``MegatronSource._ahead``): one more unit is posted while
+#: the units posted ahead and not yet yielded hold less than this many bytes of HF tensors.
+#: Why bytes and not one unit: a layer's units differ ~6x in size (at hidden 1024, 16 layers:
+#: o_proj 4.2 MB, then fc1 25.2 MB), and with one unit ahead the transfer and concatenation of a
+#: large unit could only overlap the consumer's time on the small unit before it -- the rest was a
+#: pause (bench_overlap_megatron: x0.84-0.88 against a bound of x0.58). Why "less than" (one unit
+#: may overshoot): a unit larger than the budget (lm_head, 65.5 MB there) must still be posted
+#: while the layer before it is consumed, not only once nothing else is ahead -- or its transfer
+#: and concatenation are a pause of their own at the end of the pass. 64 MiB (FSDPSource's gather
+#: group bound, ``DEFAULT_GROUP_BYTES``) is more than a layer at that shape, so a layer's
+#: transfers run about a layer ahead of the consumer. Memory: rank 0 holds the unit being yielded
+#: plus less than ``AHEAD_BYTES`` + one unit posted ahead (each as received pieces or as
+#: concatenated outputs), plus the one concatenation the helper is running (its input and output
+#: coexist).
+AHEAD_BYTES = 64 << 20
 
 
 class SplitAhead:

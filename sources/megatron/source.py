@@ -66,7 +66,7 @@ from ..families.base import DENSE_MLP, Entry
 from ..core.layout import VOCAB, vocab_is_chunked, vocab_rows
 from ..core.logs import get_logger
 from .whole_units import LocalStep, local_step, mark_precast, nbytes, precast
-from .ahead import SplitAhead
+from .ahead import AHEAD_BYTES, SplitAhead
 from .moe import MegatronMoEExporter, expert_format, megatron_moe_suffixes
 from .mla import mla_geometry, resolve_kinds
 from .plan import Geometry, Unit, build_plan, mlp_kind
@@ -563,24 +563,38 @@ class MegatronSource(WeightSource):
         return posted
 
     def _ahead(self, k: int, posted: dict[int, PostedGather], stats: PassStats) -> None:
-        """Overlap, on rank 0 (the receiver) only: post the receives of the next step that moves
+        """Overlap, on rank 0 (the receiver) only: post the receives of the next steps that move
         anything -- steps rank 0 holds whole (norms at TP > 1) move nothing and are looked past --
-        unless a MoE layer's export comes first (its transfers keep their place). One transfer
-        ahead. Peers post each send at its own step, as without overlap: rank 0's receive being
-        posted is what lets the next send run while rank 0's consumer handles this unit, and a peer
+        while the units already posted ahead hold less than ``AHEAD_BYTES`` of HF tensor bytes (so
+        less than ``AHEAD_BYTES`` + one unit ahead; a unit larger than the budget still goes ahead
+        once what is before it is under the budget), never past a MoE layer's export (its
+        transfers keep their place). Peers post each send at its own step, as without overlap: rank 0's receives being
+        posted is what lets the next sends run while rank 0's consumer handles this unit, and a peer
         never has more than one cast piece out. Between any two ranks the transfers are posted in
-        plan order on both sides, so they pair up as without overlap."""
+        plan order on both sides, so they pair up as without overlap (``ahead.py`` says why the
+        budget is in bytes, not units)."""
         if not self.overlap or self._topo.rank != 0 or self._steps[k][2] is not None:
             return
+        held = sum(self._unit_bytes(self._steps[i][0]) for i in posted)
         j = k + 1
-        while j < len(self._steps) and self._steps[j][1] is not None:
-            if self._steps[j][2] is not None:
+        while j < len(self._steps):
+            unit, local, moe_layer = self._steps[j]
+            if local is None and j not in posted:
+                if held >= AHEAD_BYTES:
+                    return
+                posted[j] = self._post(unit, stats)
+                held += self._unit_bytes(unit)
+                stats.ahead_peak_bytes = max(
+                    stats.ahead_peak_bytes, sum(g.held_bytes for g in posted.values())
+                )
+            if moe_layer is not None:
                 return
             j += 1
-        if j >= len(self._steps) or j in posted:
-            return
-        posted[j] = self._post(self._steps[j][0], stats)
-        stats.ahead_peak_bytes = max(stats.ahead_peak_bytes, posted[j].held_bytes)
+
+    def _unit_bytes(self, unit: Unit) -> int:
+        """Bytes of ``unit``'s HF tensors in its wire dtype (what rank 0 holds once it is concatenated)."""
+        wd = self._wd[unit.key]
+        return sum(nbytes(shape, wd) for shape in unit.shapes)
 
     # ---- full mode ----------------------------------------------------------------------------
 
@@ -633,10 +647,10 @@ class MegatronSource(WeightSource):
                     self._ahead(k, posted, stats)
                     done = split_ahead.take(k) if split_ahead is not None else None  # waited + concatenated
                     pieces = mine.finish(self.timeout_s)  # bounded wait (nothing left if the helper waited)
-                    if split_ahead is not None and posted:  # rank 0, CPU: the next unit on the helper
-                        j = min(posted)
-                        split_ahead.start(j, posted[j], partial(self._concat, self._steps[j][0], stats=stats, gather=posted[j]),
-                                          self.timeout_s)
+                    if split_ahead is not None:  # rank 0, CPU: the units posted ahead on the helper
+                        for j in sorted(posted):
+                            split_ahead.start(j, posted[j], partial(self._concat, self._steps[j][0], stats=stats, gather=posted[j]),
+                                              self.timeout_s)
                     copies = 0
                     if pieces is not None or done is not None:
                         outs, copies = done if done is not None else self._concat(unit, pieces, stats=stats)
