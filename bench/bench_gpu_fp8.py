@@ -50,7 +50,8 @@ def _numerics(facts: Facts, device: str) -> None:
 
     g = torch.Generator(device="cpu").manual_seed(0)
     cases = []
-    for shape in [(1, 1), (7, 300), (128, 128), (129, 257), (1000, 130), (2048, 6144), (384, 2048)]:
+    for shape in [(1, 1), (7, 300), (128, 128), (129, 257), (1000, 130), (2048, 6144), (384, 2048),
+                  (300, 208), (130, 1040)]:  # the last two: batched, with edge blocks
         for dt in (torch.bfloat16, torch.float32):
             x = torch.randn(shape, generator=g) * 2
             if shape[0] >= 256:
@@ -104,6 +105,105 @@ def _numerics(facts: Facts, device: str) -> None:
                 f"bad: {bad_path[:4]}")
 
 
+def _profile(facts: Facts, device: str, mode: str, cfg, qcfg, bf16, fp8, weights, windows, reps: int, warmup: int):
+    """Where an FP8 pass's time goes, as numbers (``--profile``)."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    from receiver import start_receiver, trainer_engine
+
+    from weightsync.sources.quant.fp8 import quantize_many  # noqa: PLC0415
+
+    def drain(src):
+        for _ in src.iter_full():
+            pass
+
+    for tag, src in (("bf16", bf16), ("fp8", fp8)):
+        ts = timed(lambda: drain(src), device=device, reps=reps, warmup=warmup)
+        facts.number(f"profile: {tag} source alone (iter_full, no engine) median_ms", round(statistics.median(ts) * 1e3, 3))
+    host = []
+    for _ in range(reps + warmup):
+        sync(device)
+        t0 = time.perf_counter()
+        for ws in windows:
+            quantize_many(ws)
+        host.append(time.perf_counter() - t0)
+        sync(device)
+    facts.number("profile: quantize_many windows host time (no sync) median_ms", round(statistics.median(host[warmup:]) * 1e3, 3))
+    facts.number("profile: windows", len(windows))
+    for mib in (64, 128, 256):
+        wins, cur, held = [], [], 0
+        for w in weights:
+            cur.append(w)
+            held += w.numel() * w.element_size()
+            if held >= mib << 20:
+                wins.append(cur)
+                cur, held = [], 0
+        wins += [cur] if cur else []
+        ts = timed(lambda: [quantize_many(ws) for ws in wins], device=device, reps=reps, warmup=warmup)
+        facts.number(f"profile: quantize_many in {mib} MiB windows ({len(wins)}) best_ms", round(min(ts) * 1e3, 3))
+    one = timed(lambda: quantize_many(weights), device=device, reps=reps, warmup=warmup)
+    facts.number("profile: quantize_many all weights in ONE launch best_ms", round(min(one) * 1e3, 3))
+    if device.startswith("cuda"):
+        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ev0.record()
+        quantize_many(weights)
+        ev1.record()
+        torch.cuda.synchronize()
+        facts.number("profile: ONE launch device time (events) ms", round(ev0.elapsed_time(ev1), 3))
+    client = start_receiver(mode, device, timeout_s=300)
+    client.call("build_fp8", (cfg, torch.bfloat16, 7, True, qcfg))
+    client_bf16 = start_receiver(mode, device, timeout_s=300)
+    client_bf16.call("build", (cfg, torch.bfloat16, 7, False))
+    client.call("track", False)
+    client_bf16.call("track", False)
+    for packed in (True, False):
+        ptag = "packed" if packed else "unpacked"
+        for tag, src, cl in (("bf16", bf16, client_bf16), ("fp8", fp8, client)):
+            spent = [0.0]
+            real = cl.update_weights
+
+            def timed_update(info, _real=real, _spent=spent):
+                t0 = time.perf_counter()
+                try:
+                    return _real(info)
+                finally:
+                    _spent[0] += time.perf_counter() - t0
+
+            cl.update_weights = timed_update
+            try:
+                eng = trainer_engine(mode, client=cl, source=src, packed=packed, buffer_bytes=1 << 30)
+                ts, recv = [], []
+                for i in range(warmup + reps):
+                    spent[0] = 0.0
+                    sync(device)
+                    t0 = time.perf_counter()
+                    eng.send_weights()
+                    sync(device)
+                    if i >= warmup:
+                        ts.append(time.perf_counter() - t0)
+                        recv.append(spent[0])
+                facts.number(f"profile: {tag} {ptag} pass median_ms", round(statistics.median(ts) * 1e3, 3))
+                facts.number(f"profile: {tag} {ptag} receiver calls (update_weights) median_ms",
+                             round(statistics.median(recv) * 1e3, 3))
+                if packed:
+                    pr = cProfile.Profile()
+                    pr.enable()
+                    eng.send_weights()
+                    sync(device)
+                    pr.disable()
+                    buf = io.StringIO()
+                    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+                    log(f"[bench_fp8 profile] cProfile {tag} {ptag}, by tottime:\n" + buf.getvalue())
+                eng.shutdown()
+            finally:
+                cl.update_weights = real
+    return client, client_bf16
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
@@ -111,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model, loopback transport")
     ap.add_argument("--json", default=None)
     ap.add_argument("--record", action="store_true", help="append this run's ratios to bench/results/history.jsonl")
+    ap.add_argument("--profile", action="store_true",
+                    help="diagnose instead of measuring: where a pass's time goes (source alone, quantization's host "
+                         "and device time, the receiver's share, cProfile of one packed pass); no goals, no record")
     args = ap.parse_args(argv)
     facts = Facts("bench_fp8", dry_run=args.dry_run)
     guard = Guard("bench_fp8", SHAPE + (" dry-run" if args.dry_run else ""),
@@ -141,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         from weightsync.sources import FP8Source, FSDPSource, quantize_blocks
         from weightsync.sources.quant.fp8 import quantize_many  # noqa: PLC0415
 
-        _numerics(facts, device)
+        if not args.profile:
+            _numerics(facts, device)
         dist.init_process_group("nccl" if not args.dry_run else "gloo", store=dist.HashStore(),  # 1 rank
                                 rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
         cfg = tiny_config("qwen3") if args.dry_run else bench_config()
@@ -183,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         facts.number("d2d copy of the bytes read best_ms", round(min(ct) * 1e3, 3))
         ratios.append(("quantize/copy best", min(q_ours) / min(ct), ratio_noise(q_ours, ct)))
 
+        if args.profile:
+            client, client_bf16 = _profile(facts, device, mode, cfg, qcfg, bf16, fp8, weights, windows, reps, warmup)
+            return facts.finish(args.json)
+
         # 3. round trips: received bytes == vLLM's quantizer on the trainer's weights
         want = {}
         for m in fp8.source.metadata:
@@ -196,7 +304,18 @@ def main(argv: list[str] | None = None) -> int:
         client.call("build_fp8", (cfg, torch.bfloat16, 7, True, qcfg))
         client_bf16 = start_receiver(mode, device, timeout_s=300)  # the BF16 pass's own receiver
         client_bf16.call("build", (cfg, torch.bfloat16, 7, False))
-        clients = {"bf16": client_bf16, "fp8": client}
+        clients = {"bf16": client_bf16, "fp8": client, "bf16 module": client_bf16, "fp8 module": client}
+        # The engines themselves: vLLM's ModuleSource over ready-made modules (no weightsync code), the
+        # BF16 model and the same weights as an FP8 checkpoint's tensors -- what the FP8 stream costs
+        # vLLM's engines and the receiver whoever quantizes it.
+        from vllm.distributed.weight_transfer import ModuleSource
+
+        from weightsync.plugins.loopback_server import FP8CheckpointModel
+
+        ready_bf16 = build_hf(cfg, device=device, dtype=torch.bfloat16, seed=3)
+        ready_bf16.load_state_dict(plain, strict=False)
+        ready_fp8 = FP8CheckpointModel(ready_bf16, qcfg)
+        ready = {"bf16 module": ModuleSource(ready_bf16), "fp8 module": ModuleSource(ready_fp8)}
         wire_fp8 = sum(math.prod(m.shape) * m.dtype.itemsize for m in fp8.metadata)
         wire_bf16 = sum(math.prod(m.shape) * m.dtype.itemsize for m in bf16.metadata)
         facts.number("wire bytes FP8 / BF16", round(wire_fp8 / wire_bf16, 3))
@@ -204,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         for packed in (False, True):
             tag = "packed" if packed else "unpacked"
             engines = {name: trainer_engine(mode, client=clients[name], source=src, packed=packed, buffer_bytes=1 << 30)
-                       for name, src in (("bf16", bf16), ("fp8", fp8))}
+                       for name, src in (("bf16", bf16), ("fp8", fp8), *ready.items())}
             client.call("reset")
             engines["fp8"].send_weights()
             rep = client.call("report")
@@ -227,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
                 facts.number(f"{name} {tag} best_ms", round(min(ts) * 1e3, 3))
                 facts.number(f"{name} {tag} median_ms", round(statistics.median(ts) * 1e3, 3))
             for stat, f in (("best", min), ("median", statistics.median)):
+                facts.number(f"ratio engines themselves (ModuleSource FP8 module / BF16 module) {tag} {stat}",
+                             round(f(times["fp8 module"]) / f(times["bf16 module"]), 3))
+                facts.number(f"ratio FP8Source pass / ModuleSource(FP8 module) pass {tag} {stat}",
+                             round(f(times["fp8"]) / f(times["fp8 module"]), 3))
                 r = f(times["fp8"]) / f(times["bf16"])
                 goal = f" (goal <= {GOAL_FP8_VS_BF16_PACKED}: {'met' if r <= GOAL_FP8_VS_BF16_PACKED else 'NOT met'})" \
                     if packed else ""

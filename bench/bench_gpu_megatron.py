@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             facts.number("one export: bytes written", ops.bytes_written)
             facts.number("one export: ops by name", dict(ops.by_name.most_common()))
         # Regression guard: every ratio against the last recorded run of this shape.
-        guard = Guard("bench_megatron", SHAPE + (" dry-run" if args.dry_run else ""), record=args.record or (bool(os.environ.get("OUT")) and not args.dry_run),
+        guard = Guard("bench_megatron", SHAPE + (" dry-run" if args.dry_run else ""), record=(args.record or (bool(os.environ.get("OUT")) and not args.dry_run)) and not args.slowdown,
                       printer=lambda line: None)  # facts.check prints it
         for ratio, value, noise in (
             ("export/copy best", best / cbest, ratio_noise(times, ct)),

@@ -132,16 +132,26 @@ def quantize_many(
     scale_fmt: str | None = None,
     rule: Rule = "vllm",
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``[quantize_blocks(x, ...) for x in xs]``, the same bytes; on CUDA 2-D tensors of one dtype and
-    device go through one Triton launch (``fp8_triton.batched``; the results are then views of two
-    shared buffers). Everything else -- CPU, UE8M0 scales, 3-D stacks, a single tensor -- one by one."""
+    """``[quantize_blocks(x, ...) for x in xs]``, the same bytes; on CUDA, float32 scales, the
+    ``fp8_triton.batchable`` tensors of each dtype go through one Triton launch (``fp8_triton.batched``;
+    their results are then views of two shared buffers). Everything else -- CPU, UE8M0 scales, 3-D
+    stacks, strided or odd-width tensors -- one by one."""
     kernels = _triton_kernels() if xs and xs[0].is_cuda else None
-    if (kernels is None or scale_fmt is not None or len(xs) < 2 or rule not in RULES
-            or any(x.dim() != 2 or x.dtype != xs[0].dtype or x.device != xs[0].device for x in xs)
-            or xs[0].dtype not in (torch.bfloat16, torch.float16, torch.float32)
-            or any(x.numel() == 0 for x in xs)):
+    if kernels is None or scale_fmt is not None or rule not in RULES:
         return [quantize_blocks(x, block, scale_fmt=scale_fmt, rule=rule) for x in xs]
-    return kernels.batched(xs, int(block[0]), int(block[1]), transformers=rule == "transformers")
+    groups: dict[tuple, list[int]] = {}
+    for i, x in enumerate(xs):
+        if kernels.batchable(x):
+            groups.setdefault((x.dtype, x.device), []).append(i)
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(xs)
+    for idx in groups.values():
+        if len(idx) > 1:
+            done = kernels.batched([xs[i] for i in idx], int(block[0]), int(block[1]),
+                                   transformers=rule == "transformers")
+            for i, pair in zip(idx, done):
+                out[i] = pair
+    return [pair if pair is not None else quantize_blocks(x, block, scale_fmt=scale_fmt, rule=rule)
+            for x, pair in zip(xs, out)]
 
 
 def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),

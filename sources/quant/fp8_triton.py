@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["amax", "batched", "cast", "fused"]
+__all__ = ["amax", "batchable", "batched", "cast", "fused"]
 
 
 @triton.jit
@@ -112,33 +112,42 @@ def fused(x3: torch.Tensor, q: torch.Tensor, bn: int, bk: int, *, transformers: 
 
 
 @triton.jit
-def _batched_kernel(desc_ptr, m, BN: tl.constexpr, BK: tl.constexpr, PN: tl.constexpr, PK: tl.constexpr,
-                    MAXM: tl.constexpr, IN_T: tl.constexpr, TRANSFORMERS: tl.constexpr, FMAX: tl.constexpr,
-                    RCP_FMAX: tl.constexpr):
-    """Many 2-D tensors in one launch: program ``pid`` is global block ``pid``; the descriptor row of
-    its tensor -- ``(x, q, scale addresses, n, k, x row stride, x column stride, first block)`` --
-    is the last one whose first block is <= pid. The block's math is ``_fused_kernel``'s."""
+def _batched_kernel(x_base, q_base, s_base, desc_ptr, m, BN: tl.constexpr, BK: tl.constexpr, PN: tl.constexpr,
+                    PK: tl.constexpr, MAXM: tl.constexpr, TRANSFORMERS: tl.constexpr, FMAX: tl.constexpr,
+                    RCP_FMAX: tl.constexpr, EVEN: tl.constexpr, VX: tl.constexpr, VQ: tl.constexpr):
+    """Many contiguous 2-D tensors in one launch: program ``pid`` is global block ``pid``; the descriptor
+    row of its tensor -- ``(x offset from x_base, q offset from q_base, first block, n, k)``, offsets in
+    elements -- is the last one whose first block is <= pid. The block's math is ``_fused_kernel``'s.
+
+    Speed: every offset is a multiple of ``VX`` (input) / ``VQ`` (codes) elements and ``k`` a multiple
+    of 16 (the host checks it), and the kernel re-derives them as ``(v // V) * V`` -- the same values --
+    so Triton's alignment analysis can prove 16-byte alignment and emit vector loads and stores. Without
+    that proof (offsets read from memory carry none) every element is its own 1- or 2-byte access and
+    the launch runs at a tenth of the memory bandwidth. ``EVEN`` (all n, k block multiples) drops the
+    masks."""
     pid = tl.program_id(0)
     idx = tl.arange(0, MAXM)
-    starts = tl.load(desc_ptr + idx * 8 + 7, mask=idx < m, other=2**62)
+    starts = tl.load(desc_ptr + idx * 5 + 2, mask=idx < m, other=2**62)
     t = tl.sum((starts <= pid).to(tl.int32), axis=0) - 1
-    row = desc_ptr + t * 8
-    x_ptr = tl.load(row).to(tl.pointer_type(IN_T))
-    q_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float8e4nv))
-    s_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    row = desc_ptr + t * 5
+    xo = tl.load(row) // VX * VX
+    qo = tl.load(row + 1) // VQ * VQ
+    first = tl.load(row + 2)
     n = tl.load(row + 3)
-    k = tl.load(row + 4)
-    sxn = tl.load(row + 5)
-    sxk = tl.load(row + 6)
-    local = pid - tl.load(row + 7)
+    k = tl.load(row + 4) // 16 * 16
+    local = pid - first
     kb = (k + BK - 1) // BK
     i = local // kb
     j = local % kb
     rows = i * BN + tl.arange(0, PN)
     cols = j * BK + tl.arange(0, PK)
-    mask = (tl.arange(0, PN)[:, None] < BN) & (tl.arange(0, PK)[None, :] < BK)
-    mask = mask & (rows[:, None] < n) & (cols[None, :] < k)
-    x = tl.load(x_ptr + rows[:, None] * sxn + cols[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+    offs = rows[:, None].to(tl.int64) * k + cols[None, :]
+    if EVEN:
+        x = tl.load(x_base + xo + offs).to(tl.float32)
+    else:
+        mask = (tl.arange(0, PN)[:, None] < BN) & (tl.arange(0, PK)[None, :] < BK)
+        mask = mask & (rows[:, None] < n) & (cols[None, :] < k)
+        x = tl.load(x_base + xo + offs, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     if TRANSFORMERS:
         pos = amax > 0
@@ -149,36 +158,53 @@ def _batched_kernel(desc_ptr, m, BN: tl.constexpr, BK: tl.constexpr, PN: tl.cons
     else:
         stored = tl.maximum(amax, 1e-4) * RCP_FMAX
         y = x * tl.math.div_rn(1.0, stored)
-    tl.store(q_ptr + rows[:, None] * k + cols[None, :], y.to(tl.float8e4nv), mask=mask)
-    tl.store(s_ptr + local, stored)
+    if EVEN:
+        tl.store(q_base + qo + offs, y.to(tl.float8e4nv))
+    else:
+        tl.store(q_base + qo + offs, y.to(tl.float8e4nv), mask=mask)
+    tl.store(s_base + pid, stored)
 
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+#: warps per 128x128 block program of ``_batched_kernel`` (measured on the H200: bench_gpu_fp8 --profile).
+_BATCHED_WARPS = 8
+
+
+def batchable(x: torch.Tensor) -> bool:
+    """Whether ``batched`` takes ``x``: a contiguous, non-empty 2-D float tensor on a CUDA device,
+    16-byte aligned, with a row length that is a multiple of 16 (what its vector accesses assume)."""
+    return (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and x.numel() > 0 and x.is_contiguous() and x.shape[1] % 16 == 0 and x.data_ptr() % 16 == 0)
 
 
 def batched(xs: list[torch.Tensor], bn: int, bk: int, *, transformers: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``[(codes, float32 scales)]`` of 2-D tensors of one dtype on one device, in one launch. The
-    outputs are views of two buffers (one of codes, one of scales) that live as long as any view."""
-    dev, dtype = xs[0].device, xs[0].dtype
-    total = sum(x.numel() for x in xs)
-    nblocks = [-(-x.shape[0] // bn) * -(-x.shape[1] // bk) for x in xs]
-    q_all = torch.empty(total, dtype=torch.float8_e4m3fn, device=dev)
-    s_all = torch.empty(sum(nblocks), dtype=torch.float32, device=dev)
-    rows, out, qoff, soff = [], [], 0, 0
-    qbase, sbase = q_all.data_ptr(), s_all.data_ptr()
-    for x, nbk in zip(xs, nblocks):
+    """``[(codes, float32 scales)]`` of ``batchable`` tensors of one dtype on one device, in one launch. The outputs are
+    views of two buffers (one of codes, one of scales) that live as long as any view."""
+    x0 = xs[0]
+    dev, esz = x0.device, x0.element_size()
+    base = x0.data_ptr()
+    desc, shapes, qoff, soff = [], [], 0, 0
+    even = True
+    for x in xs:
         n, k = x.shape
-        rows.append((x.data_ptr(), qbase + qoff, sbase + 4 * soff, n, k, x.stride(0), x.stride(1), soff))
-        out.append((q_all[qoff:qoff + n * k].view(n, k), s_all[soff:soff + nbk].view(-(-n // bn), -(-k // bk))))
-        qoff += n * k
-        soff += nbk
-    desc = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+        nb, kb = -(-n // bn), -(-k // bk)
+        even = even and n % bn == 0 and k % bk == 0
+        desc += ((x.data_ptr() - base) // esz, qoff, soff, n, k)
+        shapes.append((n, k, nb, kb, qoff, soff))
+        qoff += -(-(n * k) // 16) * 16  # every code segment starts 16-byte aligned
+        soff += nb * kb
+    q_all = torch.empty(qoff, dtype=torch.float8_e4m3fn, device=dev)
+    s_all = torch.empty(soff, dtype=torch.float32, device=dev)
+    # Pinned, so the copy is truly asynchronous: from pageable memory the driver stages it and may wait
+    # for the stream, which serialized each window's host work behind the previous window's kernel
+    # (measured on the H200). The caching host allocator keeps the block until the copy is done.
+    table = torch.tensor(desc, dtype=torch.int64, pin_memory=True).to(dev, non_blocking=True)
     _batched_kernel[(soff,)](
-        desc, len(xs), BN=bn, BK=bk, PN=triton.next_power_of_2(bn), PK=triton.next_power_of_2(bk),
-        MAXM=triton.next_power_of_2(len(xs)), IN_T=_TL_DTYPES[dtype], TRANSFORMERS=transformers,
-        FMAX=448.0, RCP_FMAX=_RCP_FMAX, num_warps=8,
+        x0, q_all, s_all, table, len(xs), BN=bn, BK=bk, PN=triton.next_power_of_2(bn),
+        PK=triton.next_power_of_2(bk), MAXM=triton.next_power_of_2(len(xs)), TRANSFORMERS=transformers,
+        FMAX=448.0, RCP_FMAX=_RCP_FMAX, EVEN=even, VX=16 // esz, VQ=16, num_warps=_BATCHED_WARPS,
     )
-    return out
+    return [(q_all.as_strided((n, k), (k, 1), qo), s_all.as_strided((nb, kb), (kb, 1), so))
+            for n, k, nb, kb, qo, so in shapes]
 
 
 def _grid(x3: torch.Tensor, bn: int, bk: int) -> tuple[int, int, int]:
