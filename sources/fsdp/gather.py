@@ -44,6 +44,8 @@ before the unpack ran.
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -206,7 +208,7 @@ class BatchedGather:
         self._recv_cost = 0
         self._completed = False  # the collective was waited for and succeeded
         self._early = None  # CPU overlap: (piece, future) of an unpack started before iteration
-        self._error: Exception | None = None  # the collective's error, met by ``start_early``
+        self._early_stop: threading.Event | None = None  # stops ``_early``'s wait (``drain``)
         #: CPU overlap: called (by the iterating thread) once this gather has nothing left to unpack
         #: ahead; returns True when no further call is needed. Set by ``GatherPipeline``.
         self.tail_hook = None
@@ -384,6 +386,8 @@ class BatchedGather:
         except Exception as e:  # noqa: BLE001 - the pass is already failing; say why this one stopped
             logger.warning("abandoned %s: %s", self.what, e)
         finally:
+            if self._early_stop is not None:
+                self._early_stop.set()  # an early unpack still waiting for the collective gives up
             _settle(self._early)  # it reads the gathered buffer: done before the buffer is freed
             self._early = None
             self._release()
@@ -396,38 +400,64 @@ class BatchedGather:
         return None
 
     def start_early(self) -> bool:
-        """CPU overlap: if this posted gather already completed, unpack its first large piece on
-        ``unpacker`` now, before anyone iterates it (called by the previous group's iteration once
-        that has nothing left to unpack ahead). Never blocks: a gather still in flight is left
-        alone. True when an unpack is running (or there is none to run)."""
+        """CPU overlap: have ``unpacker`` unpack this posted gather's first large piece as soon as its
+        collective completes, before anyone iterates it (called by the previous group's iteration
+        once that has nothing left to unpack ahead, so the helper's queue already holds that
+        group's unpacks). Never blocks the caller. True once such an unpack is queued (or there is
+        none to run).
+
+        Why the helper waits instead of the caller polling: with one group ahead and a consumer
+        as slow as the gathers, the collective of this group completes at about the time the
+        consumer finishes the previous group -- after the previous group's last piece was handed
+        out, so a completion check made by the iterating thread at piece boundaries finds it still
+        in flight and the unpack of this group's first piece (a copy of the whole tensor, ~35 ms
+        for 50 MB) then ran in the iterating thread, on the critical path, once per group
+        (bench_overlap at hidden 2048 x 4 layers: ~0.3 s of gaps in a 2.0 s pass). The helper's
+        job (``_unpack_when_done``) only polls ``work.is_completed()`` -- it never calls ``wait``,
+        never touches the board (whose step numbers the iterating thread's waits hand out in plan
+        order) and never issues anything: the iterating thread still makes the collective's
+        bounded wait when it reaches this group, and raises its error there."""
         if self._early is not None or self._state != "posted" or self.unpacker is None:
-            return self._early is not None
-        work = self._work
-        if work is not None and not work.is_completed():
-            return False
-        try:
-            self._wait()  # completed: returns at once
-        except Exception as e:  # noqa: BLE001 - raised where it belongs: when this gather is read
-            self._error = e
-            return True
+            return True  # queued already, or nothing left to start early
         j = None if self.adoptable else self._next_big(0)
-        if j is not None:
-            self._early = (j, self.unpacker.submit(self._unpack, self.pieces[j]))
+        if j is None:
+            return True
+        self._early_stop = threading.Event()
+        self._early = (
+            j, self.unpacker.submit(self._unpack_when_done, self._work, self.pieces[j], self._early_stop)
+        )
         return True
+
+    def _unpack_when_done(self, work, p: ShardPiece, stop: threading.Event) -> torch.Tensor | None:
+        """Helper thread: wait (polling, bounded by ``timeout_s``, stopped by ``stop``) until the
+        collective ``work`` completed, then unpack ``p``; None when stopped or timed out (the
+        iterating thread then unpacks ``p`` itself after its own bounded wait, which reports the
+        failure). A collective that failed completes too: the unpack then reads a buffer nobody
+        will use (the iterating thread's wait raises before yielding it)."""
+        if work is not None:
+            t0 = time.monotonic()
+            pause = 5e-5
+            while not work.is_completed():
+                if stop.is_set() or time.monotonic() - t0 > self.timeout_s:
+                    return None
+                time.sleep(pause)
+                pause = min(pause * 1.25, 5e-4)
+        if stop.is_set():
+            return None
+        return self._unpack(p)
 
     def __iter__(self) -> Iterator[tuple[object, torch.Tensor]]:
         self.post()
         # CPU overlap: at most one piece unpacked ahead, on ``unpacker``: the next one worth a
         # thread hand-off (pieces under ``_HANDOFF_BYTES`` in between are unpacked in place), so a
         # large tensor after a run of norms is ready when the consumer reaches it. Once this gather
-        # has nothing left to unpack ahead, ``tail_hook`` lets the next posted gather start its own
-        # first unpack if its collective already completed (still one tensor ahead in all).
+        # has nothing left to unpack ahead, ``tail_hook`` queues the next posted gather's first
+        # unpack on the helper, which starts it once that collective completed (``start_early``):
+        # still one tensor ahead in all.
         pending, self._early = self._early, None  # (piece index, future)
         tail_done = False
         try:
             self._wait()
-            if self._error is not None:
-                raise self._error
             recv = self._recv
             gathered_on = self._posted_on
             pieces = self.pieces
@@ -437,13 +467,12 @@ class BatchedGather:
                     torch.cuda.current_stream(self.device).wait_event(self._event)
                 else:
                     _sync_from(gathered_on, self.device)
+                full = None
                 if pending is not None and pending[0] == i:
-                    full = pending[1].result()
+                    full = pending[1].result()  # None: an early unpack that gave up waiting
                     pending = None
-                elif self.adoptable:
-                    full = self._adopt(p)
-                else:
-                    full = self._unpack(p)
+                if full is None:
+                    full = self._adopt(p) if self.adoptable else self._unpack(p)
                 if pending is None and self.unpacker is not None:
                     j = self._next_big(i + 1)
                     if j is not None:
@@ -455,6 +484,8 @@ class BatchedGather:
                 yield p.key, full
                 del full
         finally:
+            if self._early_stop is not None:
+                self._early_stop.set()  # (an early unpack still polling a collective that failed)
             _settle(pending)  # reads the gathered buffer: done before it is freed
             self.drain()
 

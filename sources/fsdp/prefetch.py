@@ -24,8 +24,11 @@ current step's tensors are yielded. What it guarantees:
   send block of the gather after the one posted ahead (so posting it costs the iterating thread
   nothing), and unpacks a gather's tensors (the copy out of the gathered buffer into each fresh
   tensor) one tensor ahead of the consumer (the next one large enough to be worth the hand-off).
-  It never issues or waits for a collective (posting and waiting stay in the iterating thread, in
-  plan order). It adds one send block (~1/n of a group) and one unpacked tensor to the bound.
+  The first large tensor of the gather posted ahead is queued on it as soon as the group being
+  yielded has nothing left to unpack ahead, and starts once that collective completed (the helper
+  polls ``is_completed``; ``BatchedGather.start_early`` says why the iterating thread cannot be
+  the one to notice). It never issues a collective nor makes its bounded wait (posting and waiting
+  stay in the iterating thread, in plan order, so board steps and errors keep their place). It adds one send block (~1/n of a group) and one unpacked tensor to the bound.
   Device tensors are packed on the side stream and unpacked on the consumer's stream (asynchronous
   already).
 * **Scratch buffers are recycled (CPU).** Send blocks and gathered buffers come from the pass's
@@ -144,7 +147,8 @@ class GatherPipeline:
         return gather
 
     def _start_next_early(self) -> bool:
-        """Let the earliest gather posted ahead start unpacking, if its collective completed."""
+        """Queue the first unpack of the earliest gather posted ahead (it starts once that
+        collective completed)."""
         if not self._posted:
             return True
         return self._posted[min(self._posted)].start_early()
