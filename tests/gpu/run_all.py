@@ -47,7 +47,7 @@ PARTS = [
     ("ipc_frontier", "tests/gpu/part_ipc.py", ["--source", "fsdp,megatron", "--family",
                                                "qwen3_next,qwen3_5_text,qwen3_5_moe_text,deepseek_v32,glm_moe_dsa"], 300),
     ("oracle_dsa", "tests/gpu/part_frontier.py", ["--families", "deepseek_v32,glm_moe_dsa"], 240),
-    ("oracle_gdn", "tests/gpu/part_frontier.py", ["--families", "qwen3_next,qwen3_5_text,qwen3_5_moe_text"], 240),
+    ("oracle_gdn", "tests/gpu/part_frontier.py", ["--families", "qwen3_next,qwen3_5_text,qwen3_5_moe_text"], 480),
 ]
 
 
