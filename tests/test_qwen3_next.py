@@ -250,6 +250,7 @@ TWO_RANKS = [
     dict(name="q35_tp2_te", preset="tiny-qwen3.5", tp=2, te=True, local=True),
     dict(name="q35moe_tp2_bf16", preset="tiny-qwen3.5-moe", tp=2, dtype=torch.bfloat16),
     dict(name="q35moe_ep2", preset="tiny-qwen3.5-moe", ep=2),
+    dict(name="q35moe_pp2", preset="tiny-qwen3.5-moe", pp=2),
     dict(name="not_zero_centered", preset="tiny-qwen3.5", tp=2, refuse={"layernorm_zero_centered_gamma": False}),
     dict(name="not_gated", preset="tiny-qwen3-next", tp=2, refuse={"attention_output_gate": False}),
 ]
@@ -321,11 +322,12 @@ def test_refusals_raise_on_every_rank_naming_the_field(two_ranks):
         assert err.startswith("UnmappedParameterError") and "attention_output_gate=False" in err and f"rank {r}" in err, err
 
 
-#: The one 4-rank world of the frontier families (starting a world costs many seconds): Qwen3-Next and
-#: the DSA families (``test_dsa``: DeepSeek-V3.2 fp32, GLM-5 bf16) at TP2 x EP2, each DSA layout with
+#: The one 4-rank world of the frontier families (starting a world costs many seconds): Qwen3-Next,
+#: Qwen3.5-MoE (bf16) and the DSA families (``test_dsa``: DeepSeek-V3.2 fp32, GLM-5 bf16) at TP2 x EP2, each DSA layout with
 #: its negative control (``test_dsa.other_pairing``).
 FOUR_RANKS = [
     dict(name="next_tp2_ep2", preset="tiny-qwen3-next", tp=2, ep=2),
+    dict(name="q35moe_tp2_ep2_bf16", preset="tiny-qwen3.5-moe", tp=2, ep=2, dtype=torch.bfloat16),
     dict(name="v32_tp2_ep2", family="deepseek_v32", tp=2, ep=2),
     dict(name="glm5_tp2_ep2_bf16", family="glm_moe_dsa", tp=2, ep=2, dtype=torch.bfloat16),
 ]
