@@ -386,13 +386,15 @@ def test_four_ranks_tp2_ep2(four_ranks, lay):
     ("tiny-qwen3-next", ("--tp", "2", "--ep", "2"), 4),
     ("tiny-qwen3.5", ("--tp", "2"), 2),
     ("tiny-qwen3.5-moe", ("--tp", "2"), 2),
+    ("tiny-qwen3.5-moe", ("--ep", "2"), 2),
 ])
 def test_check_cli_megatron(preset, extra, nproc):
     """``weightsync check --model PRESET --layout megatron --tp 2 [--ep 2]``: exit 0, PASS, every name
     and shape of transformers' ``save_pretrained``."""
+    tp = extra[extra.index("--tp") + 1] if "--tp" in extra else "1"
     ep = extra[extra.index("--ep") + 1] if "--ep" in extra else "1"
     check_cli(preset, "--layout", "megatron", *extra, nproc=nproc,
-              layout_line=f"layout megatron tp2 pp1 vpp1 ep{ep} x{nproc}")
+              layout_line=f"layout megatron tp{tp} pp1 vpp1 ep{ep} x{nproc}")
 
 
 # ---- the forward oracle: Megatron's logits vs transformers' on the export (CPU, TP1) ---------------
