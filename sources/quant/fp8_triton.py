@@ -27,8 +27,9 @@ __all__ = ["amax", "batchable", "batched", "cast", "fused"]
 
 
 @triton.jit
-def _amax_kernel(x_ptr, out_ptr, n, k, sxb, sxn, sxk, nb, kb, BN: tl.constexpr, BK: tl.constexpr,
-                 PN: tl.constexpr, PK: tl.constexpr):
+def _block(x_ptr, n, k, sxb, sxn, sxk, BN: tl.constexpr, BK: tl.constexpr, PN: tl.constexpr, PK: tl.constexpr):
+    """This program's block of a ``[B, n, k]`` tensor of any strides (grid ``(kb, nb, B)``): its values
+    as float32 (0 outside the tensor), the mask of real elements, its batch index, row and columns."""
     j = tl.program_id(0)
     i = tl.program_id(1)
     b = tl.program_id(2)
@@ -38,6 +39,43 @@ def _amax_kernel(x_ptr, out_ptr, n, k, sxb, sxn, sxk, nb, kb, BN: tl.constexpr, 
     mask = mask & (rows[:, None] < n) & (cols[None, :] < k)
     ptrs = x_ptr + b.to(tl.int64) * sxb + rows[:, None].to(tl.int64) * sxn + cols[None, :].to(tl.int64) * sxk
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return x, mask, b, i, j, rows, cols
+
+
+@triton.jit
+def _codes_at(q_ptr, b, rows, cols, n, k):
+    """Addresses of the block's codes in the contiguous ``[B, n, k]`` output."""
+    return q_ptr + b.to(tl.int64) * n * k + rows[:, None].to(tl.int64) * k + cols[None, :]
+
+
+@triton.jit
+def _clamp(y, FMAX: tl.constexpr):
+    """``torch.clamp(y, -FMAX, FMAX)``: NaN stays NaN."""
+    return tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
+
+
+@triton.jit
+def _quantize_block(x, TRANSFORMERS: tl.constexpr, FMAX: tl.constexpr, RCP_FMAX: tl.constexpr):
+    """A block's scaled values (to be cast to FP8) and its float32 ``scale_inv``, with the references'
+    formulas as torch evaluates them on CUDA: ``t / c`` (c a Python float) is ``t * fp32(1 / c)``
+    (PyTorch's div-by-CPU-scalar kernel), ``c / t`` is ``reciprocal(t) * c`` (``Tensor.__rtruediv__``);
+    the reciprocals are IEEE-rounded (div_rn)."""
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    if TRANSFORMERS:  # s = 448 / amax (1 for an all-zero block), stores 1 / s, codes of clamp(x * s)
+        pos = amax > 0
+        mult = tl.where(pos, tl.math.div_rn(1.0, tl.where(pos, amax, 1.0)) * FMAX, 1.0)
+        stored = tl.math.div_rn(1.0, mult)
+        y = _clamp(x * mult, FMAX)
+    else:  # vLLM: sf = max(amax, 1e-4) / 448, stores sf, codes of x * (1 / sf)
+        stored = tl.maximum(amax, 1e-4) * RCP_FMAX
+        y = x * tl.math.div_rn(1.0, stored)
+    return y, stored
+
+
+@triton.jit
+def _amax_kernel(x_ptr, out_ptr, n, k, sxb, sxn, sxk, nb, kb, BN: tl.constexpr, BK: tl.constexpr,
+                 PN: tl.constexpr, PK: tl.constexpr):
+    x, mask, b, i, j, rows, cols = _block(x_ptr, n, k, sxb, sxn, sxk, BN, BK, PN, PK)
     m = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     tl.store(out_ptr + (b * nb + i) * kb + j, m)
 
@@ -45,52 +83,21 @@ def _amax_kernel(x_ptr, out_ptr, n, k, sxb, sxn, sxk, nb, kb, BN: tl.constexpr, 
 @triton.jit
 def _cast_kernel(x_ptr, mult_ptr, q_ptr, n, k, sxb, sxn, sxk, nb, kb, BN: tl.constexpr, BK: tl.constexpr,
                  PN: tl.constexpr, PK: tl.constexpr, CLAMP: tl.constexpr, FMAX: tl.constexpr):
-    j = tl.program_id(0)
-    i = tl.program_id(1)
-    b = tl.program_id(2)
-    rows = i * BN + tl.arange(0, PN)
-    cols = j * BK + tl.arange(0, PK)
-    mask = (tl.arange(0, PN)[:, None] < BN) & (tl.arange(0, PK)[None, :] < BK)
-    mask = mask & (rows[:, None] < n) & (cols[None, :] < k)
-    ptrs = x_ptr + b.to(tl.int64) * sxb + rows[:, None].to(tl.int64) * sxn + cols[None, :].to(tl.int64) * sxk
-    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(mult_ptr + (b * nb + i) * kb + j)
-    y = x * s
-    if CLAMP:  # torch.clamp: NaN stays NaN
-        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
-    out = q_ptr + b.to(tl.int64) * n * k + rows[:, None].to(tl.int64) * k + cols[None, :]
-    tl.store(out, y.to(tl.float8e4nv), mask=mask)
+    x, mask, b, i, j, rows, cols = _block(x_ptr, n, k, sxb, sxn, sxk, BN, BK, PN, PK)
+    y = x * tl.load(mult_ptr + (b * nb + i) * kb + j)
+    if CLAMP:
+        y = _clamp(y, FMAX)
+    tl.store(_codes_at(q_ptr, b, rows, cols, n, k), y.to(tl.float8e4nv), mask=mask)
 
 
 @triton.jit
 def _fused_kernel(x_ptr, q_ptr, s_ptr, n, k, sxb, sxn, sxk, nb, kb, BN: tl.constexpr, BK: tl.constexpr,
                   PN: tl.constexpr, PK: tl.constexpr, TRANSFORMERS: tl.constexpr, FMAX: tl.constexpr,
                   RCP_FMAX: tl.constexpr):
-    """One block: amax, its float32 scale (IEEE-rounded divisions, the references' formulas), codes."""
-    j = tl.program_id(0)
-    i = tl.program_id(1)
-    b = tl.program_id(2)
-    rows = i * BN + tl.arange(0, PN)
-    cols = j * BK + tl.arange(0, PK)
-    mask = (tl.arange(0, PN)[:, None] < BN) & (tl.arange(0, PK)[None, :] < BK)
-    mask = mask & (rows[:, None] < n) & (cols[None, :] < k)
-    ptrs = x_ptr + b.to(tl.int64) * sxb + rows[:, None].to(tl.int64) * sxn + cols[None, :].to(tl.int64) * sxk
-    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    # The references' formulas as torch evaluates them on CUDA: ``t / c`` (c a Python float) is
-    # ``t * fp32(1 / c)`` (PyTorch's div-by-CPU-scalar kernel), ``c / t`` is ``reciprocal(t) * c``
-    # (``Tensor.__rtruediv__``); the reciprocals are IEEE-rounded (div_rn).
-    if TRANSFORMERS:  # s = 448 / amax (1 for an all-zero block), stores 1 / s, codes of clamp(x * s)
-        pos = amax > 0
-        mult = tl.where(pos, tl.math.div_rn(1.0, tl.where(pos, amax, 1.0)) * FMAX, 1.0)
-        stored = tl.math.div_rn(1.0, mult)
-        y = x * mult
-        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
-    else:  # vLLM: sf = max(amax, 1e-4) / 448, stores sf, codes of x * (1 / sf)
-        stored = tl.maximum(amax, 1e-4) * RCP_FMAX
-        y = x * tl.math.div_rn(1.0, stored)
-    out = q_ptr + b.to(tl.int64) * n * k + rows[:, None].to(tl.int64) * k + cols[None, :]
-    tl.store(out, y.to(tl.float8e4nv), mask=mask)
+    """One block: amax, its float32 scale (``_quantize_block``), codes."""
+    x, mask, b, i, j, rows, cols = _block(x_ptr, n, k, sxb, sxn, sxk, BN, BK, PN, PK)
+    y, stored = _quantize_block(x, TRANSFORMERS, FMAX, RCP_FMAX)
+    tl.store(_codes_at(q_ptr, b, rows, cols, n, k), y.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + (b * nb + i) * kb + j, stored)
 
 
@@ -148,16 +155,7 @@ def _batched_kernel(x_base, q_base, s_base, desc_ptr, m, BN: tl.constexpr, BK: t
         mask = (tl.arange(0, PN)[:, None] < BN) & (tl.arange(0, PK)[None, :] < BK)
         mask = mask & (rows[:, None] < n) & (cols[None, :] < k)
         x = tl.load(x_base + xo + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    if TRANSFORMERS:
-        pos = amax > 0
-        mult = tl.where(pos, tl.math.div_rn(1.0, tl.where(pos, amax, 1.0)) * FMAX, 1.0)
-        stored = tl.math.div_rn(1.0, mult)
-        y = x * mult
-        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
-    else:
-        stored = tl.maximum(amax, 1e-4) * RCP_FMAX
-        y = x * tl.math.div_rn(1.0, stored)
+    y, stored = _quantize_block(x, TRANSFORMERS, FMAX, RCP_FMAX)
     if EVEN:
         tl.store(q_base + qo + offs, y.to(tl.float8e4nv))
     else:
@@ -197,7 +195,7 @@ def batched(xs: list[torch.Tensor], bn: int, bk: int, *, transformers: bool) -> 
     # Pinned, so the copy is truly asynchronous: from pageable memory the driver stages it and may wait
     # for the stream, which serialized each window's host work behind the previous window's kernel
     # (measured on the H200). The caching host allocator keeps the block until the copy is done.
-    table = torch.tensor(desc, dtype=torch.int64, pin_memory=True).to(dev, non_blocking=True)
+    table = torch.tensor(desc, dtype=torch.int64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
     _batched_kernel[(soff,)](
         x0, q_all, s_all, table, len(xs), BN=bn, BK=bk, PN=triton.next_power_of_2(bn),
         PK=triton.next_power_of_2(bk), MAXM=triton.next_power_of_2(len(xs)), TRANSFORMERS=transformers,
