@@ -21,7 +21,6 @@ more than the run's noise, 5% at least); ``--record`` (or ``OUT`` set, as under 
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
@@ -30,7 +29,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
 
-from _history import Guard, ratio_noise  # noqa: E402
+from _gpu_bench import device_and_reps, guard as bench_guard, parser  # noqa: E402
+from _history import ratio_noise  # noqa: E402
 from _timing import sync, timed  # noqa: E402
 from facts import Facts, log  # noqa: E402
 
@@ -105,6 +105,19 @@ def _numerics(facts: Facts, device: str) -> None:
                 f"bad: {bad_path[:4]}")
 
 
+def _windows(weights: list, limit: int) -> list[list]:
+    """``FP8Source``'s launch windows over consecutive weights: each closes once it holds ``limit``
+    input bytes (``FP8Source._stream``)."""
+    windows, cur, held = [], [], 0
+    for w in weights:
+        cur.append(w)
+        held += w.numel() * w.element_size()
+        if held >= limit:
+            windows.append(cur)
+            cur, held = [], 0
+    return windows + ([cur] if cur else [])
+
+
 def _profile(facts: Facts, device: str, mode: str, cfg, qcfg, bf16, fp8, weights, windows, reps: int, warmup: int):
     """Where an FP8 pass's time goes, as numbers (``--profile``)."""
     import cProfile
@@ -135,14 +148,7 @@ def _profile(facts: Facts, device: str, mode: str, cfg, qcfg, bf16, fp8, weights
     facts.number("profile: quantize_many windows host time (no sync) median_ms", round(statistics.median(host[warmup:]) * 1e3, 3))
     facts.number("profile: windows", len(windows))
     for mib in (64, 128, 256):
-        wins, cur, held = [], [], 0
-        for w in weights:
-            cur.append(w)
-            held += w.numel() * w.element_size()
-            if held >= mib << 20:
-                wins.append(cur)
-                cur, held = [], 0
-        wins += [cur] if cur else []
+        wins = _windows(weights, mib << 20)
         ts = timed(lambda: [quantize_many(ws) for ws in wins], device=device, reps=reps, warmup=warmup)
         facts.number(f"profile: quantize_many in {mib} MiB windows ({len(wins)}) best_ms", round(min(ts) * 1e3, 3))
     one = timed(lambda: quantize_many(weights), device=device, reps=reps, warmup=warmup)
@@ -205,33 +211,24 @@ def _profile(facts: Facts, device: str, mode: str, cfg, qcfg, bf16, fp8, weights
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model, loopback transport")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--record", action="store_true", help="append this run's ratios to bench/results/history.jsonl")
+    ap = parser(__doc__)
     ap.add_argument("--profile", action="store_true",
                     help="diagnose instead of measuring: where a pass's time goes (source alone, quantization's host "
                          "and device time, the receiver's share, cProfile of one packed pass); no goals, no record")
     args = ap.parse_args(argv)
     facts = Facts("bench_fp8", dry_run=args.dry_run)
-    guard = Guard("bench_fp8", SHAPE + (" dry-run" if args.dry_run else ""),
-                  record=args.record or (bool(os.environ.get("OUT")) and not args.dry_run), printer=lambda line: None)
+    guard = bench_guard("bench_fp8", SHAPE, args, record=not args.profile)
     ratios: list[tuple[str, float, float]] = []
     import torch
 
     from hf_side import bench_config, build_hf, digest, tiny_config
     from receiver import start_receiver, trainer_engine
 
-    device = "cpu" if args.dry_run else "cuda:0"
+    setup = device_and_reps(args, facts)
+    if setup is None:
+        return facts.finish(args.json)
+    device, reps, warmup = setup
     mode = "loopback" if args.dry_run else "ipc"
-    reps, warmup = (2, 1) if args.dry_run else (args.reps, args.warmup)
-    if not args.dry_run:
-        if not torch.cuda.is_available():
-            facts.check("CUDA available", False, "no CUDA device; use --dry-run on CPU")
-            return facts.finish(args.json)
-        torch.cuda.set_device(0)
     client = client_bf16 = None
     try:
         import datetime
@@ -264,24 +261,17 @@ def main(argv: list[str] | None = None) -> int:
         # 2. quantization alone, one tensor at a time
         weights = [plain[n] for n in plans]
         read = sum(w.numel() * w.element_size() for w in weights)
-        windows, cur, held = [], [], 0  # FP8Source's windows: consecutive weights up to batch_bytes
-        for w in weights:
-            cur.append(w)
-            held += w.numel() * w.element_size()
-            if held >= fp8.batch_bytes:
-                windows.append(cur)
-                cur, held = [], 0
-        windows += [cur] if cur else []
+        windows = _windows(weights, fp8.batch_bytes)
         # Interleaved, rep by rep, after a spin-up: a GPU that idled through the numerics above clocks up
         # over tens of ms, and measuring the copy floor last (as the first runs did) compared a warm copy
         # with a cold quantization (same code: 1.11x in a warm probe, 2.33x in that bench).
-        src_buf = torch.empty(read, dtype=torch.uint8, device=device)
-        dst_buf = torch.empty_like(src_buf)
+        bufs = {"src": torch.empty(read, dtype=torch.uint8, device=device)}
+        bufs["dst"] = torch.empty_like(bufs["src"])
         spin_until = time.perf_counter() + (0.0 if args.dry_run else 0.5)
         while time.perf_counter() < spin_until:
-            dst_buf.copy_(src_buf)
+            bufs["dst"].copy_(bufs["src"])
             sync(device)
-        runs = {"copy": lambda: dst_buf.copy_(src_buf),
+        runs = {"copy": lambda: bufs["dst"].copy_(bufs["src"]),
                 "ours": lambda: [quantize_many(ws) for ws in windows],
                 "one": lambda: [quantize_blocks(w) for w in weights],
                 "vllm": lambda: [per_block_cast_to_fp8(w, [128, 128]) for w in weights]}
@@ -292,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 if i >= warmup:
                     got[k] += t
         q_ours, q_one, q_vllm, ct = (got[k] for k in ("ours", "one", "vllm", "copy"))
-        del src_buf, dst_buf
+        bufs.clear()  # 2 x the weights' bytes, before the receivers start
         facts.number("quantize_blocks one launch per tensor best_ms", round(min(q_one) * 1e3, 3))
         facts.number("FP8Source windows (batch_bytes MiB, launches)", f"{fp8.batch_bytes >> 20}, {len(windows)}")
         for tag, ts in (("weightsync quantize_many (FP8Source's windows)", q_ours), ("vLLM per_block_cast_to_fp8", q_vllm)):

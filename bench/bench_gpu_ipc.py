@@ -26,7 +26,6 @@ does every non-dry run under ``.ci/gpu`` (``OUT`` set: the lines also land in ``
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import statistics
@@ -35,7 +34,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
 
-from _history import Guard, ratio_noise  # noqa: E402
+from _gpu_bench import device_and_reps, guard as bench_guard, parser  # noqa: E402
+from _history import ratio_noise  # noqa: E402
 from _timing import copy_floor, sync  # noqa: E402
 from facts import Facts, log  # noqa: E402
 
@@ -44,12 +44,7 @@ SHAPE = "qwen3-1.7b bf16 1gpu"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model, loopback transport")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--record", action="store_true", help="append this run's ratios to bench/results/history.jsonl")
+    ap = parser(__doc__)
     args = ap.parse_args(argv)
     facts = Facts("bench_ipc", dry_run=args.dry_run)
     import torch
@@ -57,14 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     from hf_side import bench_config, build_hf, tiny_config
     from receiver import start_receiver, trainer_engine
 
-    device = "cpu" if args.dry_run else "cuda:0"
+    setup = device_and_reps(args, facts)
+    if setup is None:
+        return facts.finish(args.json)
+    device, reps, warmup = setup
     mode = "loopback" if args.dry_run else "ipc"
-    reps, warmup = (2, 1) if args.dry_run else (args.reps, args.warmup)
-    if not args.dry_run:
-        if not torch.cuda.is_available():
-            facts.check("CUDA available", False, "no CUDA device; use --dry-run on CPU")
-            return facts.finish(args.json)
-        torch.cuda.set_device(0)
     client = None
     try:
         import datetime
@@ -101,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         ref_sums = {n: float(p.double().sum().item()) for n, p in plain.named_parameters()}
         results: dict[str, dict[str, float]] = {}
-        guard = Guard("bench_ipc", SHAPE + (" dry-run" if args.dry_run else ""), record=args.record or (bool(os.environ.get("OUT")) and not args.dry_run),
-                      printer=lambda line: None)  # facts.check prints it
+        guard = bench_guard("bench_ipc", SHAPE, args)
         ratios: list[tuple[str, float, float]] = []
         for packed in (False, True):
             mode_tag = "packed" if packed else "unpacked"

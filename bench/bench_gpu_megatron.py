@@ -24,7 +24,6 @@ to see the guard fire; run it with ``WS_BENCH_HISTORY`` pointing at a scratch co
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -32,7 +31,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
 
-from _history import Guard, ratio_noise  # noqa: E402
+from _gpu_bench import device_and_reps, guard as bench_guard, parser  # noqa: E402
+from _history import ratio_noise  # noqa: E402
 from _timing import copy_floor, timed  # noqa: E402
 from facts import Facts, log  # noqa: E402
 
@@ -41,12 +41,7 @@ SHAPE = "qwen3-1.7b tp1 bf16"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--record", action="store_true", help="append this run's ratios to bench/results/history.jsonl")
+    ap = parser(__doc__, dry_help="CPU, tiny model")
     ap.add_argument("--ops", action="store_true", help="count aten ops and bytes written by one export")
     ap.add_argument("--slowdown", action="store_true",
                     help="deliberate regression: one extra copy of every yielded tensor (the guard must say REGRESSION)")
@@ -57,13 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     from hf_side import bench_config, tiny_config
     from megatron_side import build_megatron, describe, init_parallel, megatron_version
 
-    device = "cpu" if args.dry_run else "cuda:0"
-    reps, warmup = (2, 1) if args.dry_run else (args.reps, args.warmup)
-    if not args.dry_run:
-        if not torch.cuda.is_available():
-            facts.check("CUDA available", False, "no CUDA device; use --dry-run on CPU")
-            return facts.finish(args.json)
-        torch.cuda.set_device(0)
+    setup = device_and_reps(args, facts)
+    if setup is None:
+        return facts.finish(args.json)
+    device, reps, warmup = setup
     try:
         from weightsync.sources import MegatronSource
 
@@ -131,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             facts.number("one export: bytes written", ops.bytes_written)
             facts.number("one export: ops by name", dict(ops.by_name.most_common()))
         # Regression guard: every ratio against the last recorded run of this shape.
-        guard = Guard("bench_megatron", SHAPE + (" dry-run" if args.dry_run else ""), record=(args.record or (bool(os.environ.get("OUT")) and not args.dry_run)) and not args.slowdown,
-                      printer=lambda line: None)  # facts.check prints it
+        guard = bench_guard("bench_megatron", SHAPE, args, record=not args.slowdown)
         for ratio, value, noise in (
             ("export/copy best", best / cbest, ratio_noise(times, ct)),
             ("export/copy median", med / cmed, ratio_noise(times, ct)),
