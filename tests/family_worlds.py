@@ -244,6 +244,22 @@ def ck_any(ck: dict[str, torch.Tensor], layer: int, *suffixes: str) -> torch.Ten
     raise KeyError(f"layer {layer}: none of {suffixes} in megatron's checkpoint")
 
 
+def expected_dense_mlp(ck: dict[str, torch.Tensor], layer: int, pre: str) -> dict[str, torch.Tensor]:
+    """A dense MLP layer's HF tensors cut from megatron's full checkpoint: ``linear_fc1`` is
+    ``[gate; up]``, ``linear_fc2`` is ``down_proj``."""
+    gate, up = ck_any(ck, layer, "mlp.linear_fc1.weight").chunk(2, 0)
+    return {pre + "mlp.gate_proj.weight": gate, pre + "mlp.up_proj.weight": up,
+            pre + "mlp.down_proj.weight": ck_any(ck, layer, "mlp.linear_fc2.weight")}
+
+
+def expected_ends(ck: dict[str, torch.Tensor], hf) -> dict[str, torch.Tensor]:
+    """The embedding, final norm and output layer from megatron's full checkpoint, the vocabulary
+    padding (``make_vocab_size_divisible_by`` x TP) trimmed to HF's ``vocab_size`` rows."""
+    return {"model.embed_tokens.weight": ck["embedding.word_embeddings.weight"][: hf.vocab_size],
+            "model.norm.weight": ck["decoder.final_layernorm.weight"],
+            "lm_head.weight": ck["output_layer.weight"][: hf.vocab_size]}
+
+
 def check_layout(
     res: dict[int, dict[str, Any]],
     root: str,

@@ -34,7 +34,8 @@ import tempfile
 import pytest
 import torch
 from family_worlds import check_bf16_wire, check_cli, check_demo, check_fp32_wire, check_layout, check_nccl
-from family_worlds import check_refusals, ck_any, from_pretrained, logits, preset_config, same_bytes
+from family_worlds import check_refusals, ck_any, expected_dense_mlp, expected_ends, from_pretrained, logits
+from family_worlds import preset_config, same_bytes
 from family_worlds import write_checkpoint
 from fsdp_worlds import unpack
 from worlds import run_world as _run_world
@@ -234,12 +235,8 @@ def _expected(ck, hf) -> dict[str, torch.Tensor]:
         want[pre + "self_attn.q_norm.weight"] = ck_any(ck, i, "self_attention.q_layernorm.weight")
         want[pre + "self_attn.k_norm.weight"] = ck_any(ck, i, "self_attention.k_layernorm.weight")
         if i < hf.first_k_dense_replace:
-            fc1 = ck_any(ck, i, "mlp.linear_fc1.weight")
-            want[pre + "mlp.gate_proj.weight"], want[pre + "mlp.up_proj.weight"] = fc1.chunk(2, 0)
-            want[pre + "mlp.down_proj.weight"] = ck_any(ck, i, "mlp.linear_fc2.weight")
-    want["model.embed_tokens.weight"] = ck["embedding.word_embeddings.weight"][: hf.vocab_size]
-    want["model.norm.weight"] = ck["decoder.final_layernorm.weight"]
-    want["lm_head.weight"] = ck["output_layer.weight"][: hf.vocab_size]
+            want.update(expected_dense_mlp(ck, i, pre))
+    want.update(expected_ends(ck, hf))
     return want
 
 

@@ -36,7 +36,7 @@ import tempfile
 import pytest
 import torch
 from family_worlds import check_bf16_wire, check_cli, check_demo, check_fp32_wire, check_layout, check_nccl
-from family_worlds import check_refusals, ck_any, from_pretrained, logits, preset_config, same_bytes
+from family_worlds import check_refusals, ck_any, expected_ends, from_pretrained, logits, preset_config, same_bytes
 from family_worlds import write_checkpoint
 from fsdp_worlds import unpack
 from worlds import run_world as _run_world
@@ -278,9 +278,7 @@ def _expected(ck, hf) -> dict[str, torch.Tensor]:
         want[pre + "mlp.experts.gate_up_proj_bias"] = _interleave_rows(fc1b.unsqueeze(-1)).squeeze(-1)
         want[pre + "mlp.experts.down_proj"] = fc2.transpose(1, 2)
         want[pre + "mlp.experts.down_proj_bias"] = ck_any(ck, i, "mlp.experts.experts.linear_fc2.bias")
-    want["model.embed_tokens.weight"] = ck["embedding.word_embeddings.weight"][: hf.vocab_size]
-    want["model.norm.weight"] = ck["decoder.final_layernorm.weight"]
-    want["lm_head.weight"] = ck["output_layer.weight"][: hf.vocab_size]
+    want.update(expected_ends(ck, hf))
     return want
 
 

@@ -26,7 +26,7 @@ import tempfile
 
 import pytest
 import torch
-from family_worlds import check_layout, check_refusals
+from family_worlds import check_layout, check_refusals, expected_ends
 from fsdp_worlds import unpack
 from test_moe_megatron import _ck, _expected_moe
 from worlds import run_world as _run_world
@@ -191,9 +191,7 @@ def _expected(ck, hf) -> dict[str, torch.Tensor]:
             fc1 = _ck(ck, "mlp.linear_fc1.weight", i)
             want[pre + "mlp.gate_proj.weight"], want[pre + "mlp.up_proj.weight"] = fc1.chunk(2, 0)
     want.update(_expected_moe(ck, HFMoENames(hf), list(range(first, hf.num_hidden_layers))))
-    want["model.embed_tokens.weight"] = ck["embedding.word_embeddings.weight"][: hf.vocab_size]
-    want["model.norm.weight"] = ck["decoder.final_layernorm.weight"]
-    want["lm_head.weight"] = ck["output_layer.weight"][: hf.vocab_size]
+    want.update(expected_ends(ck, hf))
     return want
 
 

@@ -27,7 +27,7 @@ import zlib
 
 import pytest
 import torch
-from family_worlds import check_layout, check_cli, ck_any, preset_config
+from family_worlds import check_layout, check_cli, ck_any, expected_dense_mlp, expected_ends, preset_config
 from fsdp_worlds import unpack
 from worlds import run_world as _run_world
 
@@ -180,12 +180,8 @@ def _expected(ck, hf) -> dict[str, torch.Tensor]:
             want[pre + "self_attn.q_norm.weight"] = ck_any(ck, i, "self_attention.q_layernorm.weight")
             want[pre + "self_attn.k_norm.weight"] = ck_any(ck, i, "self_attention.k_layernorm.weight")
         if i not in moe:
-            fc1 = ck_any(ck, i, "mlp.linear_fc1.weight")
-            want[pre + "mlp.gate_proj.weight"], want[pre + "mlp.up_proj.weight"] = fc1.chunk(2, 0)
-            want[pre + "mlp.down_proj.weight"] = ck_any(ck, i, "mlp.linear_fc2.weight")
-    want["model.embed_tokens.weight"] = ck["embedding.word_embeddings.weight"][: hf.vocab_size]
-    want["model.norm.weight"] = ck["decoder.final_layernorm.weight"]
-    want["lm_head.weight"] = ck["output_layer.weight"][: hf.vocab_size]
+            want.update(expected_dense_mlp(ck, i, pre))
+    want.update(expected_ends(ck, hf))
     return want
 
 
