@@ -10,8 +10,11 @@ CUDA IPC engines on a Qwen3-1.7B-shaped model, against the BF16 pass of the same
 3. IPC round trips (packed: FP8, BF16 and FP32 in one buffer; and unpacked) into a receiver holding an
    FP8 checkpoint's tensors (``FP8CheckpointModel``): every received tensor's bytes equal vLLM's
    quantizer applied to the trainer's weights, every receiver parameter written.
-4. Time of one ``send_weights()``: FP8 pass / BF16 pass, packed and unpacked, interleaved rep by rep.
-   Goal: <= 1.35x packed. Wire bytes: exactly an FP8 checkpoint's (embeddings stay BF16).
+4. Time of one ``send_weights()``: FP8 pass / BF16 pass, packed and unpacked, interleaved rep by rep,
+   with vLLM's ``ModuleSource`` over ready-made BF16 and FP8 modules (the engines' own cost, no weightsync code)
+   and ``FP8Source`` over that ``ModuleSource`` (the quantization's own cost, no FSDP). Goals, packed:
+   FP8 pass <= 1.35x the BF16 pass (the issue's; out of reach wherever the engines alone exceed it), and
+   FP8Source's pass <= 1.09x the engines' own FP8 pass (the share of 1.35x the issue left to the source). Wire bytes: exactly an FP8 checkpoint's (embeddings stay BF16).
 
 Every ratio is compared with the last recorded run (``bench/_history.py``: REGRESSION when worse by
 more than the run's noise, 5% at least); ``--record`` (or ``OUT`` set, as under ``.ci/gpu``) records it.
@@ -37,6 +40,11 @@ from facts import Facts, log  # noqa: E402
 SHAPE = "qwen3-1.7b bf16 1gpu"
 GOAL_QUANT_VS_COPY = 2.0
 GOAL_FP8_VS_BF16_PACKED = 1.35
+#: The issue measured the engines themselves (vLLM's ModuleSource over a ready-made FP8 module vs the BF16 one) at
+#: 1.24x packed and set 1.35x for the whole FP8 pass: a source may add 1.35 / 1.24 on top of the engines' own FP8
+#: pass. On the hosts lent here the engines alone take 1.36-1.49x, so 1.35x is out of reach for any source; this is
+#: the part of the goal that is the source's.
+GOAL_OVER_ENGINES_PACKED = round(1.35 / 1.24, 2)
 
 
 def _numerics(facts: Facts, device: str) -> None:
@@ -311,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         client.call("build_fp8", (cfg, torch.bfloat16, 7, True, qcfg))
         client_bf16 = start_receiver(mode, device, timeout_s=300)  # the BF16 pass's own receiver
         client_bf16.call("build", (cfg, torch.bfloat16, 7, False))
-        clients = {"bf16": client_bf16, "fp8": client, "bf16 module": client_bf16, "fp8 module": client}
+        clients = {"bf16": client_bf16, "fp8": client, "bf16 module": client_bf16, "fp8 module": client,
+                   "fp8 over module": client}
         # The engines themselves: vLLM's ModuleSource over ready-made modules (no weightsync code), the
         # BF16 model and the same weights as an FP8 checkpoint's tensors -- what the FP8 stream costs
         # vLLM's engines and the receiver whoever quantizes it.
@@ -322,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         ready_bf16 = build_hf(cfg, device=device, dtype=torch.bfloat16, seed=3)
         ready_bf16.load_state_dict(plain, strict=False)
         ready_fp8 = FP8CheckpointModel(ready_bf16, qcfg)
-        ready = {"bf16 module": ModuleSource(ready_bf16), "fp8 module": ModuleSource(ready_fp8)}
+        # and FP8Source over vLLM's ModuleSource of the BF16 model: the quantization's own cost, without FSDPSource's
+        ready = {"bf16 module": ModuleSource(ready_bf16), "fp8 module": ModuleSource(ready_fp8),
+                 "fp8 over module": FP8Source(ModuleSource(ready_bf16))}
         wire_fp8 = sum(math.prod(m.shape) * m.dtype.itemsize for m in fp8.metadata)
         wire_bf16 = sum(math.prod(m.shape) * m.dtype.itemsize for m in bf16.metadata)
         facts.number("wire bytes FP8 / BF16", round(wire_fp8 / wire_bf16, 3))
@@ -355,11 +366,17 @@ def main(argv: list[str] | None = None) -> int:
             for stat, f in (("best", min), ("median", statistics.median)):
                 facts.number(f"ratio engines themselves (ModuleSource FP8 module / BF16 module) {tag} {stat}",
                              round(f(times["fp8 module"]) / f(times["bf16 module"]), 3))
-                facts.number(f"ratio FP8Source pass / ModuleSource(FP8 module) pass {tag} {stat}",
-                             round(f(times["fp8"]) / f(times["fp8 module"]), 3))
+                over = f(times["fp8"]) / f(times["fp8 module"])
+                facts.number(f"ratio FP8Source pass / ModuleSource(FP8 module) pass {tag} {stat}", round(over, 3),
+                             f" (goal <= {GOAL_OVER_ENGINES_PACKED}: {'met' if over <= GOAL_OVER_ENGINES_PACKED else 'NOT met'})"
+                             if packed else "")
+                facts.number(f"ratio FP8Source(ModuleSource) pass / ModuleSource(FP8 module) pass {tag} {stat}",
+                             round(f(times["fp8 over module"]) / f(times["fp8 module"]), 3))
                 r = f(times["fp8"]) / f(times["bf16"])
-                goal = f" (goal <= {GOAL_FP8_VS_BF16_PACKED}: {'met' if r <= GOAL_FP8_VS_BF16_PACKED else 'NOT met'})" \
-                    if packed else ""
+                own = f(times["fp8 module"]) / f(times["bf16 module"])
+                goal = f" (goal <= {GOAL_FP8_VS_BF16_PACKED}: {'met' if r <= GOAL_FP8_VS_BF16_PACKED else 'NOT met'}" + (
+                    f"; out of reach in this run: the engines themselves take {own:.3f})"
+                    if own > GOAL_FP8_VS_BF16_PACKED else ")") if packed else ""
                 facts.number(f"ratio FP8/BF16 pass {tag} {stat}", round(r, 3), goal)
                 if stat == "median":
                     ratios.append((f"FP8/BF16 {tag} median", r, ratio_noise(times["fp8"], times["bf16"])))

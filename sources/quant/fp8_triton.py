@@ -19,6 +19,8 @@ its torch path.
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 import triton
 import triton.language as tl
@@ -176,18 +178,25 @@ def batchable(x: torch.Tensor) -> bool:
 
 def batched(xs: list[torch.Tensor], bn: int, bk: int, *, transformers: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``[(codes, float32 scales)]`` of ``batchable`` tensors of one dtype on one device, in one launch. The outputs are
-    views of two buffers (one of codes, one of scales) that live as long as any view."""
+    views of two buffers (one of codes, one of scales) that live as long as any view.
+
+    Host work is what bounds a pass of small projections (the kernel reads 256 MiB in ~0.25 ms on an H200, a launch costs 150-350 us of host time), so
+    the per-tensor part is one descriptor row in an ``array`` and two views, nothing else."""
     x0 = xs[0]
     dev, esz = x0.device, x0.element_size()
     base = x0.data_ptr()
-    desc, shapes, qoff, soff = [], [], 0, 0
+    desc = array("q")
+    put = desc.extend
+    shapes = []
+    qoff = soff = 0
     even = True
     for x in xs:
         n, k = x.shape
         nb, kb = -(-n // bn), -(-k // bk)
-        even = even and n % bn == 0 and k % bk == 0
-        desc += ((x.data_ptr() - base) // esz, qoff, soff, n, k)
-        shapes.append((n, k, nb, kb, qoff, soff))
+        if even and (n % bn or k % bk):
+            even = False
+        put(((x.data_ptr() - base) // esz, qoff, soff, n, k))
+        shapes.append(((n, k), (k, 1), qoff, (nb, kb), (kb, 1), soff))
         qoff += -(-(n * k) // 16) * 16  # every code segment starts 16-byte aligned
         soff += nb * kb
     q_all = torch.empty(qoff, dtype=torch.float8_e4m3fn, device=dev)
@@ -195,14 +204,17 @@ def batched(xs: list[torch.Tensor], bn: int, bk: int, *, transformers: bool) -> 
     # Pinned, so the copy is truly asynchronous: from pageable memory the driver stages it and may wait
     # for the stream, which serialized each window's host work behind the previous window's kernel
     # (measured on the H200). The caching host allocator keeps the block until the copy is done.
-    table = torch.tensor(desc, dtype=torch.int64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+    table = torch.frombuffer(desc, dtype=torch.int64)
+    if dev.type == "cuda":
+        table = table.pin_memory()
+    table = table.to(dev, non_blocking=True)
     _batched_kernel[(soff,)](
         x0, q_all, s_all, table, len(xs), BN=bn, BK=bk, PN=triton.next_power_of_2(bn),
         PK=triton.next_power_of_2(bk), MAXM=triton.next_power_of_2(len(xs)), TRANSFORMERS=transformers,
         FMAX=448.0, RCP_FMAX=_RCP_FMAX, EVEN=even, VX=16 // esz, VQ=16, num_warps=_BATCHED_WARPS,
     )
-    return [(q_all.as_strided((n, k), (k, 1), qo), s_all.as_strided((nb, kb), (kb, 1), so))
-            for n, k, nb, kb, qo, so in shapes]
+    qv, sv = q_all.as_strided, s_all.as_strided
+    return [(qv(qs, qst, qo), sv(ss, sst, so)) for qs, qst, qo, ss, sst, so in shapes]
 
 
 def _grid(x3: torch.Tensor, bn: int, bk: int) -> tuple[int, int, int]:

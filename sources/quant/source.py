@@ -12,11 +12,11 @@ Invariants:
 * **One tensor at a time, after its gather** (on CPU; on CUDA a bounded window). Each full (or
   local) tensor the wrapped source yields is quantized on its own device as it arrives and dropped.
   On CUDA, consecutive 2-D weights (and the small tensors between them) up to ``batch_bytes``
-  (default 256 MiB of inputs) are quantized in one Triton launch and then yielded in order: a launch
-  costs about 100-160 us of host time, more than the device needs for 64 MiB, so smaller windows
-  leave the pass host-bound (H200: 64 MiB windows 4.2x a copy, 256 MiB 2.5x before the descriptor
-  copy was made asynchronous). Peak extra memory: ``batch_bytes`` of held inputs plus their codes
-  (half that for BF16) and scales. Never a model-size buffer. A source that overlaps
+  (default 512 MiB of inputs) are quantized in one Triton launch and then yielded in order: a launch
+  costs 150-350 us of host time (the hosts lent with the H200 differ 2x), about what the device needs
+  for 256 MiB, so smaller windows leave quantization host-bound (H200, a Qwen3-1.7B's 196 projections:
+  256 MiB windows 1.79x a D2D copy on one host and 2.79x on a slower one). Peak extra memory:
+  ``batch_bytes`` of held inputs plus their codes (half that for BF16) and scales. Never a model-size buffer. A source that overlaps
   (FSDP's next gather already posted, Megatron's next receives) keeps doing so while a tensor is
   quantized and consumed.
 * **The stream is checked** against this metadata on every rank (names, FP8/float32 dtypes, scale
@@ -52,7 +52,7 @@ __all__ = ["FP8Source", "quantized"]
 logger = get_logger(__name__)
 
 #: On CUDA, quantize runs of consecutive weights up to this many input bytes in one launch.
-DEFAULT_BATCH_BYTES = 256 << 20
+DEFAULT_BATCH_BYTES = 512 << 20
 #: Unquantized tensors at most this large ride along in a batch (norms); larger ones flush it.
 _SMALL_BYTES = 1 << 20
 
@@ -226,26 +226,33 @@ class FP8Source(WeightSource):
     def _stream(self, inner: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """One tensor at a time; on CUDA, runs of consecutive 2-D weights up to ``batch_bytes`` (and the
         small tensors between them) are quantized in one launch (``quantize_many``), then yielded in
-        order -- a bounded window, never more than ``batch_bytes`` of inputs held."""
+        order -- a bounded window, never more than ``batch_bytes`` of inputs held.
+
+        This loop runs once per tensor of the model, and on a GPU the pass is host-bound (the IPC engine
+        and its receiver are too): locals instead of attribute lookups, one plan lookup per tensor."""
+        plans, limit = self._plans, self.batch_bytes
         pending: list[tuple[str, torch.Tensor]] = []
         held = 0
         try:
             for name, tensor in inner:
-                p = self._plans.get(name)
-                nbytes = tensor.numel() * tensor.element_size()
-                if (self.batch_bytes and tensor.is_cuda and (
-                        (p is not None and p.parts == 1 and tensor.dim() == 2)
-                        or (p is None and pending and nbytes <= _SMALL_BYTES))):
-                    pending.append((name, tensor))
-                    held += nbytes
-                    del tensor
-                    if held >= self.batch_bytes:
-                        yield from self._flush(pending)
-                        held = 0
-                    continue
+                p = plans.get(name)
+                if limit and tensor.is_cuda:
+                    nbytes = tensor.numel() * tensor.element_size()
+                    if (p is not None and p.parts == 1 and tensor.dim() == 2) or (
+                            p is None and pending and nbytes <= _SMALL_BYTES):
+                        pending.append((name, tensor))
+                        held += nbytes
+                        del tensor
+                        if held >= limit:
+                            yield from self._flush(pending)
+                            held = 0
+                        continue
                 if pending:
                     yield from self._flush(pending)
                     held = 0
+                if p is None:
+                    yield name, tensor
+                    continue
                 pairs = self._quantize(name, tensor)
                 del tensor  # the generator holds the only reference, and drops it once quantized
                 yield from pairs
@@ -260,21 +267,25 @@ class FP8Source(WeightSource):
     def _flush(self, pending: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Quantize ``pending``'s planned weights in one launch and yield everything in order; empties
         ``pending`` (the inputs are dropped before the first yield)."""
-        cfg = self.config
-        planned = [t for n, t in pending if n in self._plans]
-        done = iter(quantize_many(planned, cfg.block, scale_fmt=cfg.scale_fmt, rule=cfg.rule))
-        del planned
-        out = [(n, next(done) if n in self._plans else t) for n, t in pending]
+        cfg, plans = self.config, self._plans
+        done = iter(quantize_many([t for n, t in pending if n in plans], cfg.block, scale_fmt=cfg.scale_fmt,
+                                  rule=cfg.rule))
+        out: list[tuple[str, torch.Tensor]] = []
+        put = out.append
+        for name, t in pending:
+            p = plans.get(name)
+            if p is None:
+                put((name, t))
+            else:
+                q, s = next(done)
+                put((name, q))
+                put((p.scale_name, s))
+        t = done = None  # the last input: dropped before the first yield, as the others
         pending.clear()
         out.reverse()
+        pop = out.pop
         while out:  # pop as we go: nothing yielded stays referenced here
-            name, item = out.pop()
-            if name in self._plans:
-                yield name, item[0]
-                yield self._plans[name].scale_name, item[1]
-            else:
-                yield name, item
-            del item
+            yield pop()
 
     def __getattr__(self, name: str) -> Any:  # stats and helpers of the wrapped source
         if name in ("source", "config", "check"):
