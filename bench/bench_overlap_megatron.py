@@ -101,6 +101,7 @@ def _worker(rank, world, args):
         "total": total,
         "tensors": len(on.metadata),
         "bandwidth": bandwidth,
+        "ahead_bytes": on.ahead_bytes,
     }
 
 
@@ -137,7 +138,7 @@ def main() -> None:
         print(f"{label:<40} {s[k]:>8.3f}   " + " ".join(f"{v:.3f}" for v in r["all"][k]))
     from bench_overlap import overlap_bound
 
-    from weightsync.sources.megatron.ahead import AHEAD_BYTES
+    from weightsync.sources.megatron.ahead import cores_per_local_rank
 
     b = overlap_bound(r["first"], r["consumer"], s["send_off"])
     send_ratio = s["send_on"] / s["send_off"]
@@ -149,8 +150,9 @@ def main() -> None:
     print(
         f"rank 0 memory (tracked): overlap off peak {st['send_off']['peak_extra_bytes'] / 1e6:.1f} MB; on "
         f"{st['send_on']['peak_extra_bytes'] / 1e6:.1f} MB, of it posted ahead "
-        f"{st['send_on']['ahead_peak_bytes'] / 1e6:.1f} MB received (bound: less than AHEAD_BYTES "
-        f"{AHEAD_BYTES / 1e6:.1f} MB + one unit ahead, sources/megatron/ahead.py)"
+        f"{st['send_on']['ahead_peak_bytes'] / 1e6:.1f} MB received (bound: less than ahead_bytes "
+        f"{r['ahead_bytes'] / 1e6:.1f} MB + one unit ahead, sources/megatron/ahead.py; the default for "
+        f"{os.cpu_count()} cores, {cores_per_local_rank() / world:g} per rank)"
     )
     guard = Guard("bench_overlap_megatron", f"TP{args.tp}" + (f" PP{args.pp}" if args.pp > 1 else "")
                   + f" hidden{args.hidden} layers{args.layers} vocab{args.vocab} send{args.send_ratio:g}", record=args.record)

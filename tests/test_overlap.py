@@ -366,17 +366,11 @@ def world_megatron_overlap(rank: int, world_size: int) -> bytes:
         facts[f"dense_{label}_stats"] = src.last_pass.as_dict()
         facts[f"dense_{label}_again"] = _cpu(src.iter_full())  # a second pass on the same source
     # The byte budget of what rank 0 posts ahead (megatron/ahead.py): 1 byte = one unit ahead.
-    import weightsync.sources.megatron.source as msource
-
-    default_budget, msource.AHEAD_BYTES = msource.AHEAD_BYTES, 1
-    try:
-        src = MegatronSource(model, hf_config=cfg, dtype=torch.bfloat16, overlap=True)
-        facts["dense_one"] = _cpu(src.iter_full())
-        facts["dense_one_stats"] = src.last_pass.as_dict()
-        facts["max_unit_bytes"] = max(src._unit_bytes(u) for u in src.plan)
-    finally:
-        msource.AHEAD_BYTES = default_budget
-    facts["budget"] = default_budget
+    src = MegatronSource(model, hf_config=cfg, dtype=torch.bfloat16, overlap=True, ahead_bytes=1)
+    facts["dense_one"] = _cpu(src.iter_full())
+    facts["dense_one_stats"] = src.last_pass.as_dict()
+    facts["max_unit_bytes"] = max(src._unit_bytes(u) for u in src.plan)
+    facts["budget"] = MegatronSource(model, hf_config=cfg, dtype=torch.bfloat16, overlap=True).ahead_bytes
     hf = _hf_config("qwen3_moe", layers=2, experts=4, hidden=16, moe_ffn=12, shared=None)
     init_parallel(tp=2, ep=2)
     moe = build_gpt(hf, moe_config(hf, tp=2, ep=2))
@@ -390,7 +384,7 @@ def world_megatron_overlap(rank: int, world_size: int) -> bytes:
 def test_megatron_overlap_same_stream_collectives_and_bound():
     """Overlap on: the same tensors, bytes and collectives as off, on every rank; rank 0 receives the
     next units while the consumer holds this one (ahead_peak_bytes > 0), as far as the byte budget
-    ``AHEAD_BYTES`` (plus one unit) goes, one unit at a budget of 1 byte; peers still have one cast
+    ``ahead_bytes`` (plus one unit) goes, one unit at a budget of 1 byte; peers still have one cast
     piece out at a time; a second pass on the same source equals the first (nothing left posted)."""
     res = unpack(run_world(world_megatron_overlap, 4, timeout=500))
     f0 = res[0]
@@ -414,3 +408,20 @@ def test_megatron_overlap_same_stream_collectives_and_bound():
     for r in (1, 2, 3):  # a peer sends one cast piece at a time, overlap or not
         assert res[r]["dense_on_stats"]["peak_extra_bytes"] <= res[r]["max_piece_bytes"], r
         assert res[r]["dense_on_stats"]["ahead_peak_bytes"] == 0, r
+
+
+def test_megatron_lookahead_budget_follows_the_cores(monkeypatch):
+    """``MegatronSource(ahead_bytes=None)`` posts up to 128 MiB ahead where each local rank has 4 cores
+    or more, 64 MiB otherwise (more in flight only helps where gloo and the helper have cores of their
+    own: ``megatron/ahead.py``); a bad budget is refused naming the parameter."""
+    from weightsync.sources import MegatronSource
+    from weightsync.sources.megatron import ahead
+
+    monkeypatch.setattr(ahead.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert ahead.cores_per_local_rank() == 8 and ahead.default_ahead_bytes() == 128 << 20
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert ahead.cores_per_local_rank() == 2 and ahead.default_ahead_bytes() == 64 << 20
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="ahead_bytes="):
+            MegatronSource(None, hf_config=None, ahead_bytes=bad)

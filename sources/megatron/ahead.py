@@ -27,30 +27,66 @@ unpacks the next gathered tensor (``fsdp/prefetch.py``):
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch.distributed as dist
+
 from ..core.p2p import PostedGather
 
-__all__ = ["AHEAD_BYTES", "SplitAhead"]
+__all__ = ["AHEAD_BYTES", "AHEAD_BYTES_MANY_CORES", "SplitAhead", "cores_per_local_rank", "default_ahead_bytes"]
 
-#: How far rank 0 posts receives ahead (``MegatronSource._ahead``): one more unit is posted while
-#: the units posted ahead and not yet yielded hold less than this many bytes of HF tensors.
+#: How far rank 0 posts receives ahead (``MegatronSource(ahead_bytes=)``, ``MegatronSource._ahead``):
+#: one more unit is posted while the units posted ahead and not yet yielded hold less than this
+#: many bytes of HF tensors.
 #: Why bytes and not one unit: a layer's units differ ~6x in size (at hidden 1024, 16 layers:
 #: o_proj 4.2 MB, then fc1 25.2 MB), and with one unit ahead the transfer and concatenation of a
 #: large unit could only overlap the consumer's time on the small unit before it -- the rest was a
 #: pause (bench_overlap_megatron: x0.84-0.88 against a bound of x0.58). Why "less than" (one unit
 #: may overshoot): a unit larger than the budget (lm_head, 65.5 MB there) must still be posted
 #: while the layer before it is consumed, not only once nothing else is ahead -- or its transfer
-#: and concatenation are a pause of their own at the end of the pass. 64 MiB (FSDPSource's gather
-#: group bound, ``DEFAULT_GROUP_BYTES``) is more than a layer at that shape, so a layer's
-#: transfers run about a layer ahead of the consumer. Memory: rank 0 holds the unit being yielded
-#: plus less than ``AHEAD_BYTES`` + one unit posted ahead (each as received pieces or as
+#: and concatenation are a pause of their own at the end of the pass. Memory: rank 0 holds the unit
+#: being yielded plus less than the budget + one unit posted ahead (each as received pieces or as
 #: concatenated outputs), plus the one concatenation the helper is running (its input and output
 #: coexist).
+#:
+#: Why the default depends on the cores (``default_ahead_bytes``): what is posted ahead moves and is
+#: concatenated by gloo's threads and the helper while the consumer runs, so it only helps where
+#: those threads have cores of their own. bench_overlap_megatron at the default shape, TP2 on 2
+#: ranks, interleaved A/B runs (session 9): on 16 cores 64 MiB (about one layer there) gave x0.59 /
+#: x0.61 against bounds of x0.52 / x0.54, 128 MiB x0.57 / x0.58 against x0.53 / x0.54 (27 MB more
+#: peak on rank 0); on 2 cores 64 MiB gave x0.67-0.70 and 128 MiB x0.79-0.92 (more copies in flight
+#: on the cores the consumer and gloo need).
 AHEAD_BYTES = 64 << 20
+#: The budget where each local rank has at least ``_MANY_CORES`` cores (``default_ahead_bytes``).
+AHEAD_BYTES_MANY_CORES = 128 << 20
+_MANY_CORES = 4
+
+
+def cores_per_local_rank() -> float:
+    """The CPUs this process may run on, shared by the ranks of this host: ``LOCAL_WORLD_SIZE``
+    (torchrun sets it), else the world size (one host), else 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local and local.isdigit() and int(local) > 0:
+        ranks = int(local)
+    elif dist.is_available() and dist.is_initialized():
+        ranks = dist.get_world_size()
+    else:
+        ranks = 1
+    return cores / ranks
+
+
+def default_ahead_bytes() -> int:
+    """``AHEAD_BYTES_MANY_CORES`` where each local rank has ``_MANY_CORES`` cores or more, else
+    ``AHEAD_BYTES`` (see above why the cores decide)."""
+    return AHEAD_BYTES_MANY_CORES if cores_per_local_rank() >= _MANY_CORES else AHEAD_BYTES
 
 
 class SplitAhead:

@@ -66,7 +66,7 @@ from ..families.base import DENSE_MLP, Entry
 from ..core.layout import VOCAB, vocab_is_chunked, vocab_rows
 from ..core.logs import get_logger
 from .whole_units import LocalStep, local_step, mark_precast, nbytes, precast
-from .ahead import AHEAD_BYTES, SplitAhead
+from .ahead import SplitAhead, default_ahead_bytes
 from .moe import MegatronMoEExporter, expert_format, megatron_moe_suffixes
 from .mla import mla_geometry, resolve_kinds
 from .plan import Geometry, Unit, build_plan, mlp_kind
@@ -169,6 +169,9 @@ class MegatronSource(WeightSource):
         timeout_s: bound on the first pass's cross-rank metadata agreement.
         overlap: post the next unit's transfer before yielding this one's tensors (``mode="full"``;
             module docstring). None: on unless the environment sets ``WEIGHTSYNC_OVERLAP=0``.
+        ahead_bytes: with overlap, rank 0 keeps posting receives while what it posted ahead holds less
+            than this many bytes of HF tensors (``megatron/ahead.py``). None: 128 MiB where each local
+            rank has 4 or more cores, else 64 MiB (``default_ahead_bytes``).
 
     Raises at construction (on every rank, before any byte moves): ``UnmappedParameterError`` for an
     unknown architecture, an MLA variant DeepseekV3 cannot express (``megatron.mla``), a Megatron
@@ -190,13 +193,19 @@ class MegatronSource(WeightSource):
         expert_layout: ExpertLayout | None = None,
         expert_batch_bytes: int = DEFAULT_EXPERT_BATCH_BYTES,
         overlap: bool | None = None,
+        ahead_bytes: int | None = None,
     ) -> None:
         if mode not in ("full", "local"):
             raise ValueError(f"MegatronSource mode must be 'full' or 'local', got {mode!r}")
         if overlap is not None and not isinstance(overlap, bool):
             raise TypeError(f"overlap= must be a bool or None, got {overlap!r}")
+        if ahead_bytes is not None and (isinstance(ahead_bytes, bool) or not isinstance(ahead_bytes, int)
+                                        or ahead_bytes <= 0):
+            raise ValueError(f"ahead_bytes= must be a positive int or None, got {ahead_bytes!r}")
         #: post the next unit's transfer before yielding this one's tensors (module docstring)
         self.overlap: bool = overlap_default() if overlap is None else overlap
+        #: the lookahead's byte budget on rank 0 (``megatron/ahead.py``)
+        self.ahead_bytes: int = default_ahead_bytes() if ahead_bytes is None else ahead_bytes
         self.mode: Mode = mode
         self.check = check
         self.timeout_s = timeout_s
@@ -565,8 +574,8 @@ class MegatronSource(WeightSource):
     def _ahead(self, k: int, posted: dict[int, PostedGather], stats: PassStats) -> None:
         """Overlap, on rank 0 (the receiver) only: post the receives of the next steps that move
         anything -- steps rank 0 holds whole (norms at TP > 1) move nothing and are looked past --
-        while the units already posted ahead hold less than ``AHEAD_BYTES`` of HF tensor bytes (so
-        less than ``AHEAD_BYTES`` + one unit ahead; a unit larger than the budget still goes ahead
+        while the units already posted ahead hold less than ``ahead_bytes`` of HF tensor bytes (so
+        less than ``ahead_bytes`` + one unit ahead; a unit larger than the budget still goes ahead
         once what is before it is under the budget), never past a MoE layer's export (its
         transfers keep their place). Peers post each send at its own step, as without overlap: rank 0's receives being
         posted is what lets the next sends run while rank 0's consumer handles this unit, and a peer
@@ -580,7 +589,7 @@ class MegatronSource(WeightSource):
         while j < len(self._steps):
             unit, local, moe_layer = self._steps[j]
             if local is None and j not in posted:
-                if held >= AHEAD_BYTES:
+                if held >= self.ahead_bytes:
                     return
                 posted[j] = self._post(unit, stats)
                 held += self._unit_bytes(unit)
