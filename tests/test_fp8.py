@@ -624,3 +624,32 @@ def test_gpt_oss_experts_go_out_as_they_are():
         assert not any("experts" in n or "router" in n or "sinks" in n for n in fp8), sorted(fp8)
     kept = FP8Source(ModuleSource(model), FP8Config(block=(8, 8))).quantization_config["modules_to_not_convert"]
     assert "model.layers.0.mlp.experts" in kept
+
+
+def test_launch_windows_yield_the_tensor_by_tensor_stream():
+    """What ``FP8Source`` does on CUDA -- consecutive 2-D weights (and the small tensors between them)
+    held in windows of ``batch_bytes`` and quantized together -- run on CPU (``_windowed`` forced on;
+    ``quantize_many`` then goes tensor by tensor): at every window size the stream has the names,
+    order, dtypes and bytes of the tensor-by-tensor stream (each scale right after its weight, the 3-D
+    fused experts and the unquantized tensors in place), and each quantized weight is vLLM's quantizer
+    applied to the model's tensor. The kernel itself is checked on the GPU (bench_gpu_fp8)."""
+    from vllm.distributed.weight_transfer import ModuleSource
+
+    from weightsync.sources import FP8Source
+
+    class Windowed(FP8Source):
+        @staticmethod
+        def _windowed(tensor: torch.Tensor) -> bool:
+            return True
+
+    model = _tiny_moe()
+    plain = dict(ModuleSource(model).iter_full())
+    one_by_one = list(FP8Source(ModuleSource(model), batch_bytes=0).iter_full())
+    plans = FP8Source(ModuleSource(model))._plans
+    assert any(p.parts > 1 for p in plans.values()) and any(len(plain[n].shape) == 3 for n in plans)
+    for limit in (1, 64 << 10, 300 << 10, 1 << 30):  # every weight alone ... the whole model in one window
+        src = Windowed(ModuleSource(model), batch_bytes=limit)
+        got = list(src.iter_full())
+        assert [(n, t.dtype, tuple(t.shape)) for n, t in got] == \
+            [(n, t.dtype, tuple(t.shape)) for n, t in one_by_one], limit
+        assert all(_same(a, b) for (_, a), (_, b) in zip(got, one_by_one)), limit

@@ -236,7 +236,7 @@ class FP8Source(WeightSource):
         try:
             for name, tensor in inner:
                 p = plans.get(name)
-                if limit and tensor.is_cuda:
+                if limit and self._windowed(tensor):
                     nbytes = tensor.numel() * tensor.element_size()
                     if (p is not None and p.parts == 1 and tensor.dim() == 2) or (
                             p is None and pending and nbytes <= _SMALL_BYTES):
@@ -263,6 +263,12 @@ class FP8Source(WeightSource):
             close = getattr(inner, "close", None)
             if callable(close):
                 close()
+
+    @staticmethod
+    def _windowed(tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` may wait in a launch window: on CUDA, where one launch quantizes the whole
+        window (elsewhere ``quantize_many`` goes tensor by tensor, so waiting would only hold memory)."""
+        return tensor.is_cuda
 
     def _flush(self, pending: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Quantize ``pending``'s planned weights in one launch and yield everything in order; empties
