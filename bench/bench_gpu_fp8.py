@@ -11,10 +11,11 @@ CUDA IPC engines on a Qwen3-1.7B-shaped model, against the BF16 pass of the same
    FP8 checkpoint's tensors (``FP8CheckpointModel``): every received tensor's bytes equal vLLM's
    quantizer applied to the trainer's weights, every receiver parameter written.
 4. Time of one ``send_weights()``: FP8 pass / BF16 pass, packed and unpacked, interleaved rep by rep,
-   with vLLM's ``ModuleSource`` over ready-made BF16 and FP8 modules (the engines' own cost, no weightsync code)
-   and ``FP8Source`` over that ``ModuleSource`` (the quantization's own cost, no FSDP). Goals, packed:
-   FP8 pass <= 1.35x the BF16 pass (the issue's; out of reach wherever the engines alone exceed it), and
-   FP8Source's pass <= 1.09x the engines' own FP8 pass (the share of 1.35x the issue left to the source). Wire bytes: exactly an FP8 checkpoint's (embeddings stay BF16).
+   with vLLM's ``ModuleSource`` over ready-made BF16 and FP8 modules (the engines' own cost, no
+   weightsync code) and ``FP8Source`` over that ``ModuleSource`` (the quantization's own cost, no FSDP).
+   Goals, packed: FP8 pass <= 1.35x the BF16 pass (the issue's; out of reach wherever the engines alone
+   exceed it), and FP8Source's pass <= 1.09x the engines' own FP8 pass (the share of 1.35x the issue
+   left to the source). Wire bytes: exactly an FP8 checkpoint's (embeddings stay BF16).
 
 Every ratio is compared with the last recorded run (``bench/_history.py``: REGRESSION when worse by
 more than the run's noise, 5% at least); ``--record`` (or ``OUT`` set, as under ``.ci/gpu``) records it.

@@ -53,6 +53,7 @@ def _worker(rank, world, args):
     from bench_overlap import _drain, _first_and_consumer, _send  # the same consumers as FSDPSource's bench
 
     from weightsync.sources import MegatronSource
+    from weightsync.sources.megatron.ahead import cores_per_local_rank
 
     cfg = mw.hf_config(
         "llama", layers=args.layers, vocab=args.vocab, hidden_size=args.hidden,
@@ -102,6 +103,7 @@ def _worker(rank, world, args):
         "tensors": len(on.metadata),
         "bandwidth": bandwidth,
         "ahead_bytes": on.ahead_bytes,
+        "cores_per_rank": cores_per_local_rank(),
     }
 
 
@@ -138,8 +140,6 @@ def main() -> None:
         print(f"{label:<40} {s[k]:>8.3f}   " + " ".join(f"{v:.3f}" for v in r["all"][k]))
     from bench_overlap import overlap_bound
 
-    from weightsync.sources.megatron.ahead import cores_per_local_rank
-
     b = overlap_bound(r["first"], r["consumer"], s["send_off"])
     send_ratio = s["send_on"] / s["send_off"]
     print(f"ratio send overlap on / off: x{send_ratio:.2f} (goal <= 0.75 and within 0.05 of the bound; back to "
@@ -152,7 +152,7 @@ def main() -> None:
         f"{st['send_on']['peak_extra_bytes'] / 1e6:.1f} MB, of it posted ahead "
         f"{st['send_on']['ahead_peak_bytes'] / 1e6:.1f} MB received (bound: less than ahead_bytes "
         f"{r['ahead_bytes'] / 1e6:.1f} MB + one unit ahead, sources/megatron/ahead.py; the default for "
-        f"{os.cpu_count()} cores, {cores_per_local_rank() / world:g} per rank)"
+        f"{r['cores_per_rank']:g} cores per rank)"
     )
     guard = Guard("bench_overlap_megatron", f"TP{args.tp}" + (f" PP{args.pp}" if args.pp > 1 else "")
                   + f" hidden{args.hidden} layers{args.layers} vocab{args.vocab} send{args.send_ratio:g}", record=args.record)

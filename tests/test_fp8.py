@@ -631,8 +631,8 @@ def test_launch_windows_yield_the_tensor_by_tensor_stream():
     held in windows of ``batch_bytes`` and quantized together -- run on CPU (``_windowed`` forced on;
     ``quantize_many`` then goes tensor by tensor): at every window size the stream has the names,
     order, dtypes and bytes of the tensor-by-tensor stream (each scale right after its weight, the 3-D
-    fused experts and the unquantized tensors in place), and each quantized weight is vLLM's quantizer
-    applied to the model's tensor. The kernel itself is checked on the GPU (bench_gpu_fp8)."""
+    fused experts and the unquantized tensors in place) -- the stream the tests above prove equal to
+    vLLM's quantizer. The kernel itself is checked on the GPU (bench_gpu_fp8)."""
     from vllm.distributed.weight_transfer import ModuleSource
 
     from weightsync.sources import FP8Source

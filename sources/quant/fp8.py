@@ -139,13 +139,9 @@ def quantize_many(
     kernels = _triton_kernels() if xs and xs[0].is_cuda else None
     if kernels is None or scale_fmt is not None or rule not in RULES:
         return [quantize_blocks(x, block, scale_fmt=scale_fmt, rule=rule) for x in xs]
-    batchable = kernels.batchable
-    x0 = xs[0]
-    if len(xs) > 1 and all(batchable(x) and x.dtype == x0.dtype and x.device == x0.device for x in xs):
-        return kernels.batched(xs, int(block[0]), int(block[1]), transformers=rule == "transformers")  # the usual case
     groups: dict[tuple, list[int]] = {}
     for i, x in enumerate(xs):
-        if batchable(x):
+        if kernels.batchable(x):
             groups.setdefault((x.dtype, x.device), []).append(i)
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(xs)
     for idx in groups.values():

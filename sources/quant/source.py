@@ -16,9 +16,9 @@ Invariants:
   costs 150-350 us of host time (the hosts lent with the H200 differ 2x), about what the device needs
   for 256 MiB, so smaller windows leave quantization host-bound (H200, a Qwen3-1.7B's 196 projections:
   256 MiB windows 1.79x a D2D copy on one host and 2.79x on a slower one). Peak extra memory:
-  ``batch_bytes`` of held inputs plus their codes (half that for BF16) and scales. Never a model-size buffer. A source that overlaps
-  (FSDP's next gather already posted, Megatron's next receives) keeps doing so while a tensor is
-  quantized and consumed.
+  ``batch_bytes`` of held inputs plus their codes (half that for BF16) and scales. Never a
+  model-size buffer. A source that overlaps (FSDP's next gather already posted, Megatron's next
+  receives) keeps doing so while a tensor is quantized and consumed.
 * **The stream is checked** against this metadata on every rank (names, FP8/float32 dtypes, scale
   shapes), as weightsync's own sources check theirs; vLLM's IPC engine checks nothing itself.
 * ``iter_local`` (``nccl_m2n`` / ``sharded_rdt``) quantizes each rank's piece, which is exact only
@@ -229,7 +229,7 @@ class FP8Source(WeightSource):
         order -- a bounded window, never more than ``batch_bytes`` of inputs held.
 
         This loop runs once per tensor of the model, and on a GPU the pass is host-bound (the IPC engine
-        and its receiver are too): locals instead of attribute lookups, one plan lookup per tensor."""
+        and its receiver are too): one plan lookup per tensor."""
         plans, limit = self._plans, self.batch_bytes
         pending: list[tuple[str, torch.Tensor]] = []
         held = 0
@@ -250,9 +250,6 @@ class FP8Source(WeightSource):
                 if pending:
                     yield from self._flush(pending)
                     held = 0
-                if p is None:
-                    yield name, tensor
-                    continue
                 pairs = self._quantize(name, tensor)
                 del tensor  # the generator holds the only reference, and drops it once quantized
                 yield from pairs
