@@ -7,6 +7,7 @@ lockstep on every rank, and checks its own stream against its metadata on every 
 * ``MegatronSource``  -- megatron-core ``GPTModel`` under TP / PP / VPP / EP / ETP.
 * ``SafetensorsSource`` -- a safetensors checkpoint folder (single file or indexed shards).
 * ``FP8Source``       -- wrap any source: block-FP8 weights + ``weight_scale_inv`` (FP8 rollouts).
+* ``DeltaSource``     -- wrap any source: rounds of only the elements that changed (vLLM ``sparse_nccl``).
 * ``checked``         -- wrap any ``WeightSource`` with the per-rank stream check.
 
 Heavy imports (vLLM, megatron-core) happen only when a name that needs them is first used.
@@ -51,6 +52,11 @@ _LAZY = {
     "FP8Source": ".quant.source",
     "quantized": ".quant.source",
     "FP8Config": ".quant.config",
+    # delta sync: rounds of changed elements in checkpoint coordinates (sources/delta/)
+    "DeltaSource": ".delta.source",
+    "Delta": ".delta.source",
+    "DeltaStats": ".delta.source",
+    "DeltaError": ".delta.source",
     "quantize_blocks": ".quant.fp8",
     "dequantize_blocks": ".quant.fp8",
     # what weightsync.plugins builds on (the only sources names plugins import; see pyproject's
@@ -83,6 +89,10 @@ __all__ = [
     "FP8Source",
     "quantized",
     "FP8Config",
+    "DeltaSource",
+    "Delta",
+    "DeltaStats",
+    "DeltaError",
     "quantize_blocks",
     "dequantize_blocks",
     "CheckedSource",

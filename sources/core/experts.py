@@ -567,7 +567,7 @@ class ExpertTransform:
         (global DTensor shapes, no gather) or wrapped (``torch.compile`` / activation checkpointing:
         wrapper segments are removed the way ``FSDPSource`` names tensors). Pass it to
         ``FSDPSource(module, transforms=[...])``."""
-        from .naming import _wrapper_paths, checkpoint_name, hf_root
+        from .naming import _wrapper_paths, checkpoint_name, conversion_view
 
         wrappers = _wrapper_paths(module)
         fused = {}
@@ -575,7 +575,9 @@ class ExpertTransform:
             name = checkpoint_name(path, wrappers)
             if is_fused_expert_param(name, p.shape):
                 fused[name] = tuple(p.shape)
-        return cls(hf_root(module), fused, expert_layout=expert_layout)
+        # transformers' reversal as save_pretrained of the unwrapped model runs it: a sharded
+        # model's FSDP<cls> classes would otherwise be skipped as custom code (Qwen3-Omni's thinker).
+        return cls(conversion_view(module), fused, expert_layout=expert_layout)
 
     def handles(self, name: str) -> bool:
         module, _, leaf = name.rpartition(".")
@@ -601,3 +603,16 @@ class ExpertTransform:
             yield spec.fused_name(part), full.contiguous()
             return
         yield from split_fused(spec, part, full)
+
+    def pieces(self, name: str, local: torch.Tensor, start: int) -> Iterator[tuple[str, tuple[int, ...], torch.Tensor]]:
+        """``(checkpoint name, offsets, tensor)`` boxes of experts ``start .. start + len(local) - 1``
+        (``local``: a dim-0 slice of the fused tensor, e.g. an FSDP shard): the slice itself at
+        ``(start, 0, ...)`` of the fused tensor, or each expert's whole per-expert tensors -- the
+        same bytes ``apply`` yields for those experts (``core/pieces.py``: what delta sync diffs
+        where the shard lives)."""
+        spec, part = self._spec_part(name)
+        if self.layout_of(spec) == "fused":
+            yield spec.fused_name(part), (start,) + (0,) * (local.dim() - 1), local
+            return
+        for out, t in split_fused(spec, part, local, experts=range(start, start + local.shape[0])):
+            yield out, (0,) * t.dim(), t

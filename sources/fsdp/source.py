@@ -79,6 +79,8 @@ from .gather import (
     side_stream,
 )
 from .prefetch import GatherPipeline
+from .pieces import fsdp_pieces
+from ..core.pieces import Piece
 from .plan import dtensor_layout, fsdp_units, is_dtensor, is_member, plan_steps
 from ..core.logs import current_rank, get_logger
 from .lora import LoraMerge, LoraPlan, UnsupportedAdapterError, merge_lora
@@ -562,6 +564,14 @@ class FSDPSource(WeightSource):
             yield name, tensor
         stats.stop()
 
+    def iter_pieces(self) -> Iterator[Piece]:
+        """This rank's shard of every checkpoint tensor as boxes in checkpoint coordinates, cast to
+        the wire dtype, gathering only what cannot be cut into boxes (``fsdp/pieces.py``; the
+        protocol: ``core/pieces.py``). What ``DeltaSource`` diffs where the shard lives."""
+        stats = self._start_pass()
+        yield from fsdp_pieces(self, stats, self.rank)
+        stats.stop()
+
     @cached_property
     def _receiver_writes(self) -> frozenset[str]:
         """Names yielded as copies because a vLLM loader writes into them (``core/receiver_writes``)."""
@@ -590,7 +600,7 @@ def _expert_transform(
     """
     from ..core.errors import UnmappedParameterError
     from ..core.experts import ExpertTransform, check_expert_layout, is_fused_expert_param
-    from ..core.naming import _wrapper_paths, checkpoint_name
+    from ..core.naming import _wrapper_paths, checkpoint_name, defined_by_transformers
 
     check_expert_layout(expert_layout)
     if expert_layout is None:
@@ -610,7 +620,15 @@ def _expert_transform(
                 len(fused), fused[0], transform.layout,
             )
         return transform
-    except UnmappedParameterError as e:
+    except (UnmappedParameterError, ValueError) as e:
+        if expert_layout is None and defined_by_transformers(module, fused):
+            # transformers' own experts in a layout ExpertTransform does not stream (Llama 4's
+            # [E, H, 2I], Step3.7's stacked projections): the generic conversion path sends exactly
+            # what save_pretrained writes (core/conversions.py).
+            logger.info("fused experts (e.g. %s) go out as save_pretrained writes them: %s", fused[0], e)
+            return None
+        if not isinstance(e, UnmappedParameterError):
+            raise
         r = current_rank() if rank is None else rank
         raise UnmappedParameterError(
             f"rank {r}: FSDPSource(expert_layout={expert_layout!r}): cannot map the fused expert "

@@ -1,0 +1,558 @@
+"""``DeltaSource``: any source's stream as the elements that changed since the receiver's last round.
+
+Between two RL syncs most bf16 weights are bit-identical (an update below half a bf16 step rounds
+away). ``DeltaSource(source)`` turns each sync into a round of patches in checkpoint coordinates --
+vLLM 0.33's ``sparse_nccl`` ``SparseWeightPatch(name, indices, values, full_shape)`` -- holding exactly
+the elements whose wire bytes changed since the last delivered round.
+
+Invariants:
+
+* **Exact, always.** Elements are compared bitwise in the wire dtype (``delta/diff.py``). A round's
+  patches hold exactly the changed elements (no whole tensor because one element moved, nothing
+  missed); a round where nothing changed yields nothing. The first round, any round after
+  ``reset()``, every round after one that did not complete (an exception on any rank, a consumer
+  failure, a generator closed early) and every ``anchor_every``-th round are **anchors**: every
+  element of every tensor, which brings a receiver in any state to the exact current weights.
+  Whether a round is an anchor is agreed by every rank before it starts.
+* **Diff where the shard lives.** A source with ``iter_pieces()`` (``FSDPSource``,
+  ``MegatronSource``; protocol in ``core/pieces.py``) is diffed on the rank that owns each shard,
+  against that rank's snapshot of it; per group of tensors (``group_bytes`` of full tensors) the
+  ranks exchange counts, then send rank 0 only their changed elements (``delta/exchange.py``), so
+  the trainer's own links carry O(changed elements). Any other source (vLLM's ``ModuleSource``,
+  ``SafetensorsSource``, ``FP8Source(...)``) is diffed on rank 0 after its own ``iter_full`` pass.
+* **Bounded memory**: the snapshot is one copy of this rank's pieces in the wire dtype (2 bytes per
+  element of its shard for bf16), on the pieces' device (``snapshot="device"``) or in host memory
+  (``"cpu"``); it changes only with what a round delivers. A round holds one group at a time.
+* **Refused before bytes move, on every rank**: a tensor of 2^31 or more elements (vLLM's indices
+  are int32), at construction; a NaN among a group's new values (vLLM's apply reads NaN as
+  "unchanged" and would keep the old value), a piece outside its tensor or in the wrong dtype, or
+  pieces that do not tile a tensor exactly once, at that group's exchange.
+* A round **completes** when its iterator is exhausted on this rank. A consumer that fails after
+  that (vLLM's ``finish_weight_update`` raised) must call ``reset()`` on every rank; ``WeightSync``
+  does. Nothing a user passed is mutated.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+from ..core.check import DEFAULT_TIMEOUT_S
+from ..core.errors import WeightSyncError
+from ..core.logs import current_rank, get_logger
+from ..core.pieces import Piece, whole_piece
+from ..core.waits import bounded_group, group_ranks, wait_bounded
+from .diff import Changed, Snapshots, has_nan
+from .exchange import BAD, BOXES, CHANGED, COLS, HELD, NAN, exchange_counts, pack, segment_sizes, unpack
+
+__all__ = ["DeltaSource", "Delta", "DeltaStats", "DeltaError", "INDEX_LIMIT"]
+
+logger = get_logger(__name__)
+
+#: vLLM's sparse indices are int32: a tensor must have fewer elements than this.
+INDEX_LIMIT = 1 << 31
+DEFAULT_GROUP_BYTES = 64 << 20
+
+
+class DeltaError(WeightSyncError):
+    """A delta round cannot be exact (NaN among new values, pieces that do not tile a tensor, ...)."""
+
+
+class Delta(NamedTuple):
+    """One tensor's change: ``indices`` (int32, 1-D, unique flat indices into the full tensor) and
+    ``values`` (1-D, wire dtype), or ``indices=None`` and ``values`` = the whole tensor, flattened."""
+
+    name: str
+    indices: torch.Tensor | None
+    values: torch.Tensor
+    full_shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire: values, plus int32 indices when sparse."""
+        n = self.values.numel()
+        return n * self.values.element_size() + (0 if self.indices is None else 4 * n)
+
+
+@dataclass
+class DeltaStats:
+    """One round on this rank (``changed`` / ``elements`` / ``tensors`` / ``wire_bytes`` are the
+    round's totals; rank 0's are what it yielded, other ranks learn them from the counts)."""
+
+    round: int = 0
+    anchor: bool = False
+    changed: int = 0
+    elements: int = 0
+    tensors: int = 0
+    wire_bytes: int = 0
+    dense_bytes: int = 0
+    collective_bytes: int = 0
+    snapshot_bytes: int = 0
+    seconds: float = 0.0
+    completed: bool = False
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed / self.elements if self.elements else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "changed_fraction": self.changed_fraction}
+
+
+def _multi() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _comm_device() -> torch.device:
+    """Where payloads travel: the default group's device (CPU for gloo)."""
+    if _multi() and "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class DeltaSource:
+    """Rounds of changed elements of ``source``'s tensors (module docstring).
+
+    Args:
+        source: any vLLM ``WeightSource``; one with ``iter_pieces()`` is diffed where its shards live.
+        anchor_every: also make every ``anchor_every``-th round an anchor (None: only when needed).
+        snapshot: ``"device"`` (next to the pieces) or ``"cpu"`` (host memory; pinned for GPU pieces).
+        group_bytes: tensors exchanged together, in bytes of full wire tensors (one counts exchange
+            and at most one buffer per rank per group).
+        timeout_s: bound on each exchange (gloo).
+    """
+
+    def __init__(self, source: WeightSource, *, anchor_every: int | None = None, snapshot: str = "device",
+                 group_bytes: int = DEFAULT_GROUP_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if isinstance(source, DeltaSource):
+            raise TypeError("DeltaSource: the source is already a DeltaSource")
+        if not isinstance(source, WeightSource):
+            raise TypeError(f"DeltaSource: source must be a vLLM WeightSource, got {type(source).__name__}")
+        if anchor_every is not None and (isinstance(anchor_every, bool) or not isinstance(anchor_every, int)
+                                         or anchor_every < 1):
+            raise ValueError(f"DeltaSource(anchor_every={anchor_every!r}): a positive int or None")
+        if isinstance(group_bytes, bool) or not isinstance(group_bytes, int) or group_bytes <= 0:
+            raise ValueError(f"DeltaSource(group_bytes={group_bytes!r}): a positive int")
+        self.source = source
+        self.anchor_every = anchor_every
+        self.group_bytes = group_bytes
+        self.timeout_s = timeout_s
+        self._snap = Snapshots(snapshot)
+        self._dirty = True  # no round delivered yet: the first is an anchor
+        self._since_anchor = 0
+        self.rounds = 0
+        self.last_round = DeltaStats()
+        self.metadata  # noqa: B018 -- refuses oversize tensors at construction, on every rank
+
+    # ---- metadata ---------------------------------------------------------------------------------
+
+    @cached_property
+    def metadata(self) -> list[ParamMeta]:
+        """Every tensor the receiver holds: the wrapped source's names, wire dtypes and full shapes."""
+        metas = [ParamMeta(m.name, m.dtype, tuple(m.shape)) for m in self.source.metadata]
+        big = [(m.name, math.prod(m.shape)) for m in metas if math.prod(m.shape) >= INDEX_LIMIT]
+        if big:
+            raise DeltaError(
+                f"rank {current_rank()}: DeltaSource: {big[0][0]!r} has {big[0][1]} elements; vLLM's sparse "
+                f"patches index with int32 (< 2^31 elements per tensor): {len(big)} tensor(s) too large"
+            )
+        return metas
+
+    @cached_property
+    def _names(self) -> list[str]:
+        return [m.name for m in self.metadata]
+
+    @cached_property
+    def _index(self) -> dict[str, int]:
+        return {m.name: i for i, m in enumerate(self.metadata)}
+
+    @cached_property
+    def _groups(self) -> list[tuple[int, int]]:
+        """``[lo, hi)`` metadata ranges of about ``group_bytes`` of full wire tensors each."""
+        out, lo, held = [], 0, 0
+        for i, m in enumerate(self.metadata):
+            n = math.prod(m.shape) * m.dtype.itemsize
+            if i > lo and held + n > self.group_bytes:
+                out.append((lo, i))
+                lo, held = i, 0
+            held += n
+        if lo < len(self.metadata):
+            out.append((lo, len(self.metadata)))
+        return out
+
+    @property
+    def pieces_native(self) -> bool:
+        """Whether the source is diffed where its shards live (it has ``iter_pieces``)."""
+        # the class's own method: a wrapper that forwards attributes (FP8Source) must not lend its
+        # source's pieces, which are not what the wrapper sends
+        return callable(getattr(type(self.source), "iter_pieces", None))
+
+    @property
+    def anchor_next(self) -> bool:
+        """Whether this rank would start the next round as an anchor (all ranks agree at its start)."""
+        return self._dirty or (self.anchor_every is not None and self._since_anchor >= self.anchor_every - 1
+                               and self.rounds > 0)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self._snap.nbytes
+
+    def reset(self) -> None:
+        """Forget what the receiver holds: the next round is an anchor. Call on every rank."""
+        self._dirty = True
+
+    # ---- rounds -----------------------------------------------------------------------------------
+
+    def iter_patches(self) -> Iterator[Any]:
+        """One round as vLLM's ``SparseWeightPatch`` es (int32 indices always explicit). Every rank,
+        collectively; yields on rank 0 only."""
+        from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseWeightPatch
+
+        bad = [m.name for m in self.metadata if not m.dtype.is_floating_point]
+        if bad:
+            raise DeltaError(
+                f"rank {current_rank()}: DeltaSource.iter_patches: {bad[0]!r} is not floating point; vLLM's "
+                "sparse apply needs floating tensors (NaN marks unchanged elements)"
+            )
+        for d in self.iter_deltas():
+            yield SparseWeightPatch(d.name, d.indices, d.values, d.full_shape)
+
+    def iter_deltas(self, *, whole_when_cheaper: bool = False) -> Iterator[Delta]:
+        """One round: every rank, collectively; yields on rank 0 only, in metadata order, one
+        ``Delta`` per changed tensor. ``whole_when_cheaper``: a tensor goes whole (``indices=None``)
+        where that costs fewer bytes than indices and values, and anchors go whole (for transports
+        that take whole tensors: patch files, the loopback); otherwise indices are always explicit."""
+        anchor = self._start_round()
+        stats = self.last_round = DeltaStats(round=self.rounds + 1, anchor=anchor)
+        stats.dense_bytes = sum(math.prod(m.shape) * m.dtype.itemsize for m in self.metadata)
+        stats.elements = sum(math.prod(m.shape) for m in self.metadata)
+        t0 = time.perf_counter()
+        self._dirty = True  # until this round completes
+        rounds = self._pieces_round if self.pieces_native else self._full_round
+        try:
+            yield from rounds(anchor, whole_when_cheaper, stats)
+            stats.completed = True
+        finally:
+            stats.seconds = time.perf_counter() - t0
+            stats.snapshot_bytes = self._snap.nbytes
+        self._dirty = False
+        self.rounds += 1
+        self._since_anchor = 0 if anchor else self._since_anchor + 1
+        logger.debug("delta round: %s", stats.as_dict())
+
+    def _start_round(self) -> bool:
+        """Agree on every rank whether this round is an anchor (any rank needing one decides)."""
+        mine = self.anchor_next
+        if not _multi():
+            return mine
+        ranks = group_ranks()
+        group = bounded_group(ranks, timeout_s=self.timeout_s, purpose="pass")
+        flag = torch.tensor([int(mine)], dtype=torch.int64)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        wait_bounded(work, ranks=ranks, what="the delta round's anchor agreement", timeout_s=self.timeout_s)
+        if flag.item() and not mine:
+            logger.info("delta round is an anchor: another rank needs one")
+        return bool(flag.item())
+
+    # ---- a source diffed on rank 0 after its own pass --------------------------------------------------
+
+    def _full_round(self, anchor: bool, whole_ok: bool, stats: DeltaStats) -> Iterator[Delta]:
+        """``iter_full`` on every rank (its collectives), diffed on rank 0. Other ranks drain it. A NaN
+        is raised on every rank after the pass (peers are inside the source's collectives until then)."""
+        rank = current_rank()
+        failure: str | None = None
+        metas = self.metadata
+        draining = False
+        for name, tensor in self.source.iter_full():
+            if rank != 0 or failure is not None or draining:
+                continue
+            i = self._index.get(name)
+            if i is None or tensor.dtype != metas[i].dtype or tuple(tensor.shape) != tuple(metas[i].shape):
+                failure = (f"{name!r}: the source yielded {tuple(tensor.shape)} {tensor.dtype}, metadata "
+                           f"declares " + ("nothing" if i is None else f"{tuple(metas[i].shape)} {metas[i].dtype}"))
+                continue
+            ch = self._snap.diff(whole_piece(name, tensor), everything=anchor)
+            if has_nan(ch.values):
+                failure = f"{name!r} has NaN among its new values"
+                continue
+            d = self._emit(name, ch, anchor, whole_ok, metas[i])
+            self._snap.commit(ch)
+            if d is not None:
+                stats.changed += ch.count
+                stats.tensors += 1
+                stats.wire_bytes += d.nbytes
+                try:
+                    yield d
+                except GeneratorExit:  # finish the source's pass so peers complete its collectives
+                    draining = True
+        if _multi():
+            ranks = group_ranks()
+            got = [None] * len(ranks)
+            dist.all_gather_object(got, failure, group=bounded_group(ranks, timeout_s=self.timeout_s, purpose="pass"))
+            failure = got[0]
+        if failure is not None:
+            raise DeltaError(f"rank {rank}: DeltaSource round {stats.round} (rank 0): {failure}; nothing after it was sent")
+        if draining:
+            raise GeneratorExit
+
+    def _emit(self, name: str, ch: Changed, anchor: bool, whole_ok: bool, meta: ParamMeta) -> Delta | None:
+        shape = tuple(meta.shape)
+        n = math.prod(shape)
+        if ch.pos is None:
+            vals = ch.values.reshape(-1)
+            if whole_ok:
+                return Delta(name, None, vals, shape)
+            return Delta(name, torch.arange(n, dtype=torch.int32, device=vals.device), vals, shape)
+        if not ch.count:
+            return None
+        if whole_ok and ch.count * (4 + meta.dtype.itemsize) >= n * meta.dtype.itemsize:
+            return Delta(name, None, ch.piece.tensor.reshape(-1), shape)
+        return Delta(name, ch.pos.to(torch.int32), ch.values, shape)
+
+    # ---- a source diffed where its shards live ---------------------------------------------------------
+
+    def _pieces_round(self, anchor: bool, whole_ok: bool, stats: DeltaStats) -> Iterator[Delta]:
+        rank = current_rank()
+        multi = _multi()
+        world = dist.get_world_size() if multi else 1
+        metas = self.metadata
+        items = iter(self.source.iter_pieces())
+        ahead: list[Piece] = []
+        draining = False
+
+        def pull() -> Piece | None:
+            if ahead:
+                return ahead.pop()
+            return next(items, None)
+
+        try:
+            for lo, hi in self._groups:
+                # 1. this rank's pieces of tensors lo..hi-1, diffed against the snapshot
+                changes: dict[int, list[Changed]] = {}
+                rows = torch.zeros(hi - lo, COLS, dtype=torch.int64)
+                problem: str | None = None
+                last = lo
+                while True:
+                    p = pull()
+                    if p is None:
+                        break
+                    i = self._index.get(p.name)
+                    if i is None:
+                        problem = problem or f"the source yielded {p.name!r}, which its metadata does not declare"
+                        continue
+                    if i >= hi:
+                        ahead.append(p)
+                        break
+                    if i < last:
+                        problem = problem or f"{p.name!r} comes out of metadata order (after {metas[last].name!r})"
+                        continue
+                    last = i
+                    if p.tensor is None:
+                        continue
+                    k = i - lo
+                    why = _box_problem(p, metas[i])
+                    if why is not None:
+                        rows[k, BAD] = 1
+                        problem = problem or why
+                        continue
+                    ch = self._snap.diff(p, everything=anchor)
+                    if has_nan(ch.values):
+                        rows[k, NAN] = 1
+                    changes.setdefault(i, []).append(ch)
+                    rows[k, CHANGED] += ch.count
+                    rows[k, HELD] += p.tensor.numel()
+                    rows[k, BOXES] += 1
+                if problem is not None:
+                    rows[:, BAD] = torch.maximum(rows[:, BAD], torch.ones(1, dtype=torch.int64))
+                    logger.error("rank %d: DeltaSource: %s", rank, problem)
+                # 2. every rank's counts
+                table = exchange_counts(rows, timeout_s=self.timeout_s, what=f"the delta counts of "
+                                        f"{metas[lo].name!r}..") if multi else rows[None]
+                stats.collective_bytes += rows.numel() * 8 * (world - 1) if multi else 0
+                self._raise_for(table, lo, rank, problem, stats.round, self._names)
+                self._check_tiling(table, lo, hi, rank)
+                # 3. the transfer plan: per tensor skip / sparse / whole, the same on every rank
+                plan: list[str | None] = []
+                for k in range(hi - lo):
+                    m = metas[lo + k]
+                    total = int(table[:, k, CHANGED].sum())
+                    n = math.prod(m.shape)
+                    if anchor:
+                        plan.append("whole")
+                    elif total == 0:
+                        plan.append(None)
+                    elif whole_ok and total * (4 + m.dtype.itemsize) >= n * m.dtype.itemsize:
+                        plan.append("whole")
+                    else:
+                        plan.append("sparse")
+                # 4. payloads to rank 0
+                got = self._move(changes, plan, table, lo, hi, rank, world, stats) if multi else {}
+                # 5. the snapshot becomes what this round delivers
+                for chs in changes.values():
+                    for ch in chs:
+                        self._snap.commit(ch)
+                # 6. rank 0 assembles and yields (unless its consumer closed the round: then it only
+                #    finishes the exchanges, so peers complete the round instead of timing out)
+                if rank == 0 and not draining:
+                    cursors: dict[int, int] = {}
+                    for k, how in enumerate(plan):
+                        if how is None:
+                            continue
+                        i = lo + k
+                        d = self._assemble(metas[i], how, changes.get(i, []), got, cursors, table, k, whole_ok, world)
+                        changes.pop(i, None)
+                        stats.changed += int(table[:, k, CHANGED].sum())
+                        stats.tensors += 1
+                        stats.wire_bytes += d.nbytes
+                        try:
+                            yield d
+                        except GeneratorExit:
+                            draining = True
+                            break
+                        del d
+                elif rank != 0:
+                    for k, how in enumerate(plan):
+                        if how is not None:
+                            stats.changed += int(table[:, k, CHANGED].sum())
+                            stats.tensors += 1
+                changes.clear()
+                got = {}
+            rest = pull()
+            if rest is not None:
+                raise DeltaError(f"rank {rank}: DeltaSource: the source yielded {rest.name!r} after the last "
+                                 "group (out of metadata order)")
+            if draining:
+                logger.warning("rank %d: delta round %d closed by its consumer: finished its exchanges without "
+                               "yielding; the next round is an anchor", rank, stats.round)
+                raise GeneratorExit
+        finally:
+            close = getattr(items, "close", None)
+            if callable(close):
+                close()
+
+    @staticmethod
+    def _raise_for(table: torch.Tensor, lo: int, rank: int, problem: str | None, rnd: int, names: list[str]) -> None:
+        """Raise on every rank for a NaN, a bad piece or a tiling error anywhere in this group."""
+        bad = (table[:, :, BAD] > 0).nonzero().tolist()
+        if bad:
+            r, _ = bad[0]
+            mine = f" ({problem})" if problem and r == rank else ""
+            raise DeltaError(f"rank {rank}: DeltaSource round {rnd}: rank {r} yielded a piece that does not fit "
+                             f"the metadata{mine}; no value of this group was sent")
+        nan = (table[:, :, NAN] > 0).nonzero().tolist()
+        if nan:
+            r, k = nan[0]
+            raise DeltaError(f"rank {rank}: DeltaSource round {rnd}: {names[lo + k]!r} has NaN among its new "
+                             f"values (seen on rank {r}); vLLM's sparse apply would keep the old values there. "
+                             "No value of this group was sent")
+
+    def _move(self, changes: dict[int, list[Changed]], plan: list[str | None], table: torch.Tensor,
+              lo: int, hi: int, rank: int, world: int, stats: DeltaStats) -> dict[int, torch.Tensor]:
+        """Send this rank's segments to rank 0 / receive every rank's there: ``{rank: buffer}`` on 0."""
+        from ..core.p2p import Piece as Transfer
+        from ..core.p2p import gather_to
+        from ..core.stats import PassStats
+
+        metas = self.metadata
+        sizes = []
+        for r in range(world):
+            n = 0
+            for k, how in enumerate(plan):
+                if how is not None:
+                    m = metas[lo + k]
+                    n += segment_sizes(table[r, k].tolist(), whole=how == "whole", ndim=len(m.shape),
+                                       itemsize=m.dtype.itemsize)
+            sizes.append(n)
+        senders = [r for r in range(1, world) if sizes[r]]
+        if not senders:
+            return {}
+        dev = _comm_device()
+        mine: torch.Tensor | None = None
+        if rank in senders:
+            segs: list[torch.Tensor] = []
+            for k, how in enumerate(plan):
+                if how is not None:
+                    pack(changes.get(lo + k, []), whole=how == "whole", full_shape=tuple(metas[lo + k].shape), out=segs)
+            mine = torch.cat([s.to(dev) for s in segs])
+            assert mine.numel() == sizes[rank], (mine.numel(), sizes[rank])
+            stats.collective_bytes += mine.numel()
+        if rank != 0 and mine is None:
+            return {}
+        transfers = [Transfer(r, (sizes[r],), torch.uint8) for r in senders]
+        out = gather_to(transfers, 0, local=lambda i: mine, device=dev, timeout_s=self.timeout_s,
+                        what=f"delta values of {metas[lo].name!r}..", stats=PassStats())
+        if rank != 0:
+            return {}
+        stats.collective_bytes += sum(sizes[r] for r in senders)
+        return dict(zip(senders, out))
+
+    def _check_tiling(self, table: torch.Tensor, lo: int, hi: int, rank: int) -> None:
+        held = table[:, :, HELD].sum(0).tolist()
+        for k, h in enumerate(held):
+            n = math.prod(self.metadata[lo + k].shape)
+            if h != n:
+                raise DeltaError(
+                    f"rank {rank}: DeltaSource: the pieces of {self.metadata[lo + k].name!r} cover {h} elements "
+                    f"over all ranks, the tensor has {n} ({type(self.source).__name__}.iter_pieces must tile "
+                    "each tensor exactly once)"
+                )
+
+    def _assemble(self, meta: ParamMeta, how: str, own: list[Changed], got: dict[int, torch.Tensor],
+                  cursors: dict[int, int], table: torch.Tensor, k: int, whole_ok: bool, world: int) -> Delta:
+        """Rank 0: tensor ``meta``'s delta from its own changes and every sender's segment
+        (``cursors``: where each sender's buffer is read next)."""
+        shape = tuple(meta.shape)
+        parts: list[tuple[int, Any]] = []
+        for r in range(1, world):
+            buf = got.get(r)
+            if buf is None:
+                continue
+            at = cursors.get(r, 0)
+            at, seg = unpack(buf, at, table[r, k].tolist(), whole=how == "whole", full_shape=shape, dtype=meta.dtype)
+            cursors[r] = at
+            parts.append((r, seg))
+        if how == "whole":
+            dev = own[0].values.device if own else (next(iter(got.values())).device if got else torch.device("cpu"))
+            full = torch.empty(shape, dtype=meta.dtype, device=dev)
+            boxes = [(tuple(c.piece.offsets), c.piece.tensor) for c in own]
+            for _, seg in parts:
+                boxes += seg
+            for offsets, vals in boxes:
+                full[tuple(slice(o, o + s) for o, s in zip(offsets, vals.shape))] = vals.to(dev)
+            flat = full.view(-1)
+            if whole_ok:
+                return Delta(meta.name, None, flat, shape)
+            return Delta(meta.name, torch.arange(flat.numel(), dtype=torch.int32, device=dev), flat, shape)
+        from ..core.pieces import flat_indices
+
+        idx = [flat_indices(c.pos, tuple(c.piece.offsets), tuple(c.piece.tensor.shape), shape).to(torch.int32)
+               for c in own if c.count]
+        vals = [c.values for c in own if c.count]
+        for _, (ind, v) in parts:
+            if ind.numel():
+                idx.append(ind)
+                vals.append(v)
+        dev = vals[0].device
+        return Delta(meta.name, torch.cat([i.to(dev) for i in idx]), torch.cat([v.to(dev) for v in vals]), shape)
+
+    def __repr__(self) -> str:
+        return f"DeltaSource({self.source!r}, anchor_every={self.anchor_every}, snapshot={self._snap.where!r})"
+
+
+def _box_problem(p: Piece, meta: ParamMeta) -> str | None:
+    t = p.tensor
+    if t.dtype != meta.dtype:
+        return f"a piece of {p.name!r} is {t.dtype}, metadata declares {meta.dtype}"
+    shape = tuple(meta.shape)
+    if len(p.offsets) != len(shape) or t.dim() != len(shape) or any(
+            o < 0 or o + s > f for o, s, f in zip(p.offsets, t.shape, shape)):
+        return f"a piece of {p.name!r} at {tuple(p.offsets)} of shape {tuple(t.shape)} is outside {shape}"
+    return None

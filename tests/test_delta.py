@@ -1,0 +1,121 @@
+"""``DeltaSource`` on 2 gloo ranks: a receiver fed only delta rounds equals a dense pass of the same
+source bitwise after every round, each round carries exactly the elements whose wire bytes changed,
+a no-change round sends nothing, a stopped round is followed by an anchor, a NaN raises on every rank
+naming the tensor, and vLLM's own ``load_checkpoint_weight_patches`` applies ``iter_patches`` on CPU.
+
+The oracle of "changed" is the source's own dense ``iter_full`` before and after each round (itself
+proven against ``save_pretrained`` in test_fsdp / test_moe_fsdp); the receiver never sees a dense pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from worlds import run_world
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fsdp():
+    from delta_worlds import world_fsdp
+
+    return run_world(world_fsdp, 2, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def generic():
+    from delta_worlds import world_generic
+
+    return run_world(world_generic, 2, timeout=400)
+
+
+def _by(facts):
+    return {f["label"]: f for f in facts}
+
+
+def test_receiver_equals_dense_after_every_round(fsdp):
+    for key in ("dense_facts", "moe_facts"):
+        for f in fsdp[0][key]:
+            if "mismatch" in f:
+                assert f["mismatch"] == [], (key, f["label"], f["mismatch"][:5])
+
+
+def test_each_round_carries_exactly_the_changed_elements(fsdp):
+    facts = _by(fsdp[0]["dense_facts"])
+    for label in ("delta", "patches"):
+        f = facts[label]
+        assert f["minimal"], label
+        assert 0 < f["stats"]["changed"] == f["changed_oracle"], label
+        assert not f["stats"]["anchor"], label
+        # int32 index + bf16 value per changed element: 6 bytes each, nothing else
+        assert f["wire_bytes"] == 6 * f["changed_oracle"], label
+        assert f["stats"]["collective_bytes"] < f["stats"]["dense_bytes"] / 2, label
+    for f in fsdp[0]["moe_facts"]:
+        assert f["minimal"], f["label"]
+
+
+def test_no_change_round_sends_nothing(fsdp):
+    f = _by(fsdp[0]["dense_facts"])["no change"]
+    assert f["yielded"] == 0 and f["stats"]["changed"] == 0 and f["wire_bytes"] == 0
+    assert f["stats"]["tensors"] == 0
+
+
+def test_anchors(fsdp):
+    facts = _by(fsdp[0]["dense_facts"])
+    first = facts["anchor"]
+    assert first["stats"]["anchor"] and first["stats"]["changed"] == first["stats"]["elements"]
+    assert first["minimal"] and first["mismatch"] == []
+    # a round stopped after two tensors on every rank: the next one is an anchor and repairs the receiver
+    assert facts["stopped"]["yielded"] == 2 and not facts["stopped"]["stats"]["completed"]
+    assert facts["after stop"]["stats"]["anchor"] and facts["after stop"]["mismatch"] == []
+    assert facts["after reset"]["stats"]["anchor"]
+    assert not facts["delta"]["stats"]["anchor"]
+    moe = _by(fsdp[0]["moe_facts"])
+    assert [moe[k]["stats"]["anchor"] for k in ("anchor", "delta", "delta 2", "anchor_every")] == [True, False, False, True]
+    # every rank saw the same decisions
+    for r in (0, 1):
+        assert [f["stats"]["anchor"] for f in fsdp[r]["dense_facts"]] == [f["stats"]["anchor"] for f in fsdp[0]["dense_facts"]]
+
+
+def test_whole_when_cheaper(fsdp):
+    f = _by(fsdp[0]["dense_facts"])["whole ok"]
+    assert f["whole"] == ["model.layers.0.self_attn.q_norm.weight"]
+    assert f["mismatch"] == [] and f["minimal"]  # every element of it changed: whole costs 2 bytes each, not 6
+    assert f["wire_bytes"] < 6 * f["changed_oracle"]
+
+
+def test_nan_raises_on_every_rank_naming_the_tensor(fsdp):
+    for r in (0, 1):
+        err = fsdp[r]["nan_error"]
+        assert err is not None and "DeltaError" in err and "model.layers.1.mlp.up_proj.weight" in err, err
+        assert "rank 1" in err
+        assert fsdp[r]["anchor_after_nan"]
+    after = _by(fsdp[0]["dense_facts"])["after nan"]  # the failed round is followed by an anchor
+    assert after["stats"]["anchor"] and after["mismatch"] == []
+
+
+def test_vllm_apply_path(fsdp):
+    f = _by(fsdp[0]["dense_facts"])["patches"]
+    assert f["mismatch"] == [] and f["yielded"] > 0
+
+
+def test_snapshot_memory_is_the_shard_in_the_wire_dtype(fsdp):
+    for r in (0, 1):
+        assert fsdp[r]["snapshot_bytes"] == fsdp[r]["shard_bytes"]
+
+
+def test_moe_experts_go_per_expert(fsdp):
+    names = fsdp[0]["moe_names"]
+    assert any(".mlp.experts.0.down_proj.weight" in n for n in names), names
+    assert not any(n.endswith("experts.gate_up_proj") for n in names)
+
+
+def test_sources_without_pieces(generic):
+    for key in ("module_facts", "fp8_facts"):
+        for f in generic[0][key]:
+            assert f["mismatch"] == [], (key, f["label"], f["mismatch"][:5])
+            assert f["minimal"], (key, f["label"])
+    mod = _by(generic[0]["module_facts"])
+    assert mod["no change"]["yielded"] == 0
+    assert 0 < mod["delta"]["stats"]["changed"] < mod["delta"]["stats"]["elements"] / 10
