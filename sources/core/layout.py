@@ -46,16 +46,24 @@ pieces as ``Shard(dim)`` without gathering. The fused layouts:
   holds HF rows ``[r*padded/tp, (r+1)*padded/tp) & [0, vocab_size)``; whether that is a
   ``torch.chunk`` piece depends on the numbers (``vocab_is_chunked``).
 
-Nothing here communicates or mutates its input; outputs are contiguous.
+* Boxes (``Layout.boxes``): where TP shard ``r``'s split sits inside the full HF tensors, for
+  consumers that work where the shard lives (``core/pieces.py``, delta sync). For every chunked kind
+  the split's piece ``i`` is ``torch.chunk`` piece ``r`` of HF tensor ``i`` along ``dim``
+  (``chunk_rows``); replicated kinds give whole tensors; the vocabulary's trimmed rows start at
+  ``vocab_rows``; the non-chunked gated-delta-net kinds give one box per block (``[q_r; k_r; v_r]``
+  is three boxes of ``[q; k; v]``).
+
+Nothing here communicates or mutates its input; outputs are contiguous (box values may be views).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 __all__ = [
+    "Box",
     "chunk_rows",
     "split_qkv",
     "split_glu",
@@ -202,6 +210,15 @@ def split_stack(t: torch.Tensor, *, rows: tuple[int, ...]) -> tuple[torch.Tensor
     return tuple(p.contiguous() for p in torch.split(t, [r * n // total for r in rows], dim=0))
 
 
+class Box(NamedTuple):
+    """One box of a TP shard's values inside HF tensor ``index`` (the position in the unit's HF
+    tensors, HF order): it starts at ``offsets`` of the full tensor and spans ``tensor.shape``."""
+
+    index: int
+    offsets: tuple[int, ...]
+    tensor: torch.Tensor
+
+
 class Layout(str):
     """A TP layout kind: how one Megatron parameter's TP shards hold the HF tensors it fuses.
 
@@ -209,8 +226,9 @@ class Layout(str):
     the behaviour is the class's: ``dim`` (the tensor dim along which TP shards are ``torch.chunk``
     pieces of the HF tensors; None: every TP rank holds all of it), ``split`` (one shard, or the
     tp=1 tensor, into its piece of each HF tensor), ``concat`` (every shard into the full HF
-    tensors), ``shard_shape`` and ``split_copies`` (whether ``split`` copies its input). The
-    collective plumbing stays out of them.
+    tensors), ``boxes`` (where one shard's split sits inside the full HF tensors), ``shard_shape``
+    and ``split_copies`` (whether ``split`` copies its input). The collective plumbing stays out of
+    them.
     """
 
     dim: int | None = None
@@ -221,6 +239,9 @@ class Layout(str):
     chunked: bool = True
     #: ``to_wire`` changes values (not only the dtype): never batched into a plain cast.
     shifts_values: bool = False
+    #: ``boxes`` places any TP shard's values in the HF tensors; False: a consumer must gather the
+    #: shards and ``concat`` them (every kind here can; a new kind opts out until it can).
+    boxed: bool = True
 
     def __new__(cls, name: str) -> "Layout":
         return super().__new__(cls, name)
@@ -244,6 +265,37 @@ class Layout(str):
             return tuple(self.split(shards[0], **geometry))
         pieces = [self.split(s, **geometry) for s in shards]
         return tuple(torch.cat([p[i] for p in pieces], dim=self.dim) for i in range(len(pieces[0])))
+
+    def boxes(
+        self, shard: torch.Tensor, *, full: tuple[tuple[int, ...], ...], tp: int, tp_rank: int, **geometry: Any
+    ) -> tuple[Box, ...]:
+        """TP shard ``tp_rank`` of ``tp`` (already ``to_wire``; vocabulary shards trimmed or not) as
+        boxes of the HF tensors of shapes ``full``, grouped by HF tensor in HF order.
+
+        Invariant: over ``tp_rank = 0 .. tp-1`` the boxes tile every HF tensor exactly once -- for a
+        kind with ``dim is None`` every TP rank holds all of it, so the boxes of *any one* rank tile
+        it (the caller picks which rank answers). The values are the bytes ``concat`` puts there:
+        the split of one shard is chunk ``tp_rank`` of each HF tensor along ``dim`` (the module
+        invariant), so its start is ``chunk_rows``'. A piece that is not that chunk raises naming
+        the kind, rank and HF tensor, instead of placing values where ``concat`` would not."""
+        if self.dim is not None and not self.chunked and tp > 1:
+            raise NotImplementedError(f"{self}: TP shards are not chunks of the HF tensors; override boxes()")
+        outs = self.split(shard, **geometry)
+        if len(outs) != len(full):
+            raise ValueError(f"{self}: the split of TP shard {tp_rank} gives {len(outs)} tensors, HF has {len(full)}")
+        out = []
+        for i, (t, shape) in enumerate(zip(outs, full)):
+            offsets = [0] * len(shape)
+            want = list(shape)
+            if self.dim is not None:
+                offsets[self.dim], want[self.dim] = chunk_rows(shape[self.dim], tp, tp_rank)
+            if list(t.shape) != want:
+                raise ValueError(
+                    f"{self}: TP shard {tp_rank} of {tp} splits into a {tuple(t.shape)} piece of HF tensor {i} "
+                    f"{tuple(shape)}; its torch.chunk piece is {tuple(want)} at {tuple(offsets)}"
+                )
+            out.append(Box(i, tuple(offsets), t))
+        return tuple(out)
 
     def shard_shape(self, full: tuple[tuple[int, ...], ...], tp: int) -> tuple[int, ...]:
         """The Megatron parameter's shape on one TP rank, from the full HF shapes it fuses (HF order):
@@ -393,6 +445,29 @@ class GatedDeltaNet(Column):
             return (torch.cat(full),)
         return (torch.cat(full[:3]), *full[3:])
 
+    def boxes(self, shard: torch.Tensor, *, full: tuple[tuple[int, ...], ...], tp: int, tp_rank: int,
+              gdn_heads: tuple[int, int, int, int] = (0, 0, 0, 0), stack_rows: tuple[int, ...] = (),
+              **geometry: Any) -> tuple[Box, ...]:
+        """Chunked (``qkvz_ba``) or tp=1: ``Layout.boxes``. Otherwise one box per block: rank ``r``'s
+        q, k and v blocks are chunk ``r`` of the q, k and v parts of the flat ``[q; k; v]`` (HF
+        tensor 0: ``in_proj_qkv`` or ``conv1d``), at those parts' starts; z, beta and alpha are chunk
+        ``r`` of ``in_proj_z`` / ``_b`` / ``_a`` -- where ``concat`` puts them."""
+        if self.chunked or tp == 1:
+            return super().boxes(shard, full=full, tp=tp, tp_rank=tp_rank, gdn_heads=gdn_heads,
+                                 stack_rows=stack_rows, **geometry)
+        blocks, n = self._blocks(shard, gdn_heads, sum(stack_rows))
+        if n != tp:
+            raise ValueError(f"{self}: a shard of {shard.shape[0]} rows is 1/{n} of the gated delta net, not 1/{tp}")
+        nk, dk, nv, dv = gdn_heads
+        rest = (0,) * (shard.dim() - 1)
+        parts = [(0, 0, nk * dk), (0, nk * dk, nk * dk), (0, 2 * nk * dk, nv * dv)]  # (HF tensor, start, size)
+        if self.fmt != "conv":
+            parts += [(1, 0, nv * dv), (2, 0, nv), (3, 0, nv)]
+        if len(full) != len({i for i, _, _ in parts}):
+            raise ValueError(f"{self}: {len(full)} HF tensors, the layout has {len({i for i, _, _ in parts})}")
+        return tuple(Box(i, (base + chunk_rows(size, tp, tp_rank)[0], *rest), b)
+                     for (i, base, size), b in zip(parts, blocks))
+
     def shard_shape(self, full: tuple[tuple[int, ...], ...], tp: int) -> tuple[int, ...]:
         return (sum(s[0] for s in full) // tp, *full[0][1:])
 
@@ -487,6 +562,20 @@ class Vocab(Column):
 
     def shard_shape(self, full: tuple[tuple[int, ...], ...], tp: int) -> tuple[int, ...]:
         raise ValueError("vocabulary shards depend on the padded vocabulary, not on the HF shapes")
+
+    def boxes(self, shard: torch.Tensor, *, full: tuple[tuple[int, ...], ...], tp: int, tp_rank: int,
+              padded_vocab: int = 0, **_: Any) -> tuple[Box, ...]:
+        """The HF rows ``[start, stop)`` this shard holds (``vocab_rows``) as one box at row
+        ``start``; none for a shard of padding only. ``shard``: trimmed to those rows or not."""
+        start, stop = vocab_rows(full[0][0], padded_vocab, tp, tp_rank)
+        if shard.shape[0] not in (stop - start, padded_vocab // tp) or tuple(shard.shape[1:]) != tuple(full[0][1:]):
+            raise ValueError(
+                f"{self}: TP shard {tp_rank} of {tp} has shape {tuple(shard.shape)}; the padded vocabulary "
+                f"{padded_vocab} gives {padded_vocab // tp} rows, {stop - start} of them HF rows of {tuple(full[0])}"
+            )
+        if stop == start:
+            return ()
+        return (Box(0, (start, *(0 for _ in full[0][1:])), shard[: stop - start]),)
 
 
 REPLICATED, COLUMN, ROW = Replicated("replicated"), Column("column"), Row("row")

@@ -70,10 +70,12 @@ from .ahead import SplitAhead, default_ahead_bytes
 from .moe import MegatronMoEExporter, expert_format, megatron_moe_suffixes
 from .mla import mla_geometry, resolve_kinds
 from .plan import Geometry, Unit, build_plan, mlp_kind
+from .pieces import megatron_pieces
 from .topology import Topology, megatron_topology
 from .walk import Bound, model_chunks, walk_chunks
 from ..core.overlap import overlap_default
 from ..core.p2p import Piece, PostedGather, gather_to, post_gather
+from ..core import pieces as checkpoint_pieces
 from ..core.experts import DEFAULT_EXPERT_BATCH_BYTES, ExpertLayout
 from ..core.stats import PassStats
 from ..core.dtype_policy import WirePolicy
@@ -475,6 +477,13 @@ class MegatronSource(WeightSource):
             shapes = [local_shape(m, self._topo.rank) for m in expected]
             pairs = check_stream(pairs, expected, rank=self._topo.rank, what="iter_local", local_shapes=shapes)
         yield from pairs
+
+    def iter_pieces(self) -> Iterator[checkpoint_pieces.Piece]:
+        """This rank's shards as boxes of the checkpoint tensors, in the wire dtype, in metadata
+        order; collective over every rank (``core/pieces.py`` is the protocol,
+        ``megatron/pieces.py`` how units, experts and vocabulary padding become boxes). What
+        ``DeltaSource`` diffs where the shard lives."""
+        yield from megatron_pieces(self)
 
     # ---- pieces -----------------------------------------------------------------------------
 
