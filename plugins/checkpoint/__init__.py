@@ -4,11 +4,24 @@ straight from any ``WeightSource``, the files ``save_pretrained`` writes, all or
 * ``writer`` -- ``save_safetensors``: the collective pass, the writer rank, the cross-rank outcome;
 * ``plan`` -- every file, header and byte offset, planned from the metadata before any byte moves;
 * ``files`` -- the staging folder renamed into place at the end (``StagedFolder``);
-* ``queue`` -- the writer thread: host copies and ``pwrite`` overlap the source's next gathers.
+* ``queue`` -- the writer thread: host copies and ``pwrite`` overlap the source's next gathers;
+* ``delta`` -- ``save_delta`` / ``apply_delta``: one ``DeltaSource`` round as a sparse patch file, and a
+  chain of them applied to a folder (it becomes the folder ``save_safetensors`` would write now).
 """
 
 from __future__ import annotations
 
+from .delta import VERSION_KEY, DeltaFileReport, apply_delta, read_delta_header, save_delta
 from .writer import DEFAULT_MAX_SHARD_BYTES, DEFAULT_WRITE_QUEUE_BYTES, SaveReport, save_safetensors
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "DEFAULT_WRITE_QUEUE_BYTES", "SaveReport", "save_safetensors"]
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "DEFAULT_WRITE_QUEUE_BYTES",
+    "SaveReport",
+    "save_safetensors",
+    "VERSION_KEY",
+    "DeltaFileReport",
+    "save_delta",
+    "apply_delta",
+    "read_delta_header",
+]

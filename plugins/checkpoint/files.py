@@ -47,7 +47,7 @@ from weightsync.sources import CheckpointError, get_logger
 
 from .plan import CheckpointPlan, PlannedTensor
 
-__all__ = ["StagedFolder", "check_target"]
+__all__ = ["StagedFolder", "check_target", "replace_folder"]
 
 logger = get_logger(__name__)
 
@@ -130,6 +130,23 @@ def _exchange(a: str, b: str) -> bool:
     if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), b)
+
+
+def replace_folder(tmp: str, path: str) -> None:
+    """Put the complete folder ``tmp`` at ``path`` in place of the existing one, keeping the old one
+    until the new one is in: one ``renameat2(RENAME_EXCHANGE)``, else rename aside, rename in (the
+    old one renamed back if that fails); then the old one is deleted."""
+    if _exchange(tmp, path):
+        old = tmp  # the exchange put the old folder at the staging name
+    else:
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.weightsync-old-", dir=os.path.dirname(path))
+        os.rename(path, old)  # onto the empty folder just made
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            os.rename(old, path)
+            raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 class StagedFolder:
@@ -242,17 +259,7 @@ class StagedFolder:
         _fsync_dir(parent)
 
     def _replace(self) -> None:
-        if _exchange(self.tmp, self.path):
-            old = self.tmp  # the exchange put the old checkpoint at the staging name
-        else:
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(self.path)}.weightsync-old-", dir=os.path.dirname(self.path))
-            os.rename(self.path, old)  # onto the empty folder just made
-            try:
-                os.rename(self.tmp, self.path)
-            except BaseException:
-                os.rename(old, self.path)
-                raise
-        shutil.rmtree(old, ignore_errors=True)
+        replace_folder(self.tmp, self.path)
 
     def discard(self) -> None:
         """Close everything and remove the staging folder (idempotent; never raises)."""

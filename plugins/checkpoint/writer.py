@@ -198,6 +198,7 @@ def save_safetensors(
     config: Any = None,
     overwrite: bool = False,
     write_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES,
+    version: str | None = None,
 ) -> SaveReport:
     """Write ``source``'s tensors as a Hugging Face safetensors checkpoint folder at ``path``.
 
@@ -216,6 +217,9 @@ def save_safetensors(
         write_queue_bytes: the writer's tensors are written (host copy + ``pwrite``) on a thread
             while the source gathers the next ones, with at most this many bytes of tensors queued
             (a larger tensor alone); 0 writes each tensor before the next is gathered (``queue``).
+        version: the weight version the folder holds, stored in every shard's metadata as
+            ``weightsync_version`` (after the caller's ``metadata``): what ``apply_delta`` checks a
+            patch chain's ``base_version`` against.
 
     Returns the ``SaveReport`` on every rank. Raises ``CheckpointError`` on every rank on any failure.
     """
@@ -232,6 +236,8 @@ def save_safetensors(
     committing = False
     try:
         user = _validate_args(max_shard_bytes, metadata, write_queue_bytes, rank)
+        if version is not None:
+            user["weightsync_version"] = str(version)  # delta.VERSION_KEY: apply_delta's base check
         stream_source = checked(source, timeout_s=timeout_s)
         meta = list(stream_source.metadata)
         if multi:

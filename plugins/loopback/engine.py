@@ -197,6 +197,39 @@ class _Rpc:
         self.check()
 
 
+def open_sender(engine: Any, init_info: Any, client: VLLMWeightSyncClient) -> None:
+    """On the sender: bind the transport's store (port 0: a free one, never released before use),
+    then tell the receivers the bound port (``client.init_weight_transfer_engine``) while the group
+    forms -- no window in which another process can take the port. Sets ``engine._store`` and
+    ``engine._group``; shared by the dense and the sparse loopback engines."""
+    engine._store = open_transport_store(
+        init_info.master_address,
+        init_info.master_port,
+        rank=0,
+        world_size=init_info.world_size,
+        timeout_s=init_info.timeout_s,
+    )
+    payload = dict(vars(init_info.worker_init_info(master_port=engine._store.port)))
+
+    def open_endpoint() -> None:
+        engine._group = join_transport_group(
+            engine._store, rank=0, world_size=init_info.world_size, timeout_s=init_info.timeout_s
+        )
+
+    _run_concurrently(
+        open_endpoint,
+        lambda: client.init_weight_transfer_engine(payload),
+        init_info.timeout_s,
+    )
+    logger.info(
+        "loopback sender joined the transport at %s:%d (world %d, %s)",
+        init_info.master_address,
+        engine._store.port,
+        init_info.world_size,
+        ", ".join(f"{k}={payload[k]}" for k in ("packed", "checksums", "sparse") if k in payload),
+    )
+
+
 class LoopbackTrainerWeightTransferEngine(TrainerWeightTransferEngine[LoopbackTrainerInitInfo]):
     """Trainer side of the loopback backend; see the module docstring.
 
@@ -253,37 +286,8 @@ class LoopbackTrainerWeightTransferEngine(TrainerWeightTransferEngine[LoopbackTr
                 )
         validate_wire_fields(init_info, port_zero_ok=True)  # every rank, before anything moves
         engine = cls(client=client, source=source, init_info=init_info)
-        if not engine.is_sender:
-            return engine
-        # Bind first (port 0: a free one, never released before use), then tell the receivers the
-        # bound port while the group forms: no window in which another process can take it.
-        engine._store = open_transport_store(
-            init_info.master_address,
-            init_info.master_port,
-            rank=0,
-            world_size=init_info.world_size,
-            timeout_s=init_info.timeout_s,
-        )
-        payload = dict(vars(init_info.worker_init_info(master_port=engine._store.port)))
-
-        def open_endpoint() -> None:
-            engine._group = join_transport_group(
-                engine._store, rank=0, world_size=init_info.world_size, timeout_s=init_info.timeout_s
-            )
-
-        _run_concurrently(
-            open_endpoint,
-            lambda: client.init_weight_transfer_engine(payload),
-            init_info.timeout_s,
-        )
-        logger.info(
-            "loopback sender joined the transport at %s:%d (world %d, packed=%s, checksums=%s)",
-            init_info.master_address,
-            engine._store.port,
-            init_info.world_size,
-            init_info.packed,
-            init_info.checksums,
-        )
+        if engine.is_sender:
+            open_sender(engine, init_info, client)
         return engine
 
     # -- send -----------------------------------------------------------------------------------

@@ -28,6 +28,19 @@ The closest vLLM 0.33 offers is the dev-mode ``/weight_checker`` route, a SHA-25
 parameter computed after loading (fused ``qkv_proj`` etc.), which a trainer cannot compute from its
 checkpoint-named tensors without re-doing vLLM's fusion (see ``weightsync.sources.core.integrity``). The
 loopback checksums cover the wire.
+
+**Sparse mode** (the sender's ``LoopbackSparseTrainerInitInfo``; delta rounds): each
+``update_weights`` carries patches in vLLM ``sparse_nccl``'s form (``transport.plan_sparse``). The
+same validation, go/no-go handshake and "consume the whole stream even when loading fails" rules
+apply; the received chunk is then applied through **vLLM's own**
+``load_checkpoint_weight_patches`` (NaN-masked full-shape staging, the model's ``load_weights``
+whose final ``copy_`` vLLM wraps), with the receiver's ``CheckpointLoader`` as the model's
+``load_weights`` (a copy by checkpoint name). A round carries only changed tensors, so ``finish``
+does not require every tensor; ``weight_checksums()`` reports the *full* tensors the round
+patched, after the apply, and ``full_checksums(names)`` any tensors as held now: what a trainer
+compares with a dense pass of its source. Like vLLM's apply, a sparse round is in place and not
+transactional: a failed round leaves the model in an unknown state until a covering (anchor) round.
+vLLM's loader module is imported only when sparse mode is initialised.
 """
 
 from __future__ import annotations
@@ -49,14 +62,17 @@ from weightsync.sources import (
 
 from .transport import (
     LoopbackWorkerInitInfo,
+    SparseEntry,
     nbytes_of,
     open_transport_group,
+    parse_sparse_update_info,
     parse_update_info,
     plan_chunks,
+    plan_sparse,
     wait_work,
 )
 
-__all__ = ["LoopbackReceiver", "ChecksumMismatchError", "PAUSE_MODES"]
+__all__ = ["LoopbackReceiver", "ChecksumMismatchError", "CheckpointLoader", "PAUSE_MODES"]
 
 logger = get_logger(__name__)
 
@@ -65,6 +81,47 @@ PAUSE_MODES = ("abort", "wait", "keep")
 
 class ChecksumMismatchError(IntegrityError):
     """The bytes a receiver got for a parameter are not the bytes the sender sent."""
+
+
+class CheckpointLoader(torch.nn.Module):
+    """The receiver model's ``load_weights`` for vLLM's ``load_checkpoint_weight_patches``: copies
+    each ``(checkpoint name, full tensor)`` into the model tensor of that name with one
+    same-shaped ``copy_`` -- the loader contract vLLM's NaN-masked sparse apply supports. Counts its
+    calls and whether vLLM's masked ``copy_`` was in place during them (``masked_calls``), so a test
+    can tell the patches went through vLLM's apply and not around it."""
+
+    def __init__(self, targets: dict[str, tuple[int, torch.Tensor]]) -> None:
+        super().__init__()
+        self._targets = targets
+        self.calls = 0
+        self.masked_calls = 0
+        self.loaded: set[int] = set()
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
+        self.calls += 1
+        self.masked_calls += int(torch.Tensor.copy_ is not _ORIGINAL_COPY)
+        names = set()
+        for name, tensor in weights:
+            gid, target = self._targets[name]
+            target.copy_(tensor)
+            self.loaded.add(gid)
+            names.add(name)
+        return names
+
+
+#: ``torch.Tensor.copy_`` as torch defines it (vLLM's sparse apply swaps it while loading).
+_ORIGINAL_COPY = torch.Tensor.copy_
+
+
+def _vllm_apply() -> Any:
+    """vLLM's ``load_checkpoint_weight_patches`` and ``CheckpointWeightPatch`` (imported on first
+    use: the module pulls in ``vllm.model_executor``, seconds of import a dense receiver never pays)."""
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+        CheckpointWeightPatch,
+        load_checkpoint_weight_patches,
+    )
+
+    return load_checkpoint_weight_patches, CheckpointWeightPatch
 
 
 class LoopbackReceiver:
@@ -89,6 +146,7 @@ class LoopbackReceiver:
         self._store: Any = None
         self._group_rank = -1
         self._targets = self._collect_targets(model)
+        self.loader = CheckpointLoader(self._targets)
         self._last_plan: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None
         self._in_update = False
         self._received: set[int] = set()
@@ -96,6 +154,8 @@ class LoopbackReceiver:
         self._failed: str | None = None
         self._bytes = 0
         self._tensors = 0
+        self._patches = 0
+        self._patched = 0
         self._t0 = 0.0
 
     # -- the model's names --------------------------------------------------------------------
@@ -139,6 +199,8 @@ class LoopbackReceiver:
             )
             self._init, self._group_rank = info, rank
             self._last_plan = None
+        if info.sparse:
+            _vllm_apply()  # pay vLLM's loader import now, not inside the first round's transfer
         logger.info("receiver %d joined the loopback group as rank %d", self.index, rank)
 
     def start_weight_update(self) -> None:
@@ -149,6 +211,7 @@ class LoopbackReceiver:
             self._checksums = {}
             self._failed = None
             self._bytes = self._tensors = 0
+            self._patches = self._patched = 0
             self._t0 = time.perf_counter()
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
@@ -173,7 +236,8 @@ class LoopbackReceiver:
                     f"receiver {self.index}: this update failed ({self._failed}); "
                     f"weight_version stays {self.weight_version!r}"
                 )
-            missing = [
+            sparse = bool(self._init and self._init.sparse)
+            missing = [] if sparse else [  # a delta round carries only what changed
                 names[0] if len(names) == 1 else " = ".join(names)
                 for gid, names in sorted(self._group_names().items())
                 if gid not in self._received
@@ -192,8 +256,13 @@ class LoopbackReceiver:
                 "tensors": self._tensors,
                 "bytes_received": self._bytes,
                 "seconds": time.perf_counter() - self._t0,
-                "checksums_verified": bool(self._init and self._init.checksums),
+                "checksums_verified": bool(self._init and self._init.checksums) and not sparse,
                 "weight_version": self.weight_version,
+                "sparse": sparse,
+                "patches": self._patches,
+                "patched_elements": self._patched,
+                "apply_calls": self.loader.calls,
+                "apply_masked_calls": self.loader.masked_calls,
             }
 
     def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
@@ -220,6 +289,12 @@ class LoopbackReceiver:
             if self._last_plan is None:
                 raise ValueError("empty update_info, but no previous update to reuse")
             return self._last_plan
+        self._check_targets(plan)
+        self._last_plan = plan
+        return plan
+
+    def _check_targets(self, plan: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+        """Every name is one of the model's, with its dtype and shape (dense and sparse alike)."""
         problems = []
         for name, dtype, shape in plan:
             if name not in self._targets:
@@ -237,16 +312,19 @@ class LoopbackReceiver:
                 + "; ".join(problems[:10])
                 + (" ..." if len(problems) > 10 else "")
             )
-        self._last_plan = plan
-        return plan
 
     def _receive_one(self, info: dict[str, Any]) -> None:
         assert self._init is not None
         error: Exception | None = None
+        sparse = self._init.sparse
         try:
             if not self._in_update:
                 raise RuntimeError("update_weights without start_weight_update")
-            plan = self._validate(info)
+            if sparse:
+                entries = parse_sparse_update_info(info)
+                self._check_targets([(e.name, e.dtype, e.shape) for e in entries])
+            else:
+                plan = self._validate(info)
         except Exception as e:  # answered "no" below, then raised
             error = e
         # Go/no-go: every group member contributes 1 if it rejects; the sender sends only on 0.
@@ -258,6 +336,9 @@ class LoopbackReceiver:
         if int(flag.item()) != 0:
             self._failed = "another receiver rejected the update"
             raise WeightSyncError(f"receiver {self.index}: another receiver rejected the update")
+        if sparse:
+            self._receive_patches(entries)
+            return
         sizes = [nbytes_of(d, s) for _, d, s in plan]
         crcs: list[int] = [0] * len(plan)
         load_error: BaseException | None = None
@@ -300,6 +381,55 @@ class LoopbackReceiver:
                     f"receiver {self.index}: the bytes received for {len(bad)} parameter(s) do not "
                     f"match the sender's checksums: {bad[:10]}" + (" ..." if len(bad) > 10 else "")
                 )
+
+    def _receive_patches(self, entries: list[SparseEntry]) -> None:
+        """Consume a sparse chunk's broadcasts (``plan_sparse``: per patch, indices then values),
+        then apply the chunk through vLLM's ``load_checkpoint_weight_patches``. The stream is
+        consumed in full before anything is applied, so a failed apply leaves the transport aligned."""
+        bufs: dict[tuple[int, str], torch.Tensor] = {}
+        for i, what, n in plan_sparse(entries):
+            buf = torch.empty(n, dtype=torch.uint8)
+            wait_work(self._group.broadcast(buf, 0), f"sparse {what}", rank=self._group_rank)
+            bufs[(i, what)] = buf
+            self._bytes += n
+        try:
+            self._apply(entries, bufs)
+        except Exception as e:
+            self._failed = f"applying the patches failed: {type(e).__name__}: {e}"
+            raise
+
+    def _apply(self, entries: list[SparseEntry], bufs: dict[tuple[int, str], torch.Tensor]) -> None:
+        load_patches, Patch = _vllm_apply()
+        patches = []
+        for i, e in enumerate(entries):
+            values = bufs[(i, "values")].view(e.dtype) if e.count else torch.empty(0, dtype=e.dtype)
+            indices = None
+            if not e.whole:
+                indices = bufs[(i, "indices")].view(torch.int32) if e.count else torch.empty(0, dtype=torch.int32)
+            patches.append(Patch(name=e.name, shape=e.shape, dtype=e.dtype, values=values, indices=indices))
+        # vLLM refuses dense (whole) and sparse patches in one call: one call per run of either kind.
+        start = 0
+        for k in range(1, len(patches) + 1):
+            if k == len(patches) or (patches[k].indices is None) != (patches[start].indices is None):
+                load_patches(self.loader, patches[start:k])
+                start = k
+        for e in entries:
+            gid, target = self._targets[e.name]
+            self._received.add(gid)
+            self._checksums[e.name] = checksum(target)
+            self._patches += 1
+            self._patched += e.count
+            self._tensors += 1
+
+    def full_checksums(self, names: list[str] | None = None) -> dict[str, str]:
+        """``{name: integrity.checksum}`` of the model's tensors as held now (all of them, a tied
+        group under each of its names, or ``names``): what a trainer compares with a dense pass."""
+        with self._lock:
+            wanted = list(self._targets) if names is None else list(names)
+            unknown = [n for n in wanted if n not in self._targets]
+            if unknown:
+                raise ValueError(f"receiver {self.index}: unknown tensor names {unknown[:10]}")
+            return {n: checksum(self._targets[n][1]) for n in wanted}
 
     def _load(self, entry: tuple[str, torch.dtype, tuple[int, ...]], data: torch.Tensor) -> int:
         """Copy one received parameter into the model; return the checksum of its bytes."""

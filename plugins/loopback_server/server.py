@@ -11,6 +11,7 @@ same request bodies and JSON answers, so vLLM's own ``HTTPVLLMWeightSyncClient``
 
 plus test routes under ``/_``: ``GET /_calls`` (every request in order: method, path, query, body,
 status; ``?clear=1`` empties it), ``GET /_state``, ``GET /_checksums``, ``POST /_logits {"input_ids"}``,
+``POST /_full_checksums {"names"?}`` (the receiver's tensors as held now, for delta rounds),
 ``POST /_shutdown``. Errors answer ``{"error": "..."}`` with 400 for bad input and 500 otherwise.
 
 Invariant: every request runs on its own thread (``ThreadingHTTPServer``), so ``update_weights`` --
@@ -141,6 +142,8 @@ class ReceiverServer:
             return 200, r.state()
         if method == "GET" and path == "/_checksums":
             return 200, {"checksums": r.weight_checksums()}
+        if method == "POST" and path == "/_full_checksums":
+            return 200, {"checksums": r.full_checksums(body.get("names"))}
         if method == "POST" and path == "/_logits":
             logits = r.logits(body["input_ids"])
             return 200, {
@@ -310,6 +313,11 @@ class ReceiverClient:
     def weight_checksums(self) -> dict[str, str]:
         """What the receiver got in the last round (``integrity.ReportsChecksums``)."""
         return self._call("GET", "_checksums")["checksums"]
+
+    def full_checksums(self, names: list[str] | None = None) -> dict[str, str]:
+        """``integrity.checksum`` of the receiver's tensors as held now (``names``, or all):
+        what the sparse loopback engine compares with a dense pass of the trainer's source."""
+        return self._call("POST", "_full_checksums", {"names": names})["checksums"]
 
     def calls(self, clear: bool = False) -> list[dict[str, Any]]:
         return self._call("GET", "_calls?clear=1" if clear else "_calls")["calls"]

@@ -11,6 +11,12 @@ default process group, so the trainer's own groups (and whatever backend they us
 
 Every stream is raw bytes: each tensor travels as a ``uint8`` view of its storage, so any dtype
 (bf16, fp8, int) crosses gloo unchanged, and the checksums cover exactly the bytes that travelled.
+
+Sparse mode (``sparse=True``, delta rounds): the update info is vLLM ``sparse_nccl``'s
+(``names``, ``dtype_names``, ``shapes``, ``num_updates_list``) plus an optional ``whole`` list of ours
+(a patch whose values are the whole tensor, flattened, and no indices: our transport may take a
+tensor whole when that is cheaper). Per patch, as vLLM broadcasts it: the int32 indices, then the
+values; ``plan_sparse`` lists those broadcasts for both sides from the update info alone.
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ __all__ = [
     "parse_dtype",
     "parse_update_info",
     "wait_work",
+    "SparseEntry",
+    "parse_sparse_update_info",
+    "sparse_update_info",
+    "plan_sparse",
 ]
 
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 16 * 1024 * 1024
@@ -60,6 +70,8 @@ class LoopbackWorkerInitInfo:
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     checksums: bool = True
     timeout_s: float = DEFAULT_TIMEOUT_S
+    #: Delta rounds: each ``update_weights`` carries sparse patches (``parse_sparse_update_info``).
+    sparse: bool = False
 
     def __post_init__(self) -> None:
         validate_wire_fields(self, port_zero_ok=False)
@@ -83,7 +95,7 @@ def validate_wire_fields(info: Any, *, port_zero_ok: bool) -> None:
             f"init_info.rank_offset must be in [1, world_size={info.world_size}), "
             f"got {rank_offset!r}"
         )
-    if info.packed_buffer_size_bytes <= 0:
+    if getattr(info, "packed_buffer_size_bytes", 1) <= 0:  # sparse init infos have none
         raise ValueError(
             f"init_info.packed_buffer_size_bytes must be > 0, got {info.packed_buffer_size_bytes}"
         )
@@ -216,6 +228,81 @@ def parse_update_info(
             raise ValueError(f"update_info: parameter {n!r} has a negative shape {shape}")
         out.append((str(n), parse_dtype(d, param=n), shape))
     return out
+
+
+@dataclass(frozen=True)
+class SparseEntry:
+    """One patch of a sparse chunk: ``count`` values for checkpoint tensor ``name`` (full ``shape``,
+    wire ``dtype``); ``whole``: the values are the whole tensor, flattened, and no indices travel."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    count: int
+    whole: bool = False
+
+    @property
+    def index_bytes(self) -> int:
+        return 0 if self.whole else 4 * self.count
+
+    @property
+    def value_bytes(self) -> int:
+        return self.count * self.dtype.itemsize
+
+
+def sparse_update_info(entries: list[SparseEntry]) -> dict[str, list]:
+    """The update info of a sparse chunk: vLLM ``sparse_nccl``'s four lists, plus ``whole`` when
+    any patch is whole (what ``parse_sparse_update_info`` reads back)."""
+    info: dict[str, list] = {
+        "names": [e.name for e in entries],
+        "dtype_names": [str(e.dtype).removeprefix("torch.") for e in entries],
+        "shapes": [list(e.shape) for e in entries],
+        "num_updates_list": [e.count for e in entries],
+    }
+    if any(e.whole for e in entries):
+        info["whole"] = [e.whole for e in entries]
+    return info
+
+
+def parse_sparse_update_info(update_info: dict[str, Any]) -> list[SparseEntry]:
+    """``[SparseEntry]`` from a sparse update info; raises ``ValueError`` naming the patch for a
+    negative count, a count above the tensor's elements, or a whole patch of the wrong length."""
+    if not isinstance(update_info, dict):
+        raise ValueError(f"update_info must be a dict, got {type(update_info).__name__}")
+    if "num_updates_list" not in update_info:
+        raise ValueError("sparse update_info needs num_updates_list (one count per name)")
+    unknown = set(update_info) - {"names", "dtype_names", "shapes", "num_updates_list", "whole"}
+    if unknown:
+        raise ValueError(f"sparse update_info has unknown keys {sorted(unknown)}")
+    dense = parse_update_info({k: update_info[k] for k in ("names", "dtype_names", "shapes") if k in update_info})
+    counts = [int(c) for c in update_info["num_updates_list"]]
+    whole = [bool(w) for w in update_info.get("whole", [False] * len(counts))]
+    if not len(counts) == len(whole) == len(dense):
+        raise ValueError(
+            f"sparse update_info lists differ in length: {len(dense)} names, {len(counts)} counts, "
+            f"{len(whole)} whole flags"
+        )
+    out = []
+    for (name, dtype, shape), n, w in zip(dense, counts, whole):
+        numel = math.prod(shape)
+        if n < 0 or n > numel:
+            raise ValueError(f"update_info: patch {name!r} has {n} updates for a {numel}-element tensor")
+        if w and n != numel:
+            raise ValueError(f"update_info: whole patch {name!r} has {n} values for a {numel}-element tensor")
+        out.append(SparseEntry(name, dtype, shape, n, w))
+    return out
+
+
+def plan_sparse(entries: list[SparseEntry]) -> list[tuple[int, str, int]]:
+    """The broadcasts of a sparse chunk, in order: ``(entry index, "indices" | "values", bytes)`` --
+    per patch its int32 indices (none when whole), then its values, as vLLM's ``sparse_nccl`` sends
+    them; zero-byte ones are skipped on both sides."""
+    plan = []
+    for i, e in enumerate(entries):
+        for what, n in (("indices", e.index_bytes), ("values", e.value_bytes)):
+            if n:
+                plan.append((i, what, n))
+    return plan
 
 
 def plan_chunks(nbytes: list[int], *, packed: bool, buffer_size: int) -> list[list[int]]:

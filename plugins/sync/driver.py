@@ -31,6 +31,20 @@ Invariants, and why:
   gets an explicit ``update_weight_version`` instead. A generic client that can do neither is refused.
 * **The source is checked on every rank** (``weightsync.sources.checked``): a stream that disagrees
   with the metadata, or ranks that disagree about the metadata, raise before vLLM loads garbage.
+
+**Delta rounds** (a ``DeltaSource`` with a sparse engine: vLLM's ``sparse_nccl``,
+``SparseNCCLTrainerInitInfo``, or the CPU ``LoopbackSparseTrainerInitInfo``). vLLM 0.33's sparse
+trainer engine takes no source, its ``send_weights(patches)`` holds the whole round in memory
+(``list(patches)``) and returns at once on non-senders, whose collectives would then never run. So
+step 3 becomes, on every rank: iterate ``delta.iter_patches()`` (the diff's collectives; patches
+appear on rank 0 only) and, on the sender, one ``start_weight_update``, ``send_weight_chunk`` per
+chunk of at most ``chunk_bytes`` of indices + values (a larger patch alone), the engine's
+``verify_round()`` if it has one (every rank), then ``finish_weight_update(weight_version)``. A
+sender whose consumer failed drains the round so its peers' collectives complete; any failure of
+the phase, on any rank, makes **every** rank call ``delta.reset()`` before raising, so the next sync
+is an anchor that brings the receiver, in whatever state the failed round left it, to the exact
+weights. A delta source with a dense engine, or a plain source with a sparse one, is refused at
+construction; dense syncs are unchanged.
 """
 
 from __future__ import annotations
@@ -58,7 +72,7 @@ from weightsync.sources import DEFAULT_TIMEOUT_S, Board, WeightSyncError, checke
 from .preflight import check_engine
 from .report import SyncReport
 
-__all__ = ["WeightSync", "PAUSE_MODES", "LateSync"]
+__all__ = ["WeightSync", "PAUSE_MODES", "LateSync", "DEFAULT_CHUNK_BYTES", "is_delta_source", "is_sparse_backend"]
 
 logger = get_logger(__name__)
 
@@ -156,6 +170,29 @@ class _TrackedSource(WeightSource):
         return getattr(self.source, name)
 
 
+#: Bytes of indices + values per ``send_weight_chunk`` in a delta round (a larger patch goes alone).
+DEFAULT_CHUNK_BYTES = 256 << 20
+
+
+def is_delta_source(source: Any) -> bool:
+    """A ``DeltaSource`` (or anything with its round API): what a sparse engine is fed from."""
+    return all(callable(getattr(source, m, None)) for m in ("iter_patches", "iter_deltas", "reset"))
+
+
+def is_sparse_backend(init_info: Any) -> bool:
+    """Whether ``init_info``'s engine sends patches (vLLM ``sparse_nccl``, or an engine whose init
+    info declares ``weightsync_sparse``, as ``LoopbackSparseTrainerInitInfo`` does)."""
+    return getattr(init_info, "backend", None) == "sparse_nccl" or bool(
+        getattr(type(init_info), "weightsync_sparse", False)
+    )
+
+
+def _patch_bytes(patch: Any) -> int:
+    idx = patch.indices
+    n = patch.values.numel() * patch.values.element_size()
+    return n + (0 if idx is None else idx.numel() * idx.element_size())
+
+
 def _attempt(fn: Callable[..., None], *args: Any) -> BaseException | None:
     """Run ``fn``; return what it raised (to be agreed across ranks before re-raising)."""
     try:
@@ -175,6 +212,8 @@ class WeightSync:
     Args:
         source: the ``WeightSource`` to send (``FSDPSource``, ``MegatronSource``, vLLM's
             ``ModuleSource``...). Wrapped in ``weightsync.sources.checked`` unless ``check=False``.
+            A ``DeltaSource`` runs delta rounds and needs a sparse ``init_info`` (see the module
+            docstring); it checks its own stream (its ``check=``).
         init_info: any vLLM ``TrainerInitInfo`` (``NCCLTrainerInitInfo``, ``IPCTrainerInitInfo``,
             weightsync's ``LoopbackTrainerInitInfo``), with ``rank`` = this trainer rank; rank 0 sends.
         client: the control plane (``VLLMHTTPClient``, vLLM's Ray client, or any object with the four
@@ -186,6 +225,7 @@ class WeightSync:
         version_fn: ``step -> weight_version`` (default ``str(step)``).
         check: check the source's stream and cross-rank metadata on every rank.
         timeout_s: bound on weightsync's own metadata agreement collective.
+        chunk_bytes: delta rounds only: indices + values bytes per ``send_weight_chunk``.
     """
 
     def __init__(
@@ -200,8 +240,10 @@ class WeightSync:
         version_fn: Callable[[int], str] = str,
         check: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
-        if not isinstance(source, WeightSource):
+        delta = is_delta_source(source)
+        if not delta and not isinstance(source, WeightSource):
             raise TypeError(f"WeightSync: source must be a vLLM WeightSource, got {type(source).__name__}")
         if not isinstance(init_info, TrainerInitInfo):
             raise TypeError(
@@ -228,7 +270,17 @@ class WeightSync:
             )
         if not callable(version_fn):
             raise TypeError(f"WeightSync: version_fn must be callable (step -> str), got {version_fn!r}")
-        self.source = checked(source, rank=init_info.rank, timeout_s=timeout_s) if check else source
+        _check_delta_pairing(source, init_info, delta)
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+            raise ValueError(f"WeightSync: chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        self.chunk_bytes = chunk_bytes
+        #: The ``DeltaSource`` of a delta sync (None: dense syncs, unchanged).
+        self.delta: Any = source if delta else None
+        self.last_delta_send: dict[str, int] = {}
+        if delta:
+            self.source = source
+        else:
+            self.source = checked(source, rank=init_info.rank, timeout_s=timeout_s) if check else source
         self._tracked = _TrackedSource(self.source)
         self.timeout_s = timeout_s
         self.init_info = init_info
@@ -312,16 +364,24 @@ class WeightSync:
         err = None
         passes_before = self._tracked.passes
         t_send = time.perf_counter()
+        delta_round: Any = None
         try:
             self._commit_client.version = version
             self._commit_client.committed = None
             assert self._engine is not None
-            self._engine.send_weights()
+            if self.delta is not None:
+                delta_round = self._delta_round()  # a generator: nothing runs yet
+                self._send_delta(delta_round, board)
+            else:
+                self._engine.send_weights()
             if self.is_sender and self._commit_client.committed != version:
                 self._commit_explicitly(version)
         except BaseException as e:  # noqa: BLE001
             err = e
-            self._finish_pass_after(e, passes_before)
+            if self.delta is not None:
+                self._drain_round(e, delta_round)
+            else:
+                self._finish_pass_after(e, passes_before)
         send_s = time.perf_counter() - t_send
         if paused_attempted:
             t = time.perf_counter()
@@ -335,6 +395,8 @@ class WeightSync:
             resume_s = time.perf_counter() - t
         failed = self._agree(board, "send", err)
         if failed:
+            if self.delta is not None:
+                self._reset_delta()  # every rank: the next sync is an anchor
             self._raise("send", failed, err)
 
         self._last_step = step
@@ -362,9 +424,103 @@ class WeightSync:
         check_backend = getattr(self.client, "check_backend", None)
         if callable(check_backend):  # e.g. refuse pickled IPC handles to a remote host, on every rank
             check_backend(self.backend)
+        if self.delta is not None:
+            # vLLM's sparse engine refuses any source; ours takes the delta to verify rounds against.
+            source = self.delta if getattr(type(self.init_info), "weightsync_sparse", False) else None
+            self._engine = WeightTransferTrainerFactory.trainer_init(
+                self.init_info, client=self._commit_client, source=source
+            )
+            return
         self._engine = WeightTransferTrainerFactory.trainer_init(
             self.init_info, client=self._commit_client, source=self._tracked
         )
+
+    def _delta_round(self) -> Iterator[Any]:
+        """The round's iterator: vLLM's ``SparseWeightPatch`` es (indices always explicit), or, for
+        an engine whose init info declares ``weightsync_whole_patches`` (our loopback), the
+        delta's ``iter_deltas(whole_when_cheaper=True)``: a tensor whole where that is cheaper."""
+        if getattr(type(self.init_info), "weightsync_whole_patches", False):
+            return iter(self.delta.iter_deltas(whole_when_cheaper=True))
+        return iter(self.delta.iter_patches())
+
+    def _send_delta(self, patches: Iterator[Any], board: Board | None) -> None:
+        """One delta round, on every rank (see the module docstring): every rank drives the
+        round's iterator (its collectives); the sender sends bounded chunks inside one
+        start/finish lifecycle. Then the ranks agree that the round went through everywhere
+        before the engine's ``verify_round`` (a collective pass, every rank) and the commit: a
+        sender whose consumer failed must not leave its peers alone in that pass."""
+        err: BaseException | None = None
+        try:
+            self._send_round(patches)
+        except BaseException as e:  # noqa: BLE001 - agreed below, then re-raised
+            err = e
+            self._drain_round(e, patches)
+        failed = self._agree(board, "delta round", err) if board is not None else {}
+        if err is not None:
+            raise err
+        if failed:
+            me = dist.get_rank()
+            raise WeightSyncError(
+                f"rank {me}: the delta round failed on rank(s) {sorted(failed)}: "
+                + "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
+            )
+        verify = getattr(self._engine, "verify_round", None)
+        if callable(verify):
+            verify()
+        if self.is_sender:
+            self._commit_client.finish_weight_update(self._commit_client.version)
+
+    def _send_round(self, patches: Iterator[Any]) -> None:
+        engine = self._engine
+        assert engine is not None
+        sent = self.last_delta_send = {"patches": 0, "bytes": 0, "chunks": 0, "max_chunk_bytes": 0}
+        start_round = getattr(engine, "start_round", None)
+        if callable(start_round):
+            start_round()
+        if self.is_sender:
+            self._commit_client.start_weight_update()
+        chunk: list[Any] = []
+        nbytes = 0
+
+        def flush() -> None:
+            nonlocal chunk, nbytes
+            engine.send_weight_chunk(chunk)
+            sent["chunks"] += 1
+            sent["max_chunk_bytes"] = max(sent["max_chunk_bytes"], nbytes)
+            chunk, nbytes = [], 0
+
+        for patch in patches:
+            if not self.is_sender:  # vLLM's contract: patches appear on the sender only
+                continue
+            size = _patch_bytes(patch)
+            if chunk and nbytes + size > self.chunk_bytes:
+                flush()
+            chunk.append(patch)
+            nbytes += size
+            sent["patches"] += 1
+            sent["bytes"] += size
+        if chunk:
+            flush()
+
+    def _drain_round(self, err: BaseException, patches: Iterator[Any] | None) -> None:
+        """This rank's delta round failed. Run the round's iterator to its end, discarding patches,
+        so peers blocked in its collectives complete them and reach the outcome exchange (then every
+        rank resets the delta). A round the delta source itself raised in is closed already."""
+        if patches is None or not _multi_rank():
+            return
+        try:
+            n = sum(1 for _ in patches)
+        except BaseException as e:  # noqa: BLE001 - the source failed too; peers hear it
+            logger.error("draining the delta round after %s failed: %s", _describe(err), _describe(e))
+            return
+        if n:
+            logger.warning("delta round failed (%s); drained %d patches so peers complete it", _describe(err), n)
+
+    def _reset_delta(self) -> None:
+        try:
+            self.delta.reset()
+        except BaseException as e:  # noqa: BLE001 - the round's own failure is what gets raised
+            logger.error("rank %d: delta.reset() after a failed round failed: %s", self.rank, _describe(e))
 
     def _preflight(self, board: Board | None) -> None:
         assert self._engine is not None
@@ -464,6 +620,21 @@ class WeightSync:
         meta = self.source.metadata
         wire = sum(m.dtype.itemsize * math.prod(m.shape) for m in meta)
         stats = getattr(self.source, "last_pass", None)
+        delta_fields: dict[str, Any] = {}
+        if self.delta is not None:
+            last = getattr(self.delta, "last_round", None)
+            sent = self.last_delta_send
+            delta_fields = dict(
+                delta_anchor=getattr(last, "anchor", None),
+                delta_changed=getattr(last, "changed", None),
+                delta_elements=getattr(last, "elements", None),
+                delta_tensors=getattr(last, "tensors", None),
+                delta_wire_bytes=getattr(last, "wire_bytes", None),
+                delta_dense_bytes=getattr(last, "dense_bytes", wire),
+                delta_collective_bytes=getattr(last, "collective_bytes", None),
+                delta_chunks=sent.get("chunks") if self.is_sender else None,
+                delta_sent_bytes=sent.get("bytes") if self.is_sender else None,
+            )
         return SyncReport(
             step=step,
             weight_version=version,
@@ -482,11 +653,39 @@ class WeightSync:
             collectives=getattr(stats, "collectives", None),
             peak_extra_bytes=getattr(stats, "peak_extra_bytes", None),
             cold=cold,
+            **delta_fields,
         )
 
 
 def _multi_rank() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _check_delta_pairing(source: Any, init_info: TrainerInitInfo, delta: bool) -> None:
+    """A delta source needs a sparse engine and a sparse engine a delta source; sparse engines take
+    no packed wire options. The same verdict on every rank (arguments only), before any byte."""
+    sparse = is_sparse_backend(init_info)
+    backend = init_info.backend
+    if delta and not sparse:
+        raise TypeError(
+            f"WeightSync: rank {init_info.rank}: a DeltaSource sends patches, but backend {backend!r} "
+            f"({type(init_info).__name__}) sends dense tensors; use vLLM's SparseNCCLTrainerInitInfo "
+            "(backend 'sparse_nccl') or weightsync's LoopbackSparseTrainerInitInfo, or pass the "
+            "wrapped source itself for dense syncs"
+        )
+    if sparse and not delta:
+        raise TypeError(
+            f"WeightSync: rank {init_info.rank}: backend {backend!r} sends sparse patches; wrap the "
+            f"source in DeltaSource(...) (got {type(source).__name__})"
+        )
+    if sparse:
+        bad = [f for f in ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
+               if f in getattr(init_info, "__dataclass_fields__", {}) and getattr(init_info, f, None)]
+        if bad:
+            raise ValueError(
+                f"WeightSync: rank {init_info.rank}: backend {backend!r} takes no packed wire options "
+                f"(sparse transfers are never packed); init_info sets {bad}"
+            )
 
 
 class LateSync:

@@ -37,6 +37,26 @@ class SyncReport:
     peak_extra_bytes: int | None = None
     #: Whether this sync also built the trainer engine (the first sync pays the rendezvous).
     cold: bool = False
+    #: Delta syncs only (``DeltaSource``; ``None`` otherwise), from the delta's ``last_round``:
+    #: whether the round was an anchor, elements changed / in the model, tensors with a change, bytes
+    #: on the wire (indices + values) vs the dense sync's, the trainer's collective bytes; and on
+    #: the sender what the driver sent: ``send_weight_chunk`` calls and their bytes.
+    delta_anchor: bool | None = None
+    delta_changed: int | None = None
+    delta_elements: int | None = None
+    delta_tensors: int | None = None
+    delta_wire_bytes: int | None = None
+    delta_dense_bytes: int | None = None
+    delta_collective_bytes: int | None = None
+    delta_chunks: int | None = None
+    delta_sent_bytes: int | None = None
+
+    @property
+    def changed_fraction(self) -> float | None:
+        """Changed elements / model elements of a delta sync (None for dense syncs)."""
+        if self.delta_changed is None or not self.delta_elements:
+            return None
+        return self.delta_changed / self.delta_elements
 
     @property
     def gbps(self) -> float:
@@ -60,6 +80,17 @@ class SyncReport:
 
     def summary(self) -> str:
         pause = f", pause {self.pause_mode} {self.pause_seconds * 1e3:.1f} ms" if self.pause_mode else ""
+        if self.delta_dense_bytes is not None:
+            frac = self.changed_fraction
+            wire = self.delta_wire_bytes if self.delta_wire_bytes is not None else self.delta_sent_bytes
+            return (
+                f"weight sync step {self.step} (version {self.weight_version!r}, {self.backend}"
+                f"{', cold' if self.cold else ''}, delta{' anchor' if self.delta_anchor else ''}): "
+                + (f"{frac:.4%} changed, " if frac is not None else "")
+                + (f"{wire / 1e6:.3f} MB on the wire vs {self.delta_dense_bytes / 1e6:.2f} MB dense"
+                   if wire is not None else f"{self.delta_dense_bytes / 1e6:.2f} MB dense")
+                + f" in {self.send_seconds:.3f} s{pause}, total {self.total_seconds:.3f} s"
+            )
         return (
             f"weight sync step {self.step} (version {self.weight_version!r}, {self.backend}"
             f"{', cold' if self.cold else ''}): {self.tensors} tensors, {self.bytes / 1e6:.2f} MB in "
