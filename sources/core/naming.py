@@ -17,13 +17,16 @@ Three things separate an in-memory name from a checkpoint name:
   ``_tied_weights_keys`` are the duplicates (``remove_tied_weights_from_state_dict``), so
   ``lm_head.weight`` is written iff it is not tied to the embeddings. Without that information the
   first name in ``named_parameters()`` order wins (what ``named_parameters`` itself keeps).
-* **Weight conversions**: transformers 5 stores some tensors in a fused in-memory layout and writes
-  them differently (MoE experts: one ``experts.gate_up_proj`` becomes per-expert ``gate_proj`` /
-  ``up_proj``). Those need a ``TensorTransform`` (a hook applied after the gather); until one is
-  registered for a name, ``UnmappedParameterError`` is raised rather than sending a name vLLM
-  would misload. Which names need one is asked of transformers' own reverse conversion mapping.
-  Pure renamings in that mapping (Mixtral's in-memory ``mlp.`` is ``block_sparse_moe.`` in the
-  checkpoint) need no transform: the entry takes the name transformers writes.
+* **Weight conversions**: transformers 5 stores some tensors in another in-memory layout than its
+  checkpoint and ``save_pretrained`` reverts it (``revert_weight_conversion``). Pure renamings
+  (Mixtral's in-memory ``mlp.`` is ``block_sparse_moe.``, VLM prefixes) just give the entry the
+  name transformers writes. Everything else (splits, concatenations, per-expert <-> stacked,
+  transposes, rope permutations) gets a ``conversions.ConversionTransform`` that runs
+  transformers' own reversed converter on the gathered tensors -- unless a caller's
+  ``TensorTransform`` (``experts.ExpertTransform``) already handles the name. The conversions are
+  looked up on the unwrapped class tree (``conversion_view``), as ``save_pretrained`` of the
+  unsharded model would; what cannot be reverted while streaming raises ``UnmappedParameterError``
+  (``core/conversions.py``).
 
 PEFT names (``base_model.model.``, ``.base_layer.``, ``lora_A/B``, ``modules_to_save``) are mapped
 by the caller: ``rename`` (``lora.LoraPlan.rename``) turns a de-wrapped path into the base
@@ -50,6 +53,8 @@ __all__ = [
     "TensorTransform",
     "checkpoint_entries",
     "checkpoint_name",
+    "conversion_view",
+    "defined_by_transformers",
     "hf_root",
     "tied_weight_patterns",
 ]
@@ -202,6 +207,22 @@ def _unwrapped_class(cls: type) -> type:
     return cls
 
 
+def defined_by_transformers(module: nn.Module, names: Iterable[str]) -> bool:
+    """Whether every parameter in ``names`` (de-wrapped) belongs to a module whose class (before
+    ``fully_shard`` renamed it) transformers itself defines: its save-time layout is then
+    transformers' to say (its conversion mapping, or the in-memory layout), not a guess."""
+    wrappers = _wrapper_paths(module)
+    owner = {}
+    for path, mod in module.named_modules():
+        owner[checkpoint_name(path, wrappers)] = mod
+    names = list(names)
+    for name in names:
+        mod = owner.get(name.rpartition(".")[0])
+        if mod is None or not _unwrapped_class(type(mod)).__module__.startswith("transformers."):
+            return False
+    return bool(names)
+
+
 def _unwrapped_tree(root: nn.Module, pretrained_cls: type) -> nn.Module:
     """``root`` as transformers' ``get_model_conversion_mapping`` should see it: the model before
     wrapping. That lookup goes by each ``PreTrainedModel`` submodule's class name (then
@@ -246,50 +267,66 @@ def _unwrapped_tree(root: nn.Module, pretrained_cls: type) -> nn.Module:
     return top
 
 
-def _conversion_check(root: nn.Module, names: list[str]) -> tuple[dict[str, str], list[tuple[str, str]]]:
-    """What transformers does to each name when saving: ``(renames, converted)``.
+def conversion_view(module: nn.Module, root: nn.Module | None = None):
+    """``conversions.ConversionView`` of ``module``'s transformers model (``root``, default
+    ``hf_root(module)``): the conversions ``save_pretrained`` of the unwrapped model reverts, and
+    the global shapes of its parameters by de-wrapped name. What transformers' conversion code
+    (``revert_weight_conversion``, ``experts.expert_names``) must be given instead of the wrapped
+    model, whose ``FSDP<cls>`` classes transformers skips as custom code."""
+    from .conversions import ConversionView
 
-    ``renames`` maps a name to the one ``save_pretrained`` writes when the reverse conversion only
-    *renames* it (a ``WeightRenaming``, e.g. Mixtral's in-memory ``mlp.`` back to
-    ``block_sparse_moe.``): same tensor, other name, no transform needed. ``converted`` lists
-    ``(name, checkpoint name)`` for names a ``WeightConverter`` changes (fused MoE experts): those
-    need a ``TensorTransform``. Both are derived from transformers' own reverse mapping, the one
-    ``revert_weight_conversion`` applies.
-    """
+    if root is None:
+        root = hf_root(module)
+    wrappers = _wrapper_paths(module)
+    shapes = {checkpoint_name(n, wrappers): tuple(p.shape) for n, p in module.named_parameters()}
+    return ConversionView(root, _saved_conversions(root), shapes)
+
+
+def _saved_conversions(root: nn.Module) -> list:
+    """``conversions.saved_conversions`` of ``root``, looked up on the unwrapped class tree; empty
+    for a model that is not a transformers ``PreTrainedModel``."""
     try:
         from transformers import PreTrainedModel
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (
-            PrefixChange,
-            WeightConverter,
-            WeightRenaming,
-            rename_source_key,
-        )
     except ImportError:  # pragma: no cover - transformers is a dependency
-        return {}, []
+        return []
     if not isinstance(root, PreTrainedModel):
-        return {}, []
-    conversions = getattr(root, "_weight_conversions", None)
-    if conversions is None:
-        # Same choice as transformers' revert_weight_conversion for a model not built by
-        # from_pretrained: the default mapping, without legacy renames and prefix changes --
-        # looked up for the unwrapped classes (see _unwrapped_tree).
-        conversions = get_model_conversion_mapping(_unwrapped_tree(root, PreTrainedModel), add_legacy=False)
-        conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
+        return []
+    from .conversions import saved_conversions
+
+    if getattr(root, "_weight_conversions", None) is not None:
+        return saved_conversions(root)
+    return saved_conversions(root, _unwrapped_tree(root, PreTrainedModel))
+
+
+def _apply_conversions(
+    root: nn.Module, entries: list[CheckpointEntry], tensors: dict[str, torch.Tensor]
+) -> list[CheckpointEntry]:
+    """``entries`` as ``save_pretrained`` writes them: transformers' reverse conversion mapping
+    (``conversions.plan_conversions``, the grouping ``revert_weight_conversion`` uses) renames some
+    (a ``WeightRenaming`` / ``PrefixChange``: same tensor, the name it writes, no transform: Mixtral's
+    in-memory ``mlp.`` is ``block_sparse_moe.``) and converts others (a ``WeightConverter``: the
+    entry keeps its in-memory name and gets a ``conversions.ConversionTransform``). Entries that
+    already have a transform are left to it. Raises ``UnmappedParameterError`` for conversions that
+    cannot be reverted while streaming."""
+    from .conversions import ConversionView, plan_conversions
+
+    conversions = _saved_conversions(root)
     if not conversions:
-        return {}, []
-    reverse = [c.reverse_transform() for c in conversions[::-1]]
-    renamings = [c for c in reverse if isinstance(c, WeightRenaming)]
-    converters = [c for c in reverse if isinstance(c, WeightConverter)]
-    renames: dict[str, str] = {}
-    converted: list[tuple[str, str]] = []
-    for name in names:
-        renamed, pattern = rename_source_key(name, renamings, converters, reverse=True)
-        if pattern is not None:
-            converted.append((name, renamed))
-        elif renamed != name:
-            renames[name] = renamed
-    return renames, converted
+        return entries
+    todo = [e for e in entries if e.transform is None]
+    meta = {e.name: (tuple(tensors[e.path].shape), tensors[e.path].dtype) for e in todo}
+    view = ConversionView(root, conversions, {n: s for n, (s, _) in meta.items()})
+    renames, transform = plan_conversions(
+        conversions, meta, [e.name for e in todo], view, rank=current_rank()
+    )
+    out = []
+    for e in entries:
+        if e.transform is None and transform is not None and transform.handles(e.name):
+            e = CheckpointEntry(e.name, e.path, e.is_buffer, e.aliases, transform)
+        elif e.transform is None and e.name in renames:
+            e = CheckpointEntry(renames[e.name], e.path, e.is_buffer, e.aliases)
+        out.append(e)
+    return out
 
 
 def checkpoint_entries(
@@ -306,8 +343,9 @@ def checkpoint_entries(
     tensor); ``root`` overrides the model whose tied-weight keys and conversions apply (both for
     PEFT models, whose checkpoint is the base model's).
 
-    Raises ``UnmappedParameterError`` naming each tensor whose checkpoint form transformers derives
-    by a weight conversion (fused MoE experts...) unless a ``transforms`` entry matches it.
+    Tensors transformers converts at save time get a ``conversions.ConversionTransform`` unless a
+    ``transforms`` entry matches them; ``UnmappedParameterError`` names the conversions that cannot
+    be reverted while streaming.
     """
     wrappers = _wrapper_paths(module)
     tensors = _state_tensors(module, include_buffers)
@@ -363,24 +401,7 @@ def checkpoint_entries(
     for e in entries:
         t = next((t for t in transforms if t.handles(e.name)), None)
         out.append(e if t is None else CheckpointEntry(e.name, e.path, e.is_buffer, e.aliases, t))
-    renames, unmapped = _conversion_check(root, [e.name for e in out if e.transform is None])
-    if renames:
-        out = [
-            CheckpointEntry(renames[e.name], e.path, e.is_buffer, e.aliases, e.transform)
-            if e.name in renames
-            else e
-            for e in out
-        ]
-    if unmapped:
-        shown = ", ".join(f"{n!r} (checkpoint writes it as {r!r})" for n, r in unmapped[:4])
-        more = f" and {len(unmapped) - 4} more" if len(unmapped) > 4 else ""
-        raise UnmappedParameterError(
-            f"rank {current_rank()}: {len(unmapped)} parameter(s) of {type(root).__name__} are stored "
-            f"in a fused in-memory layout that save_pretrained converts: {shown}{more}. Sending them "
-            "under their in-memory names would not load in vLLM; pass a TensorTransform for them "
-            "(transforms=...; FSDPSource does so itself for transformers-5 fused MoE experts)."
-        )
-    return out
+    return _apply_conversions(root, out, {path: t for path, t, _ in tensors})
 
 
 def names_of(entries: Iterable[CheckpointEntry]) -> list[str]:
