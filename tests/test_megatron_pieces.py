@@ -5,7 +5,7 @@ In each world every rank runs ``iter_pieces`` twice and sends its first pass's p
 which places them into full tensors and checks: every element of every metadata tensor covered
 exactly once (no replica answers twice, nothing left out, no box out of bounds), the assembled
 tensors byte-equal to ``iter_full`` in the declared wire dtype, each rank's pieces in metadata order
-(a name's pieces consecutive), the second pass the same boxes and values with no communication (the
+(every name once, as its pieces or one marker), the second pass the same boxes and values with no communication (the
 fallback layout excepted), the model unchanged. Layouts: TP2 dense with a vocabulary whose padding
 is not ``torch.chunk``-aligned (250 -> 256: 128 + 122 rows), bf16 wire; PP2 x VPP2 with tied
 embeddings; EP2 (TP1, so dense DP2) per_expert and fused; TP2 x EP2 x ETP1 with a shared expert and
@@ -13,10 +13,20 @@ its gate; Qwen3-Next and Qwen3.5 (gated delta net: chunked and block-per-TP-rank
 conv1d, shifted norms, gated attention) at TP2, Qwen3.5 also through the gather fallback; DeepSeek-V3
 (MLA, ETP2 experts, expert bias) and DeepSeek-V3.2 (DSA indexer rows) at TP2; GPT-OSS (sinks,
 router bias, transposed gate/up-interleaved biased experts) at TP2; 4 ranks: TP2 x EP2 x ETP2 and
-TP2 x DP2. The layout kinds' boxes are also checked one process, against ``concat``.
+TP2 x DP2. The layout kinds' boxes are also checked in one process, against ``concat``.
+
+Then, per layout and variant, ``DeltaSource`` rounds over that source (``delta_rounds``): a receiver
+on rank 0 fed only the rounds equals ``iter_full`` bitwise after every round, each round carries
+exactly the elements whose wire bytes changed between the dense passes before and after (noise on
+~2% of some parameters' elements, some of it too small for a bf16 wire, and a whole small tensor),
+an anchor carries everything and a round without change carries nothing -- the gather fallback
+included, whose point-to-point transfers run between ``DeltaSource``'s own exchanges.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -237,33 +247,101 @@ def check_source(src, rank: int, world_size: int, *, fallback: bool = False) -> 
     return f
 
 
+def _perturb(chunks: list, *, frac: float, seed: int) -> None:
+    """Noise on about ``frac`` of the elements of every other parameter (by name), through
+    ``param.data``, each rank its own shards -- replicas of a replicated tensor drift apart, so a
+    rank answering for the wrong replica shows -- and one whole small tensor changed: a MoE
+    layer's router expert bias (a buffer), else the final norm. A tenth of the noise is too small
+    for a bf16 wire to see (the wire bytes decide what changed)."""
+    import zlib
+
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(seed * 100 + dist.get_rank())
+    whole = False
+    with torch.no_grad():
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                if zlib.crc32(name.encode()) % 2:
+                    continue
+                mask = (torch.rand(p.shape, generator=g) < frac).to(p.dtype)
+                tiny = torch.rand(p.shape, generator=g) < 0.1
+                step = torch.where(tiny, 1e-7, 0.05) * (1 + p.data.abs())
+                p.data.add_(mask * step.to(p.dtype))
+            for name, b in chunk.named_buffers():
+                if name.endswith("router.expert_bias"):
+                    b.add_(0.5)
+                    whole = True
+            if not whole:
+                norm = getattr(chunk.decoder, "final_layernorm", None)
+                if norm is not None:
+                    norm.weight.data.add_(1.0)
+
+
+def delta_rounds(src, chunks: list, seed: int) -> list[dict]:
+    """``DeltaSource`` over ``src`` (small exchange groups): anchor, a round with no change, two
+    rounds after ``_perturb``, another with no change; a receiver on rank 0 fed only the rounds
+    (``delta_worlds.RoundLog``: it equals ``iter_full`` after each round, and each round carries
+    exactly the elements whose wire bytes changed between the dense passes before and after)."""
+    from delta_worlds import RoundLog
+
+    from weightsync.sources import DeltaSource
+
+    delta = DeltaSource(src, group_bytes=8 << 10)
+    assert delta.pieces_native
+    log = RoundLog(src, delta, {})
+    log.round("anchor")
+    log.round("no change")
+    _perturb(chunks, frac=0.02, seed=seed)
+    log.round("delta")
+    _perturb(chunks, frac=0.02, seed=seed + 1)
+    log.round("delta 2")
+    log.round("no change 2")
+    return log.facts
+
+
+@contextlib.contextmanager
+def gathered(kinds: tuple[str, ...]) -> Iterator[None]:
+    """Inside the block, these layout kinds say they cannot place their shards (``Layout.boxed``
+    False): ``iter_pieces`` takes its fallback, ``iter_full``'s point-to-point gather to rank 0."""
+    from weightsync.sources.core import layout as L
+
+    try:
+        for k in kinds:
+            L.KINDS[k].boxed = False
+        yield
+    finally:
+        for k in kinds:
+            L.KINDS[k].__dict__.pop("boxed", None)
+
+
 def _world(rank, world_size, *, layouts):
     import torch.distributed as dist
 
     from weightsync.sources import MegatronSource
-    from weightsync.sources.core import layout as L
 
     facts: dict = {}
     for lay in layouts:
         chunks, hf = _make(lay)
         model = chunks if len(chunks) > 1 else chunks[0]
         before = {(v, n): p.detach().clone() for v, c in enumerate(chunks) for n, p in c.named_parameters()}
-        for variant in lay.get("variants", [{}]):
-            key = f"{lay['name']}/{variant.get('tag', 'fp32')}"
+        variants = lay.get("variants", [{}])
+        for variant in variants:
             kw = {k: v for k, v in variant.items() if k in ("dtype", "expert_layout")}
-            gather = variant.get("gather_kinds", ())
-            try:
-                for k in gather:  # the fallback: these kinds' shards gathered to rank 0
-                    L.KINDS[k].boxed = False
+            with gathered(variant.get("gather_kinds", ())):
                 src = MegatronSource(model, hf_config=hf, **kw)
+                key = f"{lay['name']}/{variant.get('tag', 'fp32')}"
                 facts[key] = check_source(src, rank, world_size)
                 facts[key]["kinds"] = sorted({str(u.kind) for u in src.plan})
-            finally:
-                for k in gather:
-                    del L.KINDS[k].boxed
         facts[lay["name"] + "/unchanged"] = all(
             torch.equal(p, before[(v, n)]) for v, c in enumerate(chunks) for n, p in c.named_parameters()
         )
+        for j, variant in enumerate(variants):  # (these change the model: after the checks above)
+            kw = {k: v for k, v in variant.items() if k in ("dtype", "expert_layout")}
+            with gathered(variant.get("gather_kinds", ())):
+                src = MegatronSource(model, hf_config=hf, **kw)
+                key = f"{lay['name']}/{variant.get('tag', 'fp32')}/delta"
+                facts[key] = delta_rounds(src, chunks, seed=10 * j + 1)
         dist.barrier()
     return pack(facts)
 
@@ -312,6 +390,29 @@ def _check(res: dict, layouts: list[dict]) -> None:
                 else:
                     assert f["comm"] == {}, (key, r, f["comm"])  # no collective in a later pass
         assert all(res[r][lay["name"] + "/unchanged"] for r in res), lay["name"]
+        for variant in lay.get("variants", [{}]):
+            key = f"{lay['name']}/{variant.get('tag', 'fp32')}/delta"
+            if key in res[0]:
+                check_delta(res, key)
+
+
+def check_delta(res: dict, key: str) -> None:
+    """The receiver equals ``iter_full`` after every round; every round carries exactly the
+    elements whose wire bytes changed (an anchor: all of them); rounds without change send nothing."""
+    facts = {f["label"]: f for f in res[0][key]}
+    assert list(facts) == ["anchor", "no change", "delta", "delta 2", "no change 2"], key
+    for label, f in facts.items():
+        assert f["mismatch"] == [], (key, label, f["mismatch"][:5])
+        assert f["minimal"], (key, label)
+        assert f["stats"]["anchor"] == (label == "anchor"), (key, label)
+    for label in ("no change", "no change 2"):
+        f = facts[label]
+        assert f["yielded"] == 0 and f["stats"]["changed"] == 0 and f["changed_oracle"] == 0, (key, label, f)
+    for label in ("delta", "delta 2"):
+        f = facts[label]
+        assert 0 < f["stats"]["changed"] == f["changed_oracle"] < f["stats"]["elements"], (key, label, f["stats"])
+    for r in res:  # every rank took part in every round and agreed that each completed
+        assert [f["stats"]["completed"] for f in res[r][key]] == [True] * 5, (key, r)
 
 
 @pytest.fixture(scope="module")
@@ -321,7 +422,7 @@ def two_ranks():
 
 def test_two_ranks_pieces_tile_iter_full(two_ranks):
     _check(two_ranks, TWO_RANKS)
-    kinds = set().union(*(two_ranks[0][k]["kinds"] for k in two_ranks[0] if not k.endswith("/unchanged")))
+    kinds = set().union(*(f["kinds"] for f in two_ranks[0].values() if isinstance(f, dict) and "kinds" in f))
     from weightsync.sources.core.layout import KINDS
 
     # every layout kind but the indexer's other pairing (GLM-5) and the fused MLA down projection
