@@ -4,10 +4,11 @@
   ``SyncReport``;
 * ``hooks/``           -- transformers / TRL, Lightning and Megatron loop hooks, accelerate's source
   (also at ``weightsync.plugins.transformers`` / ``.lightning`` / ``.accelerate``);
-* ``loopback/``        -- the CPU ``"loopback"`` engine, trainer end (importing it registers it in
-  vLLM's ``WeightTransferTrainerFactory``);
+* ``loopback/``        -- the CPU ``"loopback"`` and ``"loopback_sparse"`` (delta rounds) engines,
+  trainer end (importing it registers them in vLLM's ``WeightTransferTrainerFactory``);
 * ``loopback_server/`` -- the loopback receiving end: receiver, HTTP server, process (no vLLM import);
 * ``checkpoint/``      -- ``save_safetensors``: a Hugging Face checkpoint folder from any source;
+  ``save_delta`` / ``apply_delta``: delta patch files;
 * ``cli/``             -- the ``weightsync`` command (demo, check, export);
 * ``presets``, ``megatron_build`` -- the tiny models the CLI, demo and tests build.
 
@@ -38,12 +39,17 @@ _LAZY: dict[str, str] = {
     # CPU loopback backend (test/demo transport speaking vLLM's four-phase protocol over gloo)
     "LoopbackTrainerInitInfo": ".loopback",
     "LoopbackTrainerWeightTransferEngine": ".loopback",
+    "LoopbackSparseTrainerInitInfo": ".loopback",
+    "LoopbackSparseTrainerWeightTransferEngine": ".loopback",
     "LoopbackReceiver": ".loopback_server",
     "ChecksumMismatchError": ".loopback_server",
     "ReceiverServer": ".loopback_server",
     "ReceiverClient": ".loopback_server",
     "ReceiverHandle": ".loopback_server",
     "start_receiver_process": ".loopback_server",
+    # delta patch files (one DeltaSource round as a sparse safetensors file; a chain applied to a folder)
+    "save_delta": ".checkpoint",
+    "apply_delta": ".checkpoint",
 }
 
 __all__ = sorted(_LAZY)

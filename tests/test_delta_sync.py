@@ -326,6 +326,15 @@ def _nccl_world(rank: int, world_size: int, tmp: str) -> dict:
         facts["same_names"] = names == sorted(os.listdir(base))
         facts["equal"] = {n: filecmp.cmp(os.path.join(base, n), os.path.join(fresh, n), shallow=False) for n in names}
         facts["stale_base"] = _err(lambda: apply_delta(base, files[0]))
+        # cold start: the anchor file brings a folder of any version to "0", the chain to "3"
+        import shutil
+
+        cold = os.path.join(tmp, "cold")
+        shutil.copytree(fresh, cold)
+        facts["cold"] = apply_delta(cold, [os.path.join(tmp, "p0.safetensors"), *files])
+        facts["cold_equal"] = all(
+            filecmp.cmp(os.path.join(cold, n), os.path.join(fresh, n), shallow=False) for n in names
+        )
         facts["header"] = read_delta_header(files[0])
     return facts
 
@@ -370,6 +379,7 @@ def test_sparse_nccl_engine_and_patch_files(tmp_path):
     assert len([n for n in f0["files"] if n.endswith(".safetensors")]) > 1  # a sharded folder
     assert "CheckpointError" in f0["stale_base"] and "base_version '0'" in f0["stale_base"]
     assert f0["header"]["base_version"] == "0" and f0["header"]["version"] == "1"
+    assert f0["cold"] == "3" and f0["cold_equal"]
 
 
 def test_construction_refusals_without_a_world():
@@ -390,3 +400,31 @@ def test_construction_refusals_without_a_world():
         WeightSync(ModuleSource(lin), LoopbackSparseTrainerInitInfo("h", 0, 2, rank=0), client)
     with pytest.raises(ValueError, match="chunk_bytes"):
         WeightSync(delta, LoopbackSparseTrainerInitInfo("h", 0, 2, rank=0), client, chunk_bytes=0)
+
+
+# --- the CLI ----------------------------------------------------------------------------------------
+
+
+def test_cli_demo_and_check_delta():
+    import re
+
+    r = run_cli("demo", "--delta", "--nproc", "2", "--steps", "2", nproc=2)
+    out = r.stdout
+    assert r.returncode == 0, (out, r.stderr[-3000:])
+    syncs = [line for line in out.splitlines() if line.strip().startswith("sync ")]
+    assert len(syncs) == 3 and all("EQUALS the trainer" in s for s in syncs), syncs
+    assert "anchor: 100.0000% changed" in syncs[0] and all("| delta: " in s for s in syncs[1:]), syncs
+    for s in syncs[1:]:
+        frac = float(re.search(r"delta: ([\d.]+)% changed", s).group(1))
+        assert 0 < frac < 50, s
+    assert re.search(r"3/3 syncs verified, .* -> PASS", out), out
+    for argv, nproc, layout in (
+        (("--model", "tiny-qwen3", "--nproc", "2"), 2, "fsdp x2"),
+        (("--model", "tiny-qwen3", "--layout", "megatron", "--pp", "2"), 2, "megatron tp1 pp2"),
+        (("--model", "tiny-qwen3-moe", "--layout", "megatron", "--tp", "2", "--ep", "2"), 4, "tp2 pp1 vpp1 ep2"),
+    ):
+        r = run_cli("check", "--delta", *argv, nproc=nproc)
+        assert r.returncode == 0, (argv, r.stdout, r.stderr[-3000:])
+        assert layout in r.stdout and r.stdout.count("EQUALS a dense pass") == 2 and "PASS" in r.stdout, r.stdout
+    r = run_cli("check", "--delta", "--quantize", "fp8")
+    assert r.returncode == 2 and "--delta with --quantize" in r.stderr

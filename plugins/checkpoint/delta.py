@@ -13,7 +13,8 @@ carry ``weightsync_version`` (``save_safetensors(..., version=v)``) and leaves t
 Invariants:
 
 * **Exact chain or nothing.** Every patch's ``base_version`` must equal the version before it (the
-  folder's for the first), every patched tensor must exist in the folder with the patch's dtype and
+  folder's for the first) -- except an anchor patch, which holds every element of every tensor and
+  so applies to a folder of any version -- every patched tensor must exist in the folder with the patch's dtype and
   shape and every index must be in range -- all checked before any byte is written. The folder is
   rewritten into a staging folder next to it and swapped into place at the end
   (``files.replace_folder``): a failure leaves it as it was.
@@ -309,7 +310,7 @@ def apply_delta(folder: str | os.PathLike, patch_files: str | os.PathLike | Sequ
     """Apply one patch file, or a chain in order, to ``folder`` (written by ``save_safetensors`` with
     a ``version``); returns the folder's new version. Raises ``CheckpointError`` before writing
     anything when a patch's ``base_version`` does not follow on (the folder's version for the
-    first), or a patch names a tensor the folder lacks, with another dtype or shape, or an index out
+    first; an anchor patch follows on from anything but must hold every tensor of the folder), or a patch names a tensor the folder lacks, with another dtype or shape, or an index out
     of range. The folder is replaced whole at the end, never left half-patched."""
     folder = os.path.abspath(os.fspath(folder))
     files = [patch_files] if isinstance(patch_files, (str, os.PathLike)) else list(patch_files)
@@ -323,7 +324,13 @@ def apply_delta(folder: str | os.PathLike, patch_files: str | os.PathLike | Sequ
         for e in shard.entries:
             where[e.name] = (k, e)
     for p in patches:
-        if p.base_version != current:
+        if p.anchor:  # every element of every tensor: applies whatever the folder held
+            missing = sorted(set(where) - set(p.shapes))
+            if missing:
+                raise CheckpointError(
+                    f"{p.path}: an anchor patch must hold every tensor of {folder}; it lacks {missing[:5]}"
+                )
+        elif p.base_version != current:
             raise CheckpointError(
                 f"{p.path}: patch base_version {p.base_version!r} does not match "
                 f"{'the folder' if p is patches[0] else 'the previous patch'}'s version {current!r} ({folder})"

@@ -20,7 +20,7 @@ from vllm.distributed.weight_transfer.base import WeightSource
 
 from ..presets import build_model
 
-__all__ = ["build_source", "checkpoint_state", "quantized", "shard_fsdp2"]
+__all__ = ["build_model_and_source", "build_source", "checkpoint_state", "quantized", "shard_fsdp2"]
 
 
 def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -48,6 +48,14 @@ def build_source(
     """The CLI's source for ``args.layout`` (collective: every rank calls it). ``hf_model`` is the
     already-built unsharded transformers model (default: ``build_model(config, seed=0)``); for
     ``fsdp`` it is sharded in place, for ``megatron`` rank 0 reads its checkpoint tensors."""
+    return build_model_and_source(args, config, dtype, hf_model=hf_model)[1]
+
+
+def build_model_and_source(
+    args: argparse.Namespace, config: Any, dtype: torch.dtype | None, *, hf_model: torch.nn.Module | None = None
+) -> tuple[list[torch.nn.Module], WeightSource]:
+    """``build_source``, also returning this rank's trainer modules (the FSDP2 model, or the
+    Megatron model chunks): what ``check --delta`` perturbs between its rounds."""
     expert_layout = getattr(args, "expert_layout", None)
     if getattr(args, "layout", "fsdp") == "megatron":
         import torch.distributed as dist
@@ -64,12 +72,12 @@ def build_source(
         load_hf_weights(chunks, config, state)
         del state
         model = chunks if args.vpp else chunks[0]
-        return quantized(args, MegatronSource(model, hf_config=config, dtype=dtype, mode="full",
-                                              expert_layout=expert_layout))
+        return list(chunks), quantized(args, MegatronSource(model, hf_config=config, dtype=dtype, mode="full",
+                                                            expert_layout=expert_layout))
     from weightsync.sources import FSDPSource
 
     model = shard_fsdp2(hf_model if hf_model is not None else build_model(config, seed=0))
-    return quantized(args, FSDPSource(model, dtype=dtype, expert_layout=expert_layout))
+    return [model], quantized(args, FSDPSource(model, dtype=dtype, expert_layout=expert_layout))
 
 
 def quantized(args: argparse.Namespace, source: WeightSource) -> WeightSource:

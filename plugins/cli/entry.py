@@ -79,6 +79,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--no-checksums", dest="checksums", action="store_false", help="skip wire checksums")
     d.add_argument("--quantize", choices=("fp8",), default=None,
                    help="send block-FP8 weights + weight_scale_inv into a receiver holding an FP8 checkpoint")
+    d.add_argument("--delta", action="store_true",
+                   help="delta sync: fp32 trainer, bf16 wire, Adam at an RL learning rate (--lr); only the "
+                   "changed elements travel (DeltaSource + loopback_sparse), each sync verified against a dense pass")
+    d.add_argument("--lr", type=float, default=None, help="--delta: Adam learning rate (default 1e-6)")
 
     c = sub.add_parser(
         "check",
@@ -90,6 +94,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     _source_args(c, presets)
     c.add_argument("--show", type=int, default=0, help="also list the first N tensors")
+    c.add_argument("--delta", action="store_true",
+                   help="wrap the source in DeltaSource and run an anchor round and, after perturbing ~2%% of "
+                   "the weights, a delta round into a receiver on rank 0 (vLLM's sparse apply); each must "
+                   "equal a dense pass bitwise (wire dtype: --dtype, default bfloat16)")
     c.add_argument(
         "--checkpoint", metavar="PATH", default=None,
         help="compare this safetensors checkpoint folder (instead of save_pretrained) with what the "
@@ -234,11 +242,20 @@ def _run(args: argparse.Namespace) -> int:
             from .demo import run_demo
 
             try:
-                res = run_demo(
-                    steps=args.steps, preset=args.model, config_path=args.config,
-                    hidden=args.hidden, layers=args.layers, packed=args.packed,
-                    checksums=args.checksums, quantize=args.quantize,
-                )
+                if args.delta:
+                    from .delta import DEFAULT_DELTA_LR, run_delta_demo
+
+                    res = run_delta_demo(
+                        steps=args.steps, preset=args.model, config_path=args.config, hidden=args.hidden,
+                        layers=args.layers, lr=args.lr if args.lr is not None else DEFAULT_DELTA_LR,
+                        checksums=args.checksums,
+                    )
+                else:
+                    res = run_demo(
+                        steps=args.steps, preset=args.model, config_path=args.config,
+                        hidden=args.hidden, layers=args.layers, packed=args.packed,
+                        checksums=args.checksums, quantize=args.quantize,
+                    )
             except Exception as e:  # noqa: BLE001 - a failed sync is a verdict, in words
                 if dist.get_rank() == 0:
                     print(f"weightsync demo: FAIL: {type(e).__name__}: {e}", file=sys.stderr)
@@ -248,6 +265,10 @@ def _run(args: argparse.Namespace) -> int:
             from .export import run_export
 
             return run_export(args)
+        if getattr(args, "delta", False):
+            from .delta import run_check_delta
+
+            return run_check_delta(args)
         from .check import run_check
 
         return run_check(args)

@@ -43,6 +43,14 @@ def validate_args(args: argparse.Namespace) -> Any:
         raise UserError(f"--nproc must be between 1 and 64, got {nproc}")
     if getattr(args, "steps", 1) < 1:
         raise UserError(f"--steps must be >= 1, got {args.steps}")
+    if getattr(args, "delta", False):
+        if getattr(args, "quantize", None):
+            raise UserError("--delta with --quantize is not supported by the CLI (DeltaSource(FP8Source(...)) "
+                            "works in code)")
+        if args.command == "check" and getattr(args, "checkpoint", None):
+            raise UserError("check --delta compares with a dense pass, not a --checkpoint folder")
+    elif getattr(args, "lr", None) is not None:
+        raise UserError("--lr is for demo --delta")
     checkpoint_config(args)
     facts = config_facts(args.model, args.config, hidden=args.hidden, layers=args.layers)
     if getattr(args, "dtype", None) and args.dtype not in TORCH_DTYPES:
