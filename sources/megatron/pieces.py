@@ -160,9 +160,9 @@ def _moe_pieces(src: MegatronSource, layer: int) -> Iterator[Piece]:
     if hf.shared is not None:
         S, H, tp = hf.shared[0][1][0], ex.mcfg.hidden_size, ex.tp
         boxes: list[Box] = []
-        for r in range(tp):
-            if ex._holder(layer, tp=r) != me:
-                continue
+        c = ex._coords[me]  # (the holder of TP shard r has TP rank r: only this rank's can be ours)
+        r = c.tp
+        if ex._stage_of[layer] == c.pp and ex._holder(layer, tp=r) == me:
             s1 = take("shared1", -1, r, (2 * S // tp, H), wd["shared"])
             boxes += GLU_LAYOUT.boxes(s1, full=(hf.shared[0][1], hf.shared[1][1]), tp=tp, tp_rank=r)
             s2 = take("shared2", -1, r, (H, S // tp), wd["shared"])
@@ -182,7 +182,11 @@ def _expert_pieces(src: MegatronSource, layer: int, hf: Any, wd: torch.dtype, ta
     spec = hf.experts
     me = dist.get_rank()
     F, H, etp = ex.mcfg.moe_ffn_hidden_size, ex.mcfg.hidden_size, ex.etp
-    held = {e: r for e in range(ex.E) for r in range(etp) if ex._holder(layer, ep=e // ex.E_local, etp=r) == me}
+    # The holder of (ep, etp) has those coordinates: only this rank's own can be ours (one lookup per
+    # layer, not one per expert and ETP rank over every rank's coordinates).
+    c = ex._coords[me]
+    holder = ex._stage_of[layer] == c.pp and ex._holder(layer, ep=c.ep, etp=c.etp) == me
+    held = {e: c.etp for e in range(c.ep * ex.E_local, (c.ep + 1) * ex.E_local)} if holder else {}
     layout = ex.layout_of(spec)
     plain = not (spec.transposed or spec.interleaved)
     if not plain and etp != 1:
@@ -212,13 +216,13 @@ def _expert_pieces(src: MegatronSource, layer: int, hf: Any, wd: torch.dtype, ta
         per = len(spec.entries("per_expert")) // ex.E  # names per expert, in entries order
         names = [n for n, _ in spec.entries("per_expert")]
         for e in range(ex.E):
-            mine = names[e * per : (e + 1) * per]
+            of_e = names[e * per : (e + 1) * per]
             if e not in held:
-                yield from (marker(n) for n in mine)
+                yield from (marker(n) for n in of_e)
             elif spec.saved == "per_expert":  # gate, up, down: the ETP shard's boxes of each
                 r = held[e]
                 g, u = gate_up(e, r)
-                for name, box in zip(mine, (g, u, down(e, r))):
+                for name, box in zip(of_e, (g, u, down(e, r))):
                     yield Piece(name, box.offsets, box.tensor)
             else:  # a fused checkpoint's streamed per-expert slices, built by the spec (ETP 1)
                 for name, t in spec.expert_tensors(e, *expert_whole(e)):

@@ -48,6 +48,9 @@ Invariants:
   replica, because with expert parallelism they hold other experts -- so every rank walks the MoE
   layers in the same order even when it has no dense unit to send. ``mode="local"`` does not
   support MoE (raises ``NotImplementedError`` naming the MoE layers at construction).
+* ``iter_pieces()`` (delta sync; ``megatron/pieces.py``, protocol ``core/pieces.py``): every rank
+  yields its own shards as boxes of the checkpoint tensors, in the wire dtype -- the replica
+  ``iter_full`` reads answers, one element once -- with no collective after the first pass.
 """
 
 from __future__ import annotations
