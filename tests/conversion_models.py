@@ -153,14 +153,19 @@ def saved_layout(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], tor
         for k, v in tensors.items():
             got[k] = (tuple(v.shape), v.dtype)
 
-    orig = mu.safe_save_file
+    from transformers.utils import logging as hf_logging
+
+    orig, bars = mu.safe_save_file, hf_logging.is_progress_bar_enabled()
     mu.safe_save_file = record
+    hf_logging.disable_progress_bar()
     try:
         with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.save_pretrained(d)
     finally:
         mu.safe_save_file = orig
+        if bars:
+            hf_logging.enable_progress_bar()
     return got
 
 
@@ -213,8 +218,9 @@ def small(cfg):
     return cfg
 
 
-def tiny_model(model_type: str, seed: int = 0) -> torch.nn.Module:
-    kind, fixes = TINY[model_type]
-    cfg = _apply(small(shrink(config_of(model_type), keep=4)), fixes)
+def tiny_model(model_type: str, seed: int = 0, fixes: dict | None = None) -> torch.nn.Module:
+    """``TINY[model_type]``'s model (``fixes``: more config fields, e.g. a wider tower for a bench)."""
+    kind, own = TINY[model_type]
+    cfg = _apply(_apply(small(shrink(config_of(model_type), keep=4)), own), fixes or {})
     torch.manual_seed(seed)
     return build(model_type, kind, cfg, meta=False)

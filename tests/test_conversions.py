@@ -175,9 +175,18 @@ def _world(rank: int, world_size: int, *, oracle_dir: str, archs: tuple[str, ...
                     with no_collectives():
                         meta = [(m.name, tuple(m.shape), m.dtype) for m in src.metadata]
                     got = {n: t.detach().clone() for n, t in src.iter_full()}
-                    facts[(arch, origin, sharding, str(dtype))] = dict(
+                    f = facts[(arch, origin, sharding, str(dtype))] = dict(
                         meta=meta, got=got, cls=type(model).__name__, held=_held(src),
                     )
+                    if (origin, sharding, dtype) == ("config", "blocks", torch.float32):
+                        # iter_local: converted entries go out whole; iter_pieces (delta sync): the
+                        # converted entries whole from rank 0, the rest as this rank's boxes.
+                        f["local_names"] = [n for n, _ in src.iter_local()]
+                        f["pieces"] = [
+                            (p.name, p.offsets, p.tensor.detach().to(dtype).clone())
+                            for p in src.iter_pieces() if p.tensor is not None
+                        ]
+                        f["held_after"] = _held(src)
     return pack(facts)
 
 
@@ -219,3 +228,15 @@ def test_fsdp2_streams_save_pretrained_names_and_bytes(tmp_path):
                     # the wire keeps routers in fp32 (dtype_policy): compare in the file's dtype
                     assert torch.equal(t.to(ref[name].dtype), ref[name]), (rank, key, name)
                 assert f["held"] == 0, (rank, key)
+                if "pieces" in f:
+                    assert sorted(set(f["local_names"])) == sorted(ref), (rank, key)
+                    assert f["held_after"] == 0, (rank, key)
+        pieces = [p for facts in res.values() for p in facts[(arch, "config", "blocks", "torch.float32")]["pieces"]]
+        ref = oracles["torch.float32"]
+        assert {p[0] for p in pieces} == set(ref), arch
+        full = {n: torch.full(t.shape, float("nan"), dtype=t.dtype) for n, t in ref.items() if t.is_floating_point()}
+        for name, offsets, t in pieces:
+            if name in full:
+                full[name][tuple(slice(o, o + s) for o, s in zip(offsets, t.shape))] = t
+        for name, t in full.items():
+            assert torch.equal(t, ref[name]), (arch, "pieces", name)
