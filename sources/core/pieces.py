@@ -15,9 +15,10 @@ The protocol (``iter_pieces()``, implemented by ``FSDPSource`` and ``MegatronSou
 * Over all ranks, the pieces of each metadata name **tile its full tensor exactly once**: no element
   is covered twice (replicas -- HSDP's replicate axis, TP ranks holding a replicated norm, DP
   replicas of a Megatron model -- answer from one rank only) and none is left out.
-* ``tensor`` holds the block's values **in the wire dtype** the metadata declares (cast, shifted,
-  permuted, vocabulary-trimmed: exactly the bytes a dense pass would send for those elements);
-  any strides. It may alias the model's storage, and stays valid until the pass ends (a source
+* ``tensor`` holds the block's values as a dense pass would send them (shifted, permuted,
+  vocabulary-trimmed), **in the wire dtype** the metadata declares -- or, for a floating tensor, in
+  a floating dtype whose plain elementwise cast (``.to(wire dtype)``) gives exactly those bytes (an
+  FSDP shard in its fp32 master dtype): the consumer casts, into memory it reuses. Any strides. It may alias the model's storage, and stays valid until the pass ends (a source
   never reuses a piece's memory within a pass); the consumer never writes to it.
 * **Stable**: a rank yields the same ``(name, offsets, shape)`` every pass for the same model, so a
   consumer can keep per-piece state (a snapshot) between passes.

@@ -19,7 +19,7 @@ import torch
 
 from ..core.pieces import Piece
 
-__all__ = ["Snapshots", "Changed", "bits", "has_nan"]
+__all__ = ["Snapshots", "Changed", "bits", "has_nan", "changed_positions"]
 
 _INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -45,11 +45,33 @@ def has_nan(values: torch.Tensor) -> bool:
 Key = tuple[str, tuple[int, ...], tuple[int, ...]]
 
 
+def changed_positions(cur: torch.Tensor, snap: torch.Tensor) -> torch.Tensor:
+    """Row-major positions (int64, ascending) where the bytes of ``cur`` and ``snap`` (same dtype,
+    contiguous, 1-D) differ.
+
+    Compared 8 bytes at a time where the layout allows (4 bf16 per int64 word), then lane by lane only
+    in the words that differ: with a few percent of elements changed, the scan and ``nonzero`` run over
+    a quarter of the elements (CPU, 15M bf16: 16 ms instead of 41 ms for cast + compare + nonzero)."""
+    n, es = cur.numel(), cur.element_size()
+    k = 8 // es
+    if (k > 1 and n % k == 0 and cur.is_contiguous() and snap.is_contiguous()
+            and (cur.storage_offset() * es) % 8 == 0 and (snap.storage_offset() * es) % 8 == 0):
+        w, sw = cur.view(torch.int64), snap.view(torch.int64)
+        words = (w != sw).nonzero().view(-1)
+        if not words.numel():
+            return words
+        a = w.index_select(0, words).view(_INT_OF[es]).view(-1, k)
+        b = sw.index_select(0, words).view(_INT_OF[es]).view(-1, k)
+        lanes = (a != b).view(-1).nonzero().view(-1)
+        return words[lanes // k] * k + lanes % k
+    return (bits(cur) != bits(snap)).nonzero().view(-1)
+
+
 @dataclass
 class Changed:
     """What a piece changed since the snapshot: ``pos`` (int64 row-major positions in the box) and
-    ``values`` (the new values there), or ``pos=None`` for every element (``values`` is then the
-    whole box, flattened)."""
+    ``values`` (the new wire values there), or ``pos=None`` for every element (``values`` is then the
+    whole box in the wire dtype, flattened)."""
 
     piece: Piece
     pos: torch.Tensor | None
@@ -58,6 +80,13 @@ class Changed:
     @property
     def count(self) -> int:
         return self.values.numel()
+
+    def whole(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole box in the wire ``dtype``, shaped as the box."""
+        if self.pos is None:
+            return self.values.view(self.piece.tensor.shape)
+        t = self.piece.tensor
+        return t if t.dtype == dtype else t.to(dtype)
 
 
 class Snapshots:
@@ -68,6 +97,7 @@ class Snapshots:
             raise ValueError(f"snapshot= must be 'device' or 'cpu', got {where!r}")
         self.where = where
         self._store: dict[Key, torch.Tensor] = {}
+        self._scratch: dict[torch.device, torch.Tensor] = {}
 
     @staticmethod
     def key(piece: Piece) -> Key:
@@ -77,39 +107,58 @@ class Snapshots:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._store.values())
 
+    @property
+    def scratch_bytes(self) -> int:
+        return sum(t.numel() for t in self._scratch.values())
+
     def clear(self) -> None:
         self._store.clear()
+        self._scratch.clear()
 
-    def diff(self, piece: Piece, *, everything: bool) -> Changed:
-        """``piece``'s changes: every element when ``everything`` or when there is no snapshot yet."""
-        cur = piece.tensor.reshape(-1)
+    def _cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``t`` in ``dtype``, flattened, in a scratch buffer reused across pieces and rounds: a fresh
+        allocation per piece costs page faults larger than the cast itself (CPU, 15M fp32 -> bf16:
+        21 ms fresh, 3 ms into reused memory)."""
+        nbytes = t.numel() * torch.empty((), dtype=dtype).element_size()
+        buf = self._scratch.get(t.device)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._scratch[t.device] = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=t.device)
+        out = buf[:nbytes].view(dtype)
+        out.view(t.shape).copy_(t)
+        return out
+
+    def diff(self, piece: Piece, dtype: torch.dtype, *, everything: bool) -> Changed:
+        """``piece``'s changes in the wire ``dtype``: every element when ``everything`` or when there is no
+        snapshot yet. Values are fresh tensors (never the scratch, never the piece's storage)."""
+        t = piece.tensor
         snap = None if everything else self._store.get(self.key(piece))
         if snap is None:
-            return Changed(piece, None, cur)
+            whole = t.reshape(-1).to(dtype) if t.dtype != dtype else t.reshape(-1)
+            return Changed(piece, None, whole)
+        cur = self._cast(t, dtype) if t.dtype != dtype else t.reshape(-1)
         if snap.device != cur.device:
             snap = snap.to(cur.device, non_blocking=True)
-        pos = (bits(cur) != bits(snap)).nonzero().view(-1)
-        return Changed(piece, pos, cur[pos])
+        pos = changed_positions(cur, snap.view(-1))
+        return Changed(piece, pos, bits(cur).index_select(0, pos).view(dtype))
 
     def commit(self, ch: Changed) -> None:
         """Make the snapshot what the receiver holds once ``ch`` is delivered."""
         key = self.key(ch.piece)
         snap = self._store.get(key)
         if ch.pos is None:
-            src = ch.values.view(ch.piece.tensor.shape) if ch.values.numel() else ch.piece.tensor
             if snap is None:
-                self._store[key] = self._fresh(src)
+                self._store[key] = self._fresh(ch.values)
             else:
-                snap.copy_(src.reshape(snap.shape), non_blocking=True)
+                snap.view(-1).copy_(ch.values, non_blocking=True)
             return
         if not ch.pos.numel():
             return
         assert snap is not None
-        flat = snap.view(-1)
+        flat = bits(snap)  # as integers: index_copy_ has no float8 kernel on CPU
         if flat.device == ch.pos.device:
-            flat[ch.pos] = ch.values
+            flat.index_copy_(0, ch.pos, bits(ch.values))
         else:
-            flat[ch.pos.to(flat.device)] = ch.values.to(flat.device)
+            flat.index_copy_(0, ch.pos.to(flat.device), bits(ch.values).to(flat.device))
 
     def _fresh(self, src: torch.Tensor) -> torch.Tensor:
         if self.where == "device" or src.device.type == "cpu":

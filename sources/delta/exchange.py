@@ -58,7 +58,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
 
-def pack(changes: list[Changed], *, whole: bool, full_shape: tuple[int, ...], out: list[torch.Tensor]) -> None:
+def pack(changes: list[Changed], *, whole: bool, full_shape: tuple[int, ...], dtype: torch.dtype,
+         out: list[torch.Tensor]) -> None:
     """Append this rank's segments for one tensor to ``out`` (``segment_sizes`` bytes)."""
     dev = changes[0].values.device if changes else torch.device("cpu")
 
@@ -75,7 +76,7 @@ def pack(changes: list[Changed], *, whole: bool, full_shape: tuple[int, ...], ou
         out.append(_bytes(head.to(dev)))
         n = 0
         for c in changes:
-            v = c.piece.tensor.reshape(-1)
+            v = c.whole(dtype).reshape(-1)
             out.append(_bytes(v))
             n += v.numel() * v.element_size()
         pad(n)

@@ -279,7 +279,7 @@ class DeltaSource:
                 failure = (f"{name!r}: the source yielded {tuple(tensor.shape)} {tensor.dtype}, metadata "
                            f"declares " + ("nothing" if i is None else f"{tuple(metas[i].shape)} {metas[i].dtype}"))
                 continue
-            ch = self._snap.diff(whole_piece(name, tensor), everything=anchor)
+            ch = self._snap.diff(whole_piece(name, tensor), metas[i].dtype, everything=anchor)
             if has_nan(ch.values):
                 failure = f"{name!r} has NaN among its new values"
                 continue
@@ -314,7 +314,7 @@ class DeltaSource:
         if not ch.count:
             return None
         if whole_ok and ch.count * (4 + meta.dtype.itemsize) >= n * meta.dtype.itemsize:
-            return Delta(name, None, ch.piece.tensor.reshape(-1), shape)
+            return Delta(name, None, ch.whole(meta.dtype).reshape(-1), shape)
         return Delta(name, ch.pos.to(torch.int32), ch.values, shape)
 
     # ---- a source diffed where its shards live ---------------------------------------------------------
@@ -363,7 +363,7 @@ class DeltaSource:
                         rows[k, BAD] = 1
                         problem = problem or why
                         continue
-                    ch = self._snap.diff(p, everything=anchor)
+                    ch = self._snap.diff(p, metas[i].dtype, everything=anchor)
                     if has_nan(ch.values):
                         rows[k, NAN] = 1
                     changes.setdefault(i, []).append(ch)
@@ -480,7 +480,8 @@ class DeltaSource:
             segs: list[torch.Tensor] = []
             for k, how in enumerate(plan):
                 if how is not None:
-                    pack(changes.get(lo + k, []), whole=how == "whole", full_shape=tuple(metas[lo + k].shape), out=segs)
+                    pack(changes.get(lo + k, []), whole=how == "whole", full_shape=tuple(metas[lo + k].shape),
+                         dtype=metas[lo + k].dtype, out=segs)
             mine = torch.cat([s.to(dev) for s in segs])
             assert mine.numel() == sizes[rank], (mine.numel(), sizes[rank])
             stats.collective_bytes += mine.numel()
@@ -522,7 +523,7 @@ class DeltaSource:
         if how == "whole":
             dev = own[0].values.device if own else (next(iter(got.values())).device if got else torch.device("cpu"))
             full = torch.empty(shape, dtype=meta.dtype, device=dev)
-            boxes = [(tuple(c.piece.offsets), c.piece.tensor) for c in own]
+            boxes = [(tuple(c.piece.offsets), c.whole(meta.dtype)) for c in own]
             for _, seg in parts:
                 boxes += seg
             for offsets, vals in boxes:
@@ -549,7 +550,7 @@ class DeltaSource:
 
 def _box_problem(p: Piece, meta: ParamMeta) -> str | None:
     t = p.tensor
-    if t.dtype != meta.dtype:
+    if t.dtype != meta.dtype and not (t.dtype.is_floating_point and meta.dtype.is_floating_point):
         return f"a piece of {p.name!r} is {t.dtype}, metadata declares {meta.dtype}"
     shape = tuple(meta.shape)
     if len(p.offsets) != len(shape) or t.dim() != len(shape) or any(

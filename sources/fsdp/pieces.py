@@ -17,8 +17,9 @@ The protocol is ``core/pieces.py``'s. How an ``FSDPSource`` entry becomes pieces
   collective ``iter_local`` uses (``fallback_full`` / the LoRA merge), on every rank of its mesh in
   entry order, and rank 0 yields the result whole.
 
-Values are exactly what ``iter_full`` sends for those elements: the local shard cast to the wire
-dtype (casting is elementwise, so cast-then-cut equals cut-then-cast).
+Values are exactly what ``iter_full`` sends for those elements once cast to the wire dtype: boxes of
+the local shard are yielded in the parameter's own dtype and the consumer casts them (casting is
+elementwise, so cast-then-cut equals cut-then-cast); gathered tensors are already in the wire dtype.
 """
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ def _plain_box(t) -> tuple[tuple[int, ...], bool] | None:
     return tuple(int(o) for o in offsets), answers
 
 
+def _box_of(src: Any, i: int, t) -> tuple[tuple[int, ...], bool] | None:
+    """``_plain_box`` of entry ``i``, computed once per (global shape, mesh, placements): DTensor's
+    placement arithmetic costs ~0.15 ms a parameter in Python, which a delta round would pay for
+    every parameter, every round."""
+    cache = src.__dict__.setdefault("_piece_boxes", {})
+    key = (i, tuple(t.shape), id(t.device_mesh), tuple(t.placements))
+    if key not in cache:
+        cache[key] = _plain_box(t)
+    return cache[key]
+
+
 def _dim0_only(t, offsets: tuple[int, ...]) -> bool:
     """The local shard is a dim-0 slice (rows ``offsets[0]..``, every other dim whole)."""
     local = local_of(t)
@@ -82,14 +94,14 @@ def _entry_pieces(src, e, t, wd, names, merges, all_tensors, stats, rank, i) -> 
         full = src._merged_full(src._entry_item[i], all_tensors, stats)  # collective on every member
     elif not is_dtensor(t):
         if rank == 0:
-            full = t.detach().to(dtype=wd)
+            full = t.detach()  # the consumer casts
     else:
-        box = _plain_box(t)
+        box = _box_of(src, i, t)
         if box is not None and (e.transform is None or (
                 hasattr(e.transform, "pieces") and _dim0_only(t, box[0]))):
             offsets, answers = box
             if answers:
-                local = local_of(t).to(dtype=wd)
+                local = local_of(t)  # in its own dtype: the consumer casts (core/pieces.py)
                 if e.transform is None:
                     items.append(Piece(e.name, offsets, local))
                 else:

@@ -1,0 +1,203 @@
+"""Delta sync vs the dense pass, on a model trained with Adam at an RL learning rate.
+
+One FSDP2 model (fp32 master weights, bf16 wire), trained ``--steps`` Adam steps on random tokens; after
+each step, on every rank, interleaved: a dense ``FSDPSource.iter_full`` pass (what a full sync costs
+the trainer) and one ``DeltaSource`` round (diff where the shard lives + counts exchange + changed
+elements to rank 0). Rank 0 drains both (no transport: the trainer's share only). Printed per round:
+the changed fraction the step produced, wire bytes (indices + values) against the dense wire, the
+trainer's collective bytes against the dense pass's, and seconds; then the medians and the ratios
+the goals are stated in, checked against ``bench/results/history.jsonl`` (``--record`` appends).
+
+Goals (issue 32): wire <= 6 bytes per changed element + a per-tensor constant; trainer collective
+bytes O(changed elements); at ~2% changed, a delta round's trainer time <= 0.5x the dense pass's (2
+CPU ranks, gloo); extra trainer memory for the snapshot = the rank's shard in the wire dtype. On a GPU
+(``--device cuda``, one process) the same round is timed against a D2D copy of the model's wire
+bytes (goal <= 1.5x), and a sync-time model (trainer time + wire bytes / link) is printed for 25, 50
+and 100 GB/s links.
+
+    python bench/bench_delta.py                       # 2 gloo ranks on CPU (~110M parameters)
+    python bench/bench_delta.py --lr 3e-6 --steps 6 --hidden 512 --vocab 16384
+    python bench/bench_delta.py --device cuda --hidden 2048 --layers 28 --vocab 151936   # H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
+from worlds import run_world  # noqa: E402
+
+LINKS_GBPS = (25, 50, 100)
+
+
+def _model(args, device: str):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        hidden_size=args.hidden, intermediate_size=args.hidden * 3, num_hidden_layers=args.layers,
+        num_attention_heads=max(2, args.hidden // 64), num_key_value_heads=max(1, args.hidden // 256),
+        head_dim=64 if args.hidden >= 64 else args.hidden // 2, vocab_size=args.vocab, tie_word_embeddings=False,
+    )
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+
+
+def _train_step(model, opt, args, device: str, seed: int) -> None:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(0, args.vocab, (2, args.seq), generator=g).to(device)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _drain(it) -> None:
+    for _ in it:
+        pass
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _worker(rank: int, world: int, args) -> dict | None:
+    from weightsync.sources import DeltaSource, FSDPSource
+
+    device = args.device
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        model = _model(args, device)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model = _model(args, device)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    src = FSDPSource(model, dtype=torch.bfloat16)
+    delta = DeltaSource(src)
+    _drain(delta.iter_deltas())  # the anchor (first round): not timed
+    _drain(src.iter_full())  # warm-up
+    rows = []
+    for step in range(args.steps):
+        _train_step(model, opt, args, device, seed=step)
+        times = {}
+        order = ("dense", "delta") if step % 2 else ("delta", "dense")
+        for what in order:
+            if world > 1:
+                dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            if what == "dense":
+                _drain(src.iter_full())
+                dense_coll = src.last_pass.bytes_received
+            else:
+                wire = 0
+                for d in delta.iter_deltas():
+                    wire += d.nbytes
+            _sync(device)
+            times[what] = time.perf_counter() - t0
+        st = delta.last_round
+        rows.append({
+            "step": step + 1, "changed": st.changed, "elements": st.elements, "tensors": st.tensors,
+            "wire": wire, "dense_wire": st.dense_bytes, "coll": st.collective_bytes, "dense_coll": dense_coll,
+            "t_delta": times["delta"], "t_dense": times["dense"], "snapshot": st.snapshot_bytes, "anchor": st.anchor,
+        })
+    shard = sum((p._local_tensor if hasattr(p, "_local_tensor") else p).numel() * 2 for p in model.parameters())
+    copy_s = None
+    if device == "cuda":  # the D2D copy of the model's wire bytes, the GPU floor
+        n = rows[-1]["dense_wire"]
+        a = torch.empty(n, dtype=torch.uint8, device="cuda")
+        b = torch.empty_like(a)
+        ts = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            b.copy_(a)
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        copy_s = min(ts)
+    if world > 1:
+        got = [None] * world
+        dist.all_gather_object(got, {"rows": rows, "shard": shard})
+        if rank:
+            return None
+        return {"ranks": got, "copy_s": copy_s}
+    return {"ranks": [{"rows": rows, "shard": shard}], "copy_s": copy_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--lr", type=float, default=1e-6, help="Adam learning rate (RL-like)")
+    ap.add_argument("--record", action="store_true", help="append the ratios to bench/results/history.jsonl")
+    args = ap.parse_args()
+    if args.device == "cuda":
+        args.world = 1
+    if args.world > 1:
+        res = run_world(_worker, args.world, timeout=3600, pg_timeout_s=900, args=args)[0]
+    else:
+        res = _worker(0, 1, args)
+    rows0 = res["ranks"][0]["rows"]
+    print(f"delta sync vs dense pass: Qwen3-shaped hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, "
+          f"fp32 masters, bf16 wire, Adam lr {args.lr:g}, {args.world} rank(s) on {args.device}")
+    print(f"{'step':>4} {'changed':>8} {'tensors':>7} {'wire/dense':>10} {'B/changed':>9} "
+          f"{'coll/dense':>10} {'t_delta':>8} {'t_dense':>8} {'delta/dense':>11}")
+    for r in rows0:
+        frac = r["changed"] / r["elements"]
+        bpe = (r["wire"] / r["changed"]) if r["changed"] else 0.0
+        coll = sum(x["rows"][r["step"] - 1]["coll"] for x in res["ranks"])
+        dcoll = sum(x["rows"][r["step"] - 1]["dense_coll"] for x in res["ranks"])
+        print(f"{r['step']:>4} {100 * frac:>7.2f}% {r['tensors']:>7} {r['wire'] / r['dense_wire']:>10.4f} {bpe:>9.2f} "
+              f"{(coll / dcoll if dcoll else float('nan')):>10.4f} {r['t_delta']:>8.4f} {r['t_dense']:>8.4f} "
+              f"{r['t_delta'] / r['t_dense']:>11.3f}")
+    frac = statistics.median(r["changed"] / r["elements"] for r in rows0)
+    ratio = statistics.median(r["t_delta"] / r["t_dense"] for r in rows0)
+    coll = statistics.median(
+        sum(x["rows"][i]["coll"] for x in res["ranks"]) / max(1, sum(x["rows"][i]["dense_coll"] for x in res["ranks"]))
+        for i in range(len(rows0)))
+    bpe = statistics.median(r["wire"] / r["changed"] for r in rows0 if r["changed"])
+    snap = [x["rows"][-1]["snapshot"] / x["shard"] for x in res["ranks"]]
+    print(f"median changed fraction {100 * frac:.2f}%; wire {bpe:.2f} B per changed element (goal <= 6 + per-tensor "
+          f"constant); trainer collective bytes {coll:.4f}x the dense pass's; snapshot = {min(snap):.3f}-{max(snap):.3f}x "
+          "the rank's shard in bf16 (stated: 1.0x)")
+    print(f"trainer time, delta round / dense pass: median {ratio:.3f} (goal <= 0.5 at ~2% changed, 2 CPU ranks)")
+    if res["copy_s"]:
+        t = statistics.median(r["t_delta"] for r in rows0)
+        print(f"GPU: delta round / D2D copy of the wire bytes: {t / res['copy_s']:.3f} (goal <= 1.5)")
+        dense_wire = rows0[-1]["dense_wire"]
+        for gbps in LINKS_GBPS:
+            dense = statistics.median(r["t_dense"] for r in rows0) + dense_wire / (gbps * 1e9)
+            dl = t + statistics.median(r["wire"] for r in rows0) / (gbps * 1e9)
+            print(f"  sync-time model at {gbps} GB/s: dense {dense:.3f} s, delta {dl:.3f} s ({dense / dl:.1f}x)")
+    from _history import Guard, ratio_noise
+
+    shape = f"qwen3 h{args.hidden} l{args.layers} v{args.vocab} lr{args.lr:g} {args.world}r {args.device}"
+    guard = Guard("bench_delta", shape, record=args.record)
+    guard.check("delta/dense trainer time median", ratio,
+                ratio_noise([r["t_delta"] for r in rows0], [r["t_dense"] for r in rows0]))
+    guard.check("wire bytes per changed element", bpe, 0.0)
+    guard.finish()
+
+
+if __name__ == "__main__":
+    main()
