@@ -293,6 +293,24 @@ def _nccl_world(rank: int, world_size: int, tmp: str) -> dict:
             _train(model, optim, step)
         rep = ws.sync(step)
         reports.append({k: v for k, v in rep.as_dict().items() if k.startswith("delta_")})
+    # a NaN among the new values (vLLM would read it as "unchanged"): every rank raises naming the
+    # tensor, nothing is sent, the next sync is an anchor
+    param = dict(model.named_parameters())["model.layers.1.mlp.down_proj.weight"]
+    local = param.to_local()
+    with torch.no_grad():
+        keep = local[0, 0].clone()
+        if rank == 1:
+            local[0, 0] = float("nan")
+    n_updates = sum(1 for c in client.calls if c[0] == "update")
+    facts["nan"] = _err(lambda: ws.sync(3))
+    facts["nan_updates_sent"] = sum(1 for c in client.calls if c[0] == "update") - n_updates
+    facts["nan_anchor_next"] = delta.anchor_next
+    with torch.no_grad():
+        local[0, 0] = keep
+    rep = ws.sync(4)
+    facts["after_nan"] = (rep.delta_anchor, rep.weight_version)
+    facts["after_nan_chunks"] = rep.delta_chunks
+    facts["after_nan_bytes"] = rep.delta_sent_bytes
     facts["engine"] = type(ws.engine).__name__
     facts["is_vllm_engine"] = isinstance(ws.engine, SparseNCCLTrainerWeightTransferEngine)
     facts["rounds"] = delta.rounds
@@ -346,18 +364,22 @@ def test_sparse_nccl_engine_and_patch_files(tmp_path):
         assert f["is_vllm_engine"], f["engine"]
         assert "TypeError" in f["dense_engine"] and "sends dense tensors" in f["dense_engine"]
         assert "TypeError" in f["plain_source"] and "DeltaSource" in f["plain_source"]
-        assert f["rounds"] == 3 and f["completed"]  # every rank iterated every round
+        assert f["rounds"] == 4 and f["completed"]  # every rank iterated every round
+        assert "model.layers.1.mlp.down_proj.weight" in f["nan"] and "NaN" in f["nan"], f["nan"]
+        assert f["nan_anchor_next"] and f["after_nan"] == (True, "4")
     # rank 0 talks to vLLM: pause, one start, the chunks, one finish with the version, resume
     calls = f0["calls"]
     names = [c[0] for c in calls]
     assert names[0] == "init"
     per_sync = [names[i] for i in range(1, len(names))]
-    assert per_sync.count("start") == 3 and per_sync.count("finish") == 3 and per_sync.count("pause") == 3
-    assert [c[1] for c in calls if c[0] == "finish"] == ["0", "1", "2"]
+    # the NaN sync (3) raised before any patch: start, no update, no finish
+    assert per_sync.count("start") == 5 and per_sync.count("finish") == 4 and per_sync.count("pause") == 5
+    assert [c[1] for c in calls if c[0] == "finish"] == ["0", "1", "2", "4"]
+    assert f0["nan_updates_sent"] == 0
     assert f1["calls"] == []  # non-senders never talk to vLLM
     updates = [c[1] for c in calls if c[0] == "update"]
     reports = f0["reports"]
-    assert sum(r["delta_chunks"] for r in reports) == len(updates)
+    assert sum(r["delta_chunks"] for r in reports) + f0["after_nan_chunks"] == len(updates)
     assert reports[0]["delta_anchor"] and not reports[1]["delta_anchor"]
     assert reports[0]["delta_chunks"] > 1
     # each chunk within the bound (or one patch alone), broadcasts = indices then values per patch
@@ -371,7 +393,8 @@ def test_sparse_nccl_engine_and_patch_files(tmp_path):
             assert sent[k] == ("int32", n) and sent[k + 1] == (dt, n)
             k += 2
     assert k == len(sent)
-    assert sum(r["delta_sent_bytes"] for r in reports) == sum(6 * n for u in updates for n in u["num_updates_list"])
+    total = sum(r["delta_sent_bytes"] for r in reports) + f0["after_nan_bytes"]
+    assert total == sum(6 * n for u in updates for n in u["num_updates_list"])
     # patch files
     assert f0["anchor_file"][0] and f0["patch_reports"][2][1] == 0  # nothing changed: an empty patch
     assert f0["applied"] == "3" and f0["same_names"], f0["files"]
