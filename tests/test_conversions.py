@@ -187,6 +187,14 @@ def _world(rank: int, world_size: int, *, oracle_dir: str, archs: tuple[str, ...
                             for p in src.iter_pieces() if p.tensor is not None
                         ]
                         f["held_after"] = _held(src)
+                    if (origin, sharding, dtype) == ("config", "blocks", torch.bfloat16):
+                        # the converted stream through save_safetensors and FP8Source, unchanged
+                        from weightsync.plugins.checkpoint import save_safetensors
+                        from weightsync.sources import FP8Source
+
+                        save_safetensors(src, os.path.join(oracle_dir, f"{arch}-written"))
+                        fp8 = FP8Source(src)
+                        f["fp8"] = ([m.name for m in fp8.metadata], [n for n, _ in fp8.iter_full()])
     return pack(facts)
 
 
@@ -231,6 +239,13 @@ def test_fsdp2_streams_save_pretrained_names_and_bytes(tmp_path):
                 if "pieces" in f:
                     assert sorted(set(f["local_names"])) == sorted(ref), (rank, key)
                     assert f["held_after"] == 0, (rank, key)
+        written = load_oracle(str(tmp_path / f"{arch}-written"))
+        ref16 = oracles["torch.bfloat16"]
+        assert sorted(written) == sorted(ref16), arch
+        assert all(torch.equal(t.to(ref16[n].dtype), ref16[n]) for n, t in written.items()), arch
+        for facts in res.values():
+            fp8_meta, fp8_names = facts[(arch, "config", "blocks", "torch.bfloat16")]["fp8"]
+            assert fp8_names == fp8_meta and {n for n in fp8_names if not n.endswith("_scale_inv")} == set(ref16), arch
         pieces = [p for facts in res.values() for p in facts[(arch, "config", "blocks", "torch.float32")]["pieces"]]
         ref = oracles["torch.float32"]
         assert {p[0] for p in pieces} == set(ref), arch
