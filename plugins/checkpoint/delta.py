@@ -42,7 +42,6 @@ import torch.distributed as dist
 
 from weightsync.sources import (
     DEFAULT_TIMEOUT_S,
-    INDEX_FILE,
     Board,
     CheckpointError,
     get_logger,
