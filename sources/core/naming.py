@@ -78,7 +78,9 @@ class TensorTransform(Protocol):
     ``entries(name)``: the ``(checkpoint name, full shape)`` pairs it turns it into, from names
     alone (no data), so metadata stays collective-free; they travel in the input's wire dtype.
     ``apply(name, full)``: runs after the gather on the full wire-dtype tensor and yields exactly
-    those pairs, in order, as contiguous tensors.
+    those pairs, in order, as contiguous tensors. A transform whose outputs need several in-memory
+    tensors (``conversions.ConversionTransform``: a concatenation) declares them all under the last
+    of those names in stream order, and none under the others, whose ``apply`` holds the tensor.
     """
 
     def handles(self, name: str) -> bool: ...

@@ -3,8 +3,9 @@
 Invariants (each is tested multi-rank in ``tests/test_fsdp.py``):
 
 * **Names** are Hugging Face checkpoint names (``naming.checkpoint_entries``): wrappers stripped,
-  tied duplicates dropped exactly where ``save_pretrained`` drops them; fused layouts without a
-  transform raise ``UnmappedParameterError`` at ``metadata`` time, on every rank.
+  tied duplicates dropped exactly where ``save_pretrained`` drops them, transformers' own save-time
+  conversions reverted with its code (``core/conversions.py``); what cannot be reverted while
+  streaming raises ``UnmappedParameterError`` at ``metadata`` time, on every rank.
 * **Metadata** is computed from global shapes and module structure only: no collective, no tensor
   data, identical on every rank. ``dtype`` is the wire dtype (``wire.WirePolicy``), ``shape`` the
   full shape; ``owners``/``mesh_shape``/``placements`` follow vLLM's ``ModuleSource`` so this is a
@@ -595,8 +596,10 @@ def _expert_transform(
     Invariant: an explicit ``expert_layout`` always builds one (its validation and errors are the
     user's to see); the default (None) builds one only for fused expert parameters no
     ``transforms`` entry handles, so a dense model or a caller's own hook is untouched. Built from
-    names and global shapes only (no collective), so every rank decides the same way -- and an
-    expert layout transformers cannot map raises here, on every rank, before bytes move.
+    names and global shapes only (no collective), so every rank decides the same way. By default,
+    experts of a transformers-defined module it cannot map take the generic conversion path
+    (``core/conversions.py``: exactly what ``save_pretrained`` writes); other experts it cannot map
+    raise here, on every rank, before bytes move.
     """
     from ..core.errors import UnmappedParameterError
     from ..core.experts import ExpertTransform, check_expert_layout, is_fused_expert_param
