@@ -12,8 +12,9 @@ embeddings; EP2 (TP1, so dense DP2) per_expert and fused; TP2 x EP2 x ETP1 with 
 its gate; Qwen3-Next and Qwen3.5 (gated delta net: chunked and block-per-TP-rank in-projections,
 conv1d, shifted norms, gated attention) at TP2, Qwen3.5 also through the gather fallback; DeepSeek-V3
 (MLA, ETP2 experts, expert bias) and DeepSeek-V3.2 (DSA indexer rows) at TP2; GPT-OSS (sinks,
-router bias, transposed gate/up-interleaved biased experts) at TP2; 4 ranks: TP2 x EP2 x ETP2 and
-TP2 x DP2. The layout kinds' boxes are also checked in one process, against ``concat``.
+router bias, transposed gate/up-interleaved biased experts) at TP2; 4 ranks: TP2 x EP2 x ETP2
+(sequential and legacy grouped experts), TP2 x DP2, Mixtral PP2 x EP2, DeepSeek-V3 TP2 x EP2 x ETP1
+with a dense first layer, shared experts and the expert bias. The layout kinds' boxes are also checked in one process, against ``concat``.
 
 Then, per layout and variant, ``DeltaSource`` rounds over that source (``delta_rounds``): a receiver
 on rank 0 fed only the rounds equals ``iter_full`` bitwise after every round, each round carries
@@ -140,8 +141,9 @@ def _make(lay: dict):
 
         kw = lay["hf"]
         hf = _hf_config(lay["family"], **kw)
-        init_parallel(tp=par.tp, ep=par.ep, etp=lay.get("etp"))
-        mcfg = moe_config(hf, tp=par.tp, ep=par.ep, etp=lay.get("etp"), expert_format=lay.get("fmt", "sequential"),
+        init_parallel(tp=par.tp, pp=par.pp, ep=par.ep, etp=lay.get("etp"))
+        mcfg = moe_config(hf, tp=par.tp, pp=par.pp, ep=par.ep, etp=lay.get("etp"),
+                          expert_format=lay.get("fmt", "sequential"),
                           **_knobs(kw.get("shared"), lay.get("shared_gate", False), lay.get("expert_bias", False)))
         return [build_gpt(hf, mcfg, expert_format=lay.get("fmt", "sequential"))], hf
     if build == "next":
@@ -371,6 +373,10 @@ FOUR_RANKS = [
     dict(name="qwen3moe_tp2_ep2_etp2_grouped", build="moe", family="qwen3_moe", tp=2, ep=2, etp=2, fmt="grouped",
          hf=dict(MOE_KW, shared=None), variants=EXPERTS[1:]),
     dict(name="llama_tp2_dp2", build="dense", family="llama", tp=2),
+    dict(name="mixtral_pp2_ep2", build="moe", family="mixtral", pp=2, ep=2, hf=dict(MOE_KW, layers=4, shared=None),
+         variants=EXPERTS),
+    dict(name="dsv3_tp2_ep2_etp1_first_dense", build="moe", family="deepseek_v3", tp=2, ep=2, etp=1,
+         expert_bias=True, hf=dict(MOE_KW, layers=3, shared=12, dense_first=1), variants=EXPERTS),
 ]
 
 
