@@ -59,12 +59,14 @@ def equal(a: dict, b: dict) -> list[str]:
     return bad
 
 
-def perturb(model: torch.nn.Module, *, frac: float, seed: int, scale: float = 0.05, skip: str = "~") -> None:
-    """Change about ``frac`` of every local shard's elements (each rank its own shard)."""
-    g = torch.Generator().manual_seed(seed * 100 + dist.get_rank())
+def perturb(model: torch.nn.Module, *, frac: float, seed: int, scale: float = 0.05, skip: str = "~",
+            only: str = "", same: bool = False) -> None:
+    """Change about ``frac`` of every local shard's elements (each rank its own shard; ``same``: the same
+    noise on every rank, for replicas that must stay equal). ``only``: parameters whose name has it."""
+    g = torch.Generator().manual_seed(seed * 100 + (0 if same else dist.get_rank()))
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if skip in n:
+            if skip in n or only not in n:
                 continue
             local = p._local_tensor if hasattr(p, "_local_tensor") else p
             mask = torch.rand(local.shape, generator=g) < frac
@@ -192,6 +194,37 @@ def world_fsdp(rank: int, world_size: int) -> dict:
     perturb(moe, frac=0.02, seed=9)
     mlog.round("anchor_every")
     out["moe_facts"] = mlog.facts
+
+    # -- the fallbacks and replicas: HSDP (Replicate, Shard(0)) on a (2, 1) mesh answers from one
+    #    replica; experts sharded on dim 1 and a LoRA-merged base are gathered, rank 0 diffs them
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    hsdp_mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    hsdp = shard(tiny_model("qwen3", tied=True, seed=3), hsdp_mesh)
+    moe1 = tiny_model("qwen3_moe", tied=False, seed=4)
+    for layer in moe1.model.layers:
+        fully_shard(layer, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.dim() == 3 else Shard(0))
+    fully_shard(moe1, mesh=mesh)
+    torch.manual_seed(5)
+    lora = get_peft_model(tiny_model("qwen3", tied=False, seed=5), LoraConfig(r=2, target_modules=["q_proj", "down_proj"]))
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.01)
+    lora = shard(lora, mesh, layers=lora.base_model.model.model.layers)
+    cases = {}
+    for label, m, kw in (("hsdp", hsdp, {"same": True}), ("experts dim 1", moe1, {}),
+                         ("lora", lora, {"only": "lora_B"})):
+        s2 = FSDPSource(m, dtype=torch.bfloat16)
+        d2 = DeltaSource(s2)
+        lg = RoundLog(s2, d2, {})
+        lg.round("anchor")
+        perturb(m, frac=0.05, seed=21, **kw)
+        lg.round("delta")
+        cases[label] = {"facts": lg.facts, "sent": d2.last_round.collective_bytes, "tensors": len(d2.metadata)}
+    out["fallbacks"] = cases
     out["moe_names"] = sorted(mlog.recv) if rank == 0 else None
     return out
 

@@ -119,3 +119,16 @@ def test_sources_without_pieces(generic):
     mod = _by(generic[0]["module_facts"])
     assert mod["no change"]["yielded"] == 0
     assert 0 < mod["delta"]["stats"]["changed"] < mod["delta"]["stats"]["elements"] / 10
+
+
+def test_replicas_and_gathered_fallbacks(fsdp):
+    """HSDP answers from one replica (rank 1 sends nothing); experts sharded on dim 1 and LoRA-merged
+    bases are gathered and diffed on rank 0: still exact and minimal."""
+    for label, case in fsdp[0]["fallbacks"].items():
+        for f in case["facts"]:
+            assert f["mismatch"] == [] and f["minimal"], (label, f["label"], f["mismatch"][:3])
+        assert case["facts"][1]["stats"]["changed"] > 0, label
+    hsdp = fsdp[1]["fallbacks"]["hsdp"]  # rank 1's only traffic: its counts rows (40 bytes per tensor)
+    assert hsdp["sent"] == 40 * hsdp["tensors"]
+    lora = fsdp[0]["fallbacks"]["lora"]["facts"][1]
+    assert lora["stats"]["tensors"] == 4  # q_proj and down_proj of 2 layers: only the merged bases moved
