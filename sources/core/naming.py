@@ -328,6 +328,19 @@ def _apply_conversions(
         elif e.transform is None and e.name in renames:
             e = CheckpointEntry(renames[e.name], e.path, e.is_buffer, e.aliases)
         out.append(e)
+    # Two tensors under one checkpoint name: save_pretrained would keep one of them silently.
+    seen: dict[str, str] = {}
+    clashes = []
+    for e in out:
+        for name in [n for n, _ in e.transform.entries(e.name)] if e.transform is not None else [e.name]:
+            if name in seen:
+                clashes.append(f"{name!r} (from {seen[name]!r} and {e.path!r})")
+            seen[name] = e.path
+    if clashes:
+        raise UnmappedParameterError(
+            f"rank {current_rank()}: transformers' save-time conversions give {len(clashes)} checkpoint "
+            f"name(s) to several tensors: {', '.join(clashes[:3])}"
+        )
     return out
 
 
