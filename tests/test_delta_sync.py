@@ -451,3 +451,7 @@ def test_cli_demo_and_check_delta():
         assert layout in r.stdout and r.stdout.count("EQUALS a dense pass") == 2 and "PASS" in r.stdout, r.stdout
     r = run_cli("check", "--delta", "--quantize", "fp8")
     assert r.returncode == 2 and "--delta with --quantize" in r.stderr
+    r = run_cli("demo", "--delta", "--no-checksums")
+    assert r.returncode == 2 and "--no-checksums do not apply" in r.stderr
+    r = run_cli("demo", "--lr", "1e-5")
+    assert r.returncode == 2 and "--lr is for demo --delta" in r.stderr

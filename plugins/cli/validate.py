@@ -49,6 +49,9 @@ def validate_args(args: argparse.Namespace) -> Any:
                             "works in code)")
         if args.command == "check" and getattr(args, "checkpoint", None):
             raise UserError("check --delta compares with a dense pass, not a --checkpoint folder")
+        if args.command == "demo" and not (args.packed and args.checksums):
+            raise UserError("demo --delta sends sparse patches (never packed) and verifies every sync against a "
+                            "dense pass: --no-packed / --no-checksums do not apply")
     elif getattr(args, "lr", None) is not None:
         raise UserError("--lr is for demo --delta")
     checkpoint_config(args)
