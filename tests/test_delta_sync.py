@@ -167,11 +167,47 @@ def _loopback_world(rank: int, world_size: int, url: str) -> dict:
     return scenarios
 
 
+def _megatron_world(rank: int, world_size: int, url: str) -> dict:
+    """MegatronSource at TP2 through the same path: anchor, a perturbed delta round, a no-change
+    round, each verified against a dense pass by the engine."""
+    import argparse
+
+    from weightsync.plugins.cli.build import build_model_and_source
+    from weightsync.plugins.cli.delta import _perturb
+    from weightsync.plugins.loopback import LoopbackSparseTrainerInitInfo
+    from weightsync.plugins.sync import WeightSync
+    from weightsync.sources import DeltaSource
+
+    config = load_config(PRESET)
+    args = argparse.Namespace(layout="megatron", tp=2, pp=1, vpp=None, ep=1, expert_layout=None, quantize=None)
+    hf = build_model(config, seed=3) if rank == 0 else None
+    modules, source = build_model_and_source(args, config, torch.bfloat16, hf_model=hf)
+    delta = DeltaSource(source)
+    info = LoopbackSparseTrainerInitInfo("127.0.0.1", 0, 2, rank=rank, timeout_s=60)
+    ws = WeightSync(delta, info, ReceiverClient(url), pause=None, chunk_bytes=16 << 10)
+    out = []
+    for step in range(3):
+        if step == 1:
+            _perturb(modules)
+        rep = ws.sync(step)
+        out.append((rep.delta_anchor, rep.delta_changed, rep.delta_elements, rep.delta_chunks,
+                    ws.engine.verified_rounds, type(source).__name__))
+    ws.shutdown()
+    return {"syncs": out}
+
+
 def test_delta_sync_fsdp_loopback():
     client, handle = start_receiver_process(functools.partial(_receiver_model), mp_context=CONTEXT)
     with handle:
         out = run_world(_loopback_world, 2, timeout=400, url=handle.url)
         calls = client.calls()
+        mega = run_world(_megatron_world, 2, timeout=300, url=handle.url)
+    syncs = mega[0]["syncs"]
+    assert syncs[0][5] == "MegatronSource" and [s[4] for s in syncs] == [1, 2, 3], syncs
+    assert syncs[0][0] and syncs[0][1] == syncs[0][2], syncs
+    assert not syncs[1][0] and 0 < syncs[1][1] < syncs[1][2], syncs
+    assert not syncs[2][0] and syncs[2][1] == 0 and syncs[2][3] == 0, syncs
+    assert [s[:3] for s in mega[1]["syncs"]] == [s[:3] for s in syncs]
     for label, s in out[0].items():
         s1 = out[1][label]
         r = {f["tag"]: f for f in s["rounds"]}
