@@ -201,8 +201,8 @@ def assemble(metadata, everyone: list[list]) -> tuple[dict[str, torch.Tensor], l
             if m is None:
                 bad.append(f"rank {r}: {name} is not in metadata")
                 continue
-            if t.dtype != m.dtype:
-                bad.append(f"rank {r}: {name} piece in {t.dtype}, declared {m.dtype}")
+            if t.dtype != m.dtype and not (t.dtype.is_floating_point and m.dtype.is_floating_point):
+                bad.append(f"rank {r}: {name} piece in {t.dtype}, declared {m.dtype}")  # (the consumer casts floats)
             if len(off) != len(m.shape) or t.dim() != len(m.shape) or any(
                 o < 0 or o + n > s for o, n, s in zip(off, t.shape, m.shape)
             ):
@@ -227,6 +227,8 @@ def check_source(src, rank: int, world_size: int, *, fallback: bool = False) -> 
     first = _pass(src)
     with count_comm() as comm:
         second = _pass(src)
+    wire = {m.name: m.dtype for m in src.metadata}
+
     def boxes(items):
         return [(n, o, None if t is None else tuple(t.shape)) for n, o, t in items]
 
@@ -236,6 +238,8 @@ def check_source(src, rank: int, world_size: int, *, fallback: bool = False) -> 
         "values_again": all(a[2] is None or torch.equal(a[2], b[2]) for a, b in zip(first, second)),
         "comm": dict(comm),
         "pieces": sum(t is not None for _, _, t in first),
+        # pieces in the parameter's own floating dtype (their consumer casts), by name
+        "uncast": sorted({n for n, _, t in first if t is not None and t.dtype != wire[n]}),
     }
     everyone = [None] * world_size if rank == 0 else None
     dist.gather_object(first, everyone, dst=0)
@@ -335,6 +339,7 @@ def _world(rank, world_size, *, layouts):
                 key = f"{lay['name']}/{variant.get('tag', 'fp32')}"
                 facts[key] = check_source(src, rank, world_size)
                 facts[key]["kinds"] = sorted({str(u.kind) for u in src.plan})
+                facts[key]["shifted"] = sorted(n for u in src.plan if u.kind.shifts_values for n in u.names)
         facts[lay["name"] + "/unchanged"] = all(
             torch.equal(p, before[(v, n)]) for v, c in enumerate(chunks) for n, p in c.named_parameters()
         )
@@ -391,6 +396,10 @@ def _check(res: dict, layouts: list[dict]) -> None:
                 f = facts[key]
                 assert f["order"] == [], (key, r, f["order"])
                 assert f["boxes_again"] and f["values_again"], (key, r)
+                # a bf16 wire from fp32 parameters: floating pieces come uncast (the consumer casts),
+                # except values to_wire changes (shifted norms), which come as iter_full sends them
+                assert bool(f["uncast"]) == (variant.get("dtype") == torch.bfloat16) or not f["pieces"], (key, r)
+                assert not set(f["uncast"]) & set(f["shifted"]), (key, r, sorted(set(f["uncast"]) & set(f["shifted"])))
                 if variant.get("gather_kinds"):
                     assert f["comm"].get("isend", 0) + f["comm"].get("irecv", 0) > 0, (key, r, f["comm"])
                 else:
@@ -433,6 +442,8 @@ def test_two_ranks_pieces_tile_iter_full(two_ranks):
 
     # every layout kind but the indexer's other pairing (GLM-5) and the fused MLA down projection
     assert set(KINDS) - kinds <= {"indexer_rope_interleaved", "stack", "stack_column"}, sorted(set(KINDS) - kinds)
+    assert two_ranks[0]["qwen35_tp2/bf16"]["shifted"] and two_ranks[0]["qwen3next_tp2/bf16"]["shifted"]
+    assert two_ranks[0]["llama_tp2/bf16"]["uncast"]  # (a bf16 wire of fp32 parameters: the consumer casts)
     # both TP ranks answer for the TP2 layouts (pieces on rank 1 too); EP2's rank 1 answers experts only
     assert two_ranks[1]["llama_tp2/fp32"]["pieces"] > 0 and two_ranks[1]["qwen3moe_ep2/fused"]["pieces"] > 0
 

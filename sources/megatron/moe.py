@@ -478,7 +478,9 @@ class MegatronMoEExporter:
             return torch.device("cpu")
         return next(mlp.router.parameters()).device
 
-    def _local_piece(self, mlp: torch.nn.Module, p: _Piece) -> torch.Tensor:
+    def _local_piece(self, mlp: torch.nn.Module, p: _Piece, *, own_dtype: bool = False) -> torch.Tensor:
+        """This rank's tensor of ``p`` (shape checked) in ``p.dtype``, contiguous; ``own_dtype``: a
+        floating tensor as Megatron holds it (``iter_pieces``: its consumer casts, ``core/pieces.py``)."""
         from megatron.core import parallel_state as ps
 
         if p.kind == "router":
@@ -511,6 +513,8 @@ class MegatronMoEExporter:
                 f"rank {dist.get_rank()}: Megatron {p.kind} piece (expert {p.expert}, shard {p.shard}) "
                 f"has shape {tuple(t.shape)}, expected {p.shape} from the config"
             )
+        if own_dtype and t.is_floating_point() and p.dtype.is_floating_point:
+            return t.detach()
         return t.detach().to(p.dtype).contiguous()
 
     def _move(self, pieces: list[_Piece], mlp, what: str, assemble) -> Iterator[tuple[str, torch.Tensor]]:

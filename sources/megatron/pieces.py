@@ -31,12 +31,15 @@ become pieces:
   experts have biases, which megatron-core allows at ETP 1 only (``hf_layer`` checks), so an ETP
   split of them is never cut (it would raise, naming the layer). The exporter's one cached
   coordinate exchange (``_placement``) runs on every rank before the first pass's first item.
-* Values are the bytes ``iter_full`` sends: the same ``to_wire`` / ``.to(dtype)`` of the same shard
-  (a cast is elementwise, so cast-then-cut equals cut-then-cast) and index-only splits. Boxes
-  depend on configs and this rank's coordinates only, so they are the same every pass.
+* Values: the bytes ``iter_full`` sends, or -- for floating tensors -- the values in the
+  parameter's own floating dtype, whose plain cast to the wire dtype gives those bytes (the
+  protocol lets the consumer cast, into memory it reuses): splits only move elements and a cast is
+  elementwise, so cut-then-cast equals ``iter_full``'s cast-then-cut. A kind whose ``to_wire``
+  changes values (``shifts_values``: the zero-centered norms) is sent through it here, in the wire
+  dtype. Boxes depend on configs and this rank's coordinates only, so they are the same every pass.
 
-Pieces may alias the model's parameters (no copy when the wire dtype is the parameter's and the
-split is a view); anything this module allocates for a piece is new every pass.
+Pieces may alias the model's parameters (column / row / GLU / vocabulary / expert pieces are views
+when uncast); anything this module allocates for a piece is new every pass.
 """
 
 from __future__ import annotations
@@ -109,7 +112,11 @@ def _unit_boxes(src: MegatronSource, unit: Unit) -> list[list[Piece]]:
         if rows == 0:
             return out  # a vocabulary shard of padding only
         param = param[:rows]
-    shard = kind.to_wire(param, src._wd[unit.key])
+    wd = src._wd[unit.key]
+    # A plain cast is the consumer's (core/pieces.py: it casts into memory it reuses); a kind whose
+    # to_wire changes values (a shifted norm) applies it here, as iter_full does.
+    plain = not kind.shifts_values and param.is_floating_point() and wd.is_floating_point
+    shard = param if plain else kind.to_wire(param, wd)
     boxes = kind.boxes(
         shard, full=unit.shapes, tp=topo.tp, tp_rank=tp_rank, padded_vocab=src.geometry.padded_vocab,
         **src._geometry_kw(unit),
@@ -144,7 +151,7 @@ def _moe_pieces(src: MegatronSource, layer: int) -> Iterator[Piece]:
     def take(kind: str, e: int, shard: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if mlp is None:
             raise RuntimeError(f"rank {me}: holds no module of MoE layer {layer} but is the holder of its {kind}")
-        return ex._local_piece(mlp, _Piece(me, kind, e, shard, shape, dtype))
+        return ex._local_piece(mlp, _Piece(me, kind, e, shard, shape, dtype), own_dtype=True)
 
     first = ex._holder(layer)  # router, its biases and the shared-expert gate: as the exporter reads them
 
