@@ -193,7 +193,17 @@ def _megatron_world(rank: int, world_size: int, url: str) -> dict:
         out.append((rep.delta_anchor, rep.delta_changed, rep.delta_elements, rep.delta_chunks,
                     ws.engine.verified_rounds, type(source).__name__))
     ws.shutdown()
-    return {"syncs": out}
+    # a receiver that does not know a name answers "no" in the handshake: every rank raises naming
+    # it, no byte moves, the transport stays aligned (the same engine's next round is refused alike)
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    odd = DeltaSource(ModuleSource(torch.nn.Linear(4, 2).to(torch.bfloat16)))
+    bad = WeightSync(odd, LoopbackSparseTrainerInitInfo("127.0.0.1", 0, 2, rank=rank, timeout_s=60),
+                     ReceiverClient(url), pause=None)
+    rejected = [_err(lambda: bad.sync(k)) for k in range(2)]
+    aligned = bad.engine._midstream is None
+    bad.shutdown()
+    return {"syncs": out, "rejected": rejected, "aligned": aligned, "anchor_next": odd.anchor_next}
 
 
 def test_delta_sync_fsdp_loopback():
@@ -208,6 +218,9 @@ def test_delta_sync_fsdp_loopback():
     assert not syncs[1][0] and 0 < syncs[1][1] < syncs[1][2], syncs
     assert not syncs[2][0] and syncs[2][1] == 0 and syncs[2][3] == 0, syncs
     assert [s[:3] for s in mega[1]["syncs"]] == [s[:3] for s in syncs]
+    for m in mega.values():
+        assert all(e is not None and "unknown parameter 'weight'" in e for e in m["rejected"]), m["rejected"]
+        assert m["aligned"] and m["anchor_next"]
     for label, s in out[0].items():
         s1 = out[1][label]
         r = {f["tag"]: f for f in s["rounds"]}
