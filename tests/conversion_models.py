@@ -38,6 +38,17 @@ CONFIG_FIXES: dict[str, dict] = {
     ),
 }
 CONFIG_FIXES["qwen4_exp"] = dict(text_config=CONFIG_FIXES["qwen4_exp_text"])
+CONFIG_FIXES.update(
+    lfm2_moe=dict(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    hunyuan_vl=dict(text_config=dict(head_dim=128)),
+    deepseek_ocr2=dict(text_config=dict(
+        num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "sparse", "sparse"], n_group=1, topk_group=1,
+        num_experts_per_tok=2,
+    )),
+    reformer=dict(is_decoder=True),
+    aya_vision=dict(vision_config=dict(num_attention_heads=16)),
+    emu3=dict(pad_token_id=0),
+)
 
 #: Multimodal architectures an RL team trains whose model class is in neither auto mapping.
 EXTRA = {"qwen3_omni_moe": "Qwen3OmniMoeThinkerForConditionalGeneration"}
@@ -141,6 +152,17 @@ def meta_model(model_type: str, kind: str):
         return build(model_type, kind, shrink(config_of(model_type)), meta=True)
     except Exception:  # noqa: BLE001 - some configs tie other fields to the layer count
         return build(model_type, kind, config_of(model_type), meta=True)
+
+
+def meta_model_and_layout(model_type: str, kind: str):
+    """``(meta_model, saved_layout)``; the full default config when the shrunk one does not build or
+    save (configs that validate per-layer indices at save time)."""
+    try:
+        model = build(model_type, kind, shrink(config_of(model_type)), meta=True)
+        return model, saved_layout(model)
+    except Exception:  # noqa: BLE001
+        model = build(model_type, kind, config_of(model_type), meta=True)
+        return model, saved_layout(model)
 
 
 def saved_layout(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -49,7 +49,7 @@ def _facts(meta) -> dict:
 def _walk() -> dict[str, tuple[str, str]]:
     import logging
 
-    from conversion_models import meta_model, registry, saved_layout
+    from conversion_models import meta_model_and_layout, registry
 
     from weightsync.sources import FSDPSource
     from weightsync.sources.core.errors import UnmappedParameterError
@@ -58,8 +58,7 @@ def _walk() -> dict[str, tuple[str, str]]:
     out: dict[str, tuple[str, str]] = {}
     for model_type, kind in registry():
         try:
-            model = meta_model(model_type, kind)
-            saved = saved_layout(model)
+            model, saved = meta_model_and_layout(model_type, kind)
         except Exception as e:  # noqa: BLE001 - transformers' own default config does not build
             out[model_type] = ("unbuildable", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
             continue
