@@ -9,7 +9,8 @@
 * ``test_fsdp2_*``: tiny real models of the architectures issue 33 names, on 2 gloo ranks, FSDP2
   per block and at the root, fp32 and bf16 wire, built with ``from_config`` and loaded with
   ``from_pretrained``: names, shapes and bytes equal ``save_pretrained``'s files.
-* A conversion that cannot be reverted is refused at metadata time, naming the operation.
+* A conversion that cannot be reverted is refused at metadata time, naming the operation; PEFT LoRA
+  on a converted model goes out merged, LoRA on a converted tensor is refused.
 """
 
 from __future__ import annotations
@@ -254,3 +255,31 @@ def test_fsdp2_streams_save_pretrained_names_and_bytes(tmp_path):
                 full[name][tuple(slice(o, o + s) for o, s in zip(offsets, t.shape))] = t
         for name, t in full.items():
             assert torch.equal(t, ref[name]), (arch, "pieces", name)
+
+
+def test_lora_on_a_converted_model(tmp_path):
+    """PEFT LoRA (one process, plain model): adapters on tensors transformers does not convert go
+    out merged under save_pretrained's names next to the converted tensors (what
+    ``merge_and_unload().save_pretrained()`` writes); an adapter on a converted tensor is refused,
+    naming the module."""
+    import copy
+
+    from conversion_models import tiny_model
+    from fsdp_worlds import load_oracle
+    from peft import LoraConfig, get_peft_model
+
+    from weightsync.sources import FSDPSource
+    from weightsync.sources.core.errors import UnsupportedAdapterError
+
+    model = get_peft_model(tiny_model("minimax_m3_vl", seed=1), LoraConfig(r=4, target_modules=["o_proj"],
+                                                                          init_lora_weights=False))
+    got = {n: t.clone() for n, t in FSDPSource(model).iter_full()}
+    copy.deepcopy(model).merge_and_unload().save_pretrained(tmp_path)
+    ref = load_oracle(str(tmp_path))
+    assert sorted(got) == sorted(ref)
+    assert any(".block_sparse_moe.shared_experts.gate_proj." in n for n in got)  # converted: split, renamed
+    for n, t in ref.items():
+        assert torch.allclose(got[n], t, rtol=0, atol=1e-6), n
+    bad = get_peft_model(tiny_model("minimax_m3_vl", seed=1), LoraConfig(r=4, target_modules=["gate_up_proj"]))
+    with pytest.raises(UnsupportedAdapterError, match=r"shared_experts\.gate_up_proj.*transform"):
+        FSDPSource(bad).metadata
