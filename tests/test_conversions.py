@@ -187,6 +187,9 @@ def _world(rank: int, world_size: int, *, oracle_dir: str, archs: tuple[str, ...
                             for p in src.iter_pieces() if p.tensor is not None
                         ]
                         f["held_after"] = _held(src)
+                        # one gather group per tensor: a concatenation's members span groups
+                        tiny = FSDPSource(model, dtype=dtype, group_bytes=1)
+                        f["one_per_group"] = {n: t.detach().clone() for n, t in tiny.iter_full()}
                     if (origin, sharding, dtype) == ("config", "blocks", torch.bfloat16):
                         # the converted stream through save_safetensors and FP8Source, unchanged
                         from weightsync.plugins.checkpoint import save_safetensors
@@ -237,6 +240,8 @@ def test_fsdp2_streams_save_pretrained_names_and_bytes(tmp_path):
                     assert torch.equal(t.to(ref[name].dtype), ref[name]), (rank, key, name)
                 assert f["held"] == 0, (rank, key)
                 if "pieces" in f:
+                    assert list(f["one_per_group"]) == list(f["got"]), (rank, key)
+                    assert all(torch.equal(f["one_per_group"][n], t) for n, t in f["got"].items()), (rank, key)
                     assert sorted(set(f["local_names"])) == sorted(ref), (rank, key)
                     assert f["held_after"] == 0, (rank, key)
         written = load_oracle(str(tmp_path / f"{arch}-written"))
@@ -283,3 +288,26 @@ def test_lora_on_a_converted_model(tmp_path):
     bad = get_peft_model(tiny_model("minimax_m3_vl", seed=1), LoraConfig(r=4, target_modules=["gate_up_proj"]))
     with pytest.raises(UnsupportedAdapterError, match=r"shared_experts\.gate_up_proj.*transform"):
         FSDPSource(bad).metadata
+
+
+def test_a_pass_stopped_mid_group_leaves_the_next_pass_exact():
+    """A consumer that stops while a concatenation holds some of its members (Kimi-K2.5's vision
+    q/k/v -> wqkv) leaves nothing that changes the next pass: it restarts the group."""
+    from conversion_models import saved_layout, tiny_model
+
+    from weightsync.sources import FSDPSource
+
+    model = tiny_model("kimi_k25", seed=2)
+    src = FSDPSource(model)
+    full = {n: t.clone() for n, t in src.iter_full()}
+    held = [e for e in src.entries if hasattr(e.transform, "held_bytes")]
+    it = src.iter_full()
+    for name, _ in it:
+        if held[0].transform.held_bytes():
+            break
+    else:
+        raise AssertionError("no conversion group held a member")
+    it.close()
+    again = {n: t.clone() for n, t in src.iter_full()}
+    assert list(again) == list(full) and all(torch.equal(again[n], t) for n, t in full.items())
+    assert {n: tuple(t.shape) for n, t in full.items()} == {n: s for n, (s, _) in saved_layout(model).items()}
