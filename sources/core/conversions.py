@@ -94,6 +94,8 @@ class ConversionView:
         return torch.empty(shape, device="meta")
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_root":  # not set yet (copy / unpickle): no recursion through __getattr__
+            raise AttributeError(name)
         return getattr(self._root, name)
 
 
