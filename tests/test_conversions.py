@@ -9,6 +9,7 @@
 * ``test_fsdp2_*``: tiny real models of the architectures issue 33 names, on 2 gloo ranks, FSDP2
   per block and at the root, fp32 and bf16 wire, built with ``from_config`` and loaded with
   ``from_pretrained``: names, shapes and bytes equal ``save_pretrained``'s files.
+* FSDP+TP: a column-parallel fused tensor the checkpoint splits streams as saved.
 * A conversion that cannot be reverted is refused at metadata time, naming the operation; PEFT LoRA
   on a converted model goes out merged, LoRA on a converted tensor is refused.
 """
@@ -311,3 +312,47 @@ def test_a_pass_stopped_mid_group_leaves_the_next_pass_exact():
     again = {n: t.clone() for n, t in src.iter_full()}
     assert list(again) == list(full) and all(torch.equal(again[n], t) for n, t in full.items())
     assert {n: tuple(t.shape) for n, t in full.items()} == {n: s for n, (s, _) in saved_layout(model).items()}
+
+
+def _tp_world(rank: int, world_size: int, *, oracle_dir: str) -> bytes:
+    """FSDP + TP (a (1, 2) dp x tp mesh): MiniMax-M3-VL's fused shared-expert ``gate_up_proj`` --
+    which the checkpoint splits -- column-parallel, ``down_proj`` / ``o_proj`` row-parallel."""
+    import torch.distributed as dist
+    from conversion_models import tiny_model
+    from fsdp_worlds import pack, save_oracle
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from weightsync.sources import FSDPSource
+
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+    model = tiny_model("minimax_m3_vl", seed=4)
+    if rank == 0:
+        save_oracle(model, oracle_dir, torch.bfloat16)
+    dist.barrier()
+    plan = {
+        "mlp.shared_experts.gate_up_proj": ColwiseParallel(),
+        "mlp.shared_experts.down_proj": RowwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+    }
+    for layer in model.model.language_model.layers:
+        parallelize_module(layer, mesh["tp"], plan)
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    src = FSDPSource(model, dtype=torch.bfloat16)
+    placements = sorted({repr(p.placements) for n, p in model.named_parameters() if "shared_experts.gate_up" in n})
+    return pack(dict(got={n: t.detach().clone() for n, t in src.iter_full()}, placements=placements))
+
+
+@pytest.mark.slow
+def test_fsdp_tp_converted_tensor_streams_save_pretrained(tmp_path):
+    from fsdp_worlds import load_oracle, unpack
+
+    res = unpack(run_world(_tp_world, 2, oracle_dir=str(tmp_path), timeout=300))
+    ref = load_oracle(str(tmp_path))
+    for rank, f in res.items():
+        assert f["placements"] and all(p.count("Shard") == 2 for p in f["placements"]), f["placements"]  # dp x tp
+        assert sorted(f["got"]) == sorted(ref), rank
+        for n, t in ref.items():
+            assert torch.equal(f["got"][n].to(t.dtype), t), (rank, n)
