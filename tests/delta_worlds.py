@@ -261,3 +261,52 @@ def world_generic(rank: int, world_size: int) -> dict:
     flog.round("delta")
     out["fp8_facts"] = flog.facts
     return out
+
+
+def _fake_source(mode: str):
+    """A two-tensor source whose ``iter_pieces`` cuts rows between 2 ranks -- correctly (``ok``), or
+    with rank 1 leaving a row out (``gap``), placing a box outside its tensor (``outside``), or
+    yielding its names out of metadata order (``order``)."""
+    from functools import cached_property
+
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    from weightsync.sources.core.pieces import Piece, marker
+
+    full = {"a": torch.arange(16, dtype=torch.float32).view(4, 4), "b": torch.arange(6, dtype=torch.float32) / 7}
+
+    class Fake(WeightSource):
+        @cached_property
+        def metadata(self):
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in full.items()]
+
+        def iter_full(self):
+            yield from full.items()
+
+        def iter_pieces(self):
+            r = dist.get_rank()
+            a = full["a"][2 * r: 2 * r + 2]
+            if mode == "gap" and r == 1:
+                a = a[:1]
+            off = (2 * r + (5 if mode == "outside" and r == 1 else 0), 0)
+            items = [Piece("a", off, a), Piece("b", (0,), full["b"]) if r == 0 else marker("b")]
+            if mode == "order" and r == 1:
+                items.reverse()
+            yield from items
+
+    return Fake(), full
+
+
+def world_bad_pieces(rank: int, world_size: int) -> dict:
+    """Every rank raises, naming the tensor, when any rank's pieces do not fit the metadata."""
+    from weightsync.sources import DeltaSource
+
+    out = {}
+    for mode in ("ok", "gap", "outside", "order"):
+        src, full = _fake_source(mode)
+        delta = DeltaSource(src)
+        recv: dict = {}
+        out[mode] = errors_of(lambda: apply(recv, list(delta.iter_deltas())))
+        if mode == "ok":
+            out["ok_equal"] = equal(recv, {n: t.clone() for n, t in full.items()}) if rank == 0 else []
+    return out

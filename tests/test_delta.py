@@ -132,3 +132,45 @@ def test_replicas_and_gathered_fallbacks(fsdp):
     assert hsdp["sent"] == 40 * hsdp["tensors"]
     lora = fsdp[0]["fallbacks"]["lora"]["facts"][1]
     assert lora["stats"]["tensors"] == 4  # q_proj and down_proj of 2 layers: only the merged bases moved
+
+
+def test_pieces_that_do_not_fit_raise_on_every_rank():
+    from delta_worlds import world_bad_pieces
+
+    res = run_world(world_bad_pieces, 2, timeout=200)
+    for r in (0, 1):
+        assert res[r]["ok"] is None and res[r]["ok_equal"] == []
+        assert "'a'" in res[r]["gap"] and "cover 12 elements" in res[r]["gap"], res[r]["gap"]
+        assert "rank 1 yielded a piece that does not fit" in res[r]["outside"], res[r]["outside"]
+        assert "rank 1 yielded a piece that does not fit" in res[r]["order"], res[r]["order"]
+    assert "outside" in res[1]["outside"] and "out of metadata order" in res[1]["order"]
+
+
+def test_refusals_at_construction():
+    """Before any byte: a tensor of 2^31 elements (int32 indices), a non-floating tensor for vLLM's
+    sparse apply, a DeltaSource over a DeltaSource, bad arguments."""
+    from functools import cached_property
+
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    from weightsync.sources import DeltaError, DeltaSource
+
+    class Meta(WeightSource):
+        def __init__(self, metas):
+            self._metas = metas
+
+        @cached_property
+        def metadata(self):
+            return self._metas
+
+    with pytest.raises(DeltaError, match=r"'big'.*2147483648 elements.*int32"):
+        DeltaSource(Meta([ParamMeta("ok", torch.bfloat16, (4,)), ParamMeta("big", torch.bfloat16, (1 << 16, 1 << 15))]))
+    ints = DeltaSource(Meta([ParamMeta("steps", torch.int64, (1,))]))
+    with pytest.raises(DeltaError, match="'steps' is not floating point"):
+        next(ints.iter_patches())
+    ok = DeltaSource(Meta([ParamMeta("w", torch.float32, (2,))]))
+    with pytest.raises(TypeError, match="already a DeltaSource"):
+        DeltaSource(ok)
+    for kw in ({"anchor_every": 0}, {"group_bytes": 0}, {"snapshot": "disk"}):
+        with pytest.raises(ValueError):
+            DeltaSource(Meta([ParamMeta("w", torch.float32, (2,))]), **kw)
