@@ -6,7 +6,10 @@
   (also at ``weightsync.plugins.transformers`` / ``.lightning`` / ``.accelerate``);
 * ``loopback/``        -- the CPU ``"loopback"`` and ``"loopback_sparse"`` (delta rounds) engines,
   trainer end (importing it registers them in vLLM's ``WeightTransferTrainerFactory``);
-* ``loopback_server/`` -- the loopback receiving end: receiver, HTTP server, process (no vLLM import);
+* ``loopback_server/`` -- the loopback receiving end: receiver, HTTP server, process (no vLLM import),
+  and the worker engine a real vLLM server runs (``vllm_engine``);
+* ``vllm_plugin``      -- weightsync's ``vllm.general_plugins`` entry point: registers that engine as
+  ``"loopback"`` in the vLLM it is installed next to;
 * ``checkpoint/``      -- ``save_safetensors``: a Hugging Face checkpoint folder from any source;
   ``save_delta`` / ``apply_delta``: delta patch files;
 * ``cli/``             -- the ``weightsync`` command (demo, check, export);

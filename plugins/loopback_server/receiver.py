@@ -16,7 +16,9 @@ Invariants:
 * The receiver consumes exactly the byte stream the update info declares, through the same
   ``plan_chunks`` as the sender -- even when loading a parameter fails (the error is raised after
   the stream) -- so it never leaves the sender blocked mid-stream and the transport stays aligned
-  for the next round of the same engine.
+  for the next round of the same engine. Handshake, chunk plan and checksums are
+  ``receiving.receive_dense``, shared with the worker engine inside a real vLLM server
+  (``vllm_engine.py``).
 * With ``checksums`` on, ``weightsync.sources.core.integrity.checksum_tensor`` of every received
   parameter (its bytes as received, before loading) is compared with the sender's after the stream;
   a mismatch raises ``ChecksumMismatchError`` (an ``IntegrityError``) naming the parameter(s) and
@@ -52,22 +54,18 @@ from typing import Any
 import torch
 
 from weightsync.sources import (
-    IntegrityError,
     MetadataMismatchError,
     WeightSyncError,
     checksum,
-    checksum_tensor,
     get_logger,
 )
 
+from .receiving import ChecksumMismatchError, DenseRound, handshake, receive_dense, typed
 from .transport import (
     LoopbackWorkerInitInfo,
     SparseEntry,
-    nbytes_of,
     open_transport_group,
     parse_sparse_update_info,
-    parse_update_info,
-    plan_chunks,
     plan_sparse,
     wait_work,
 )
@@ -77,10 +75,6 @@ __all__ = ["LoopbackReceiver", "ChecksumMismatchError", "CheckpointLoader", "PAU
 logger = get_logger(__name__)
 
 PAUSE_MODES = ("abort", "wait", "keep")
-
-
-class ChecksumMismatchError(IntegrityError):
-    """The bytes a receiver got for a parameter are not the bytes the sender sent."""
 
 
 class CheckpointLoader(torch.nn.Module):
@@ -283,15 +277,9 @@ class LoopbackReceiver:
         if self._group is None or self._init is None:
             raise RuntimeError("loopback receiver: init_weight_transfer_engine was not called")
 
-    def _validate(self, info: dict[str, Any]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        plan = parse_update_info(info)
-        if not plan:
-            if self._last_plan is None:
-                raise ValueError("empty update_info, but no previous update to reuse")
-            return self._last_plan
+    def _check_plan(self, plan: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
         self._check_targets(plan)
-        self._last_plan = plan
-        return plan
+        self._last_plan = plan  # what an empty update info of the next round reuses
 
     def _check_targets(self, plan: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
         """Every name is one of the model's, with its dtype and shape (dense and sparse alike)."""
@@ -315,72 +303,44 @@ class LoopbackReceiver:
 
     def _receive_one(self, info: dict[str, Any]) -> None:
         assert self._init is not None
+        if not self._init.sparse:
+            # Handshake, chunk plan and checksums: ``receiving.receive_dense``, the one
+            # implementation this receiver shares with the worker engine inside a real vLLM server.
+            outcome = DenseRound()
+            try:
+                receive_dense(
+                    self._group,
+                    self._group_rank,
+                    self._init,
+                    info,
+                    index=self.index,
+                    last_plan=self._last_plan,
+                    check=self._check_plan,
+                    load=self._load,
+                    outcome=outcome,
+                    precheck=self._require_in_update,
+                )
+            finally:
+                if outcome.failed is not None:
+                    self._failed = outcome.failed
+            return
         error: Exception | None = None
-        sparse = self._init.sparse
         try:
-            if not self._in_update:
-                raise RuntimeError("update_weights without start_weight_update")
-            if sparse:
-                entries = parse_sparse_update_info(info)
-                self._check_targets([(e.name, e.dtype, e.shape) for e in entries])
-            else:
-                plan = self._validate(info)
+            self._require_in_update()
+            entries = parse_sparse_update_info(info)
+            self._check_targets([(e.name, e.dtype, e.shape) for e in entries])
         except Exception as e:  # answered "no" below, then raised
             error = e
-        # Go/no-go: every group member contributes 1 if it rejects; the sender sends only on 0.
-        flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-        wait_work(self._group.allreduce([flag]), "update handshake", rank=self._group_rank)
-        if error is not None:
-            self._failed = str(error)
-            raise error
-        if int(flag.item()) != 0:
-            self._failed = "another receiver rejected the update"
-            raise WeightSyncError(f"receiver {self.index}: another receiver rejected the update")
-        if sparse:
-            self._receive_patches(entries)
-            return
-        sizes = [nbytes_of(d, s) for _, d, s in plan]
-        crcs: list[int] = [0] * len(plan)
-        load_error: BaseException | None = None
+        try:
+            handshake(self._group, self._group_rank, error, index=self.index)
+        except BaseException as e:
+            self._failed = str(e) if e is error else "another receiver rejected the update"
+            raise
+        self._receive_patches(entries)
 
-        def load(i: int, data: torch.Tensor) -> None:
-            # A failed load must not stop the stream: keep consuming exactly what the update info
-            # declares (discarding it), so the sender finishes and the transport stays aligned for
-            # the next round; the first error is raised once the stream is over.
-            nonlocal load_error
-            if load_error is not None:
-                return
-            try:
-                crcs[i] = self._load(plan[i], data)
-            except Exception as e:  # noqa: BLE001 - raised after the stream
-                load_error = e
-
-        for chunk in plan_chunks(
-            sizes, packed=self._init.packed, buffer_size=self._init.packed_buffer_size_bytes
-        ):
-            buf = torch.empty(sum(sizes[i] for i in chunk), dtype=torch.uint8)
-            wait_work(self._group.broadcast(buf, 0), "broadcast", rank=self._group_rank)
-            off = 0
-            for i in chunk:
-                load(i, buf[off : off + sizes[i]])
-                off += sizes[i]
-        for i in range(len(plan)):
-            if sizes[i] == 0:
-                load(i, torch.empty(0, dtype=torch.uint8))
-        if self._init.checksums:
-            expected = torch.zeros(len(plan), dtype=torch.int64)
-            wait_work(self._group.broadcast(expected, 0), "checksums", rank=self._group_rank)
-        if load_error is not None:
-            self._failed = f"loading failed: {load_error}"
-            raise load_error
-        if self._init.checksums:
-            bad = [plan[i][0] for i in range(len(plan)) if int(expected[i]) != crcs[i]]
-            if bad:
-                self._failed = f"checksum mismatch on {bad}"
-                raise ChecksumMismatchError(
-                    f"receiver {self.index}: the bytes received for {len(bad)} parameter(s) do not "
-                    f"match the sender's checksums: {bad[:10]}" + (" ..." if len(bad) > 10 else "")
-                )
+    def _require_in_update(self) -> None:
+        if not self._in_update:
+            raise RuntimeError("update_weights without start_weight_update")
 
     def _receive_patches(self, entries: list[SparseEntry]) -> None:
         """Consume a sparse chunk's broadcasts (``plan_sparse``: per patch, indices then values),
@@ -431,19 +391,17 @@ class LoopbackReceiver:
                 raise ValueError(f"receiver {self.index}: unknown tensor names {unknown[:10]}")
             return {n: checksum(self._targets[n][1]) for n in wanted}
 
-    def _load(self, entry: tuple[str, torch.dtype, tuple[int, ...]], data: torch.Tensor) -> int:
-        """Copy one received parameter into the model; return the checksum of its bytes."""
-        name, dtype, shape = entry
+    def _load(self, entry: tuple[str, torch.dtype, tuple[int, ...]], data: torch.Tensor) -> None:
+        """Copy one received parameter (``data``: its bytes) into the model."""
+        name = entry[0]
         gid, target = self._targets[name]
-        received = data.view(dtype).view(shape) if data.numel() else torch.empty(shape, dtype=dtype)
-        value = int(checksum_tensor(received))
+        received = typed(entry, data)
         self._checksums[name] = checksum(received)
         with torch.no_grad():
             target.copy_(received)
         self._received.add(gid)
         self._tensors += 1
         self._bytes += data.numel()
-        return value
 
     # -- for tests and the demo ---------------------------------------------------------------
 
