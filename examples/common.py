@@ -68,7 +68,9 @@ def _share(obj: Any) -> Any:
 class Target:
     """The receiving side: client, trainer init info, and (CPU) the receiver process to stop."""
 
-    def __init__(self, args: argparse.Namespace, rank: int, receiver_model: Callable[[], Any] | None) -> None:
+    def __init__(self, args: argparse.Namespace, rank: int, receiver_model: Callable[[], Any] | None,
+                 *, sparse: bool = False) -> None:
+        """``sparse``: a delta sync's engine (vLLM ``sparse_nccl`` / weightsync ``loopback_sparse``)."""
         self.handle = None
         port = args.master_port
         if args.vllm_url:
@@ -83,11 +85,23 @@ class Target:
         # loopback: port 0 lets the sender bind a free port itself; vLLM's NCCL needs a concrete one
         url, port = _share((url, port or (free_port() if rank == 0 and args.vllm_url else 0)))
         self.client = VLLMHTTPClient(url, api_key=args.api_key)
+        if sparse and not args.vllm_url:
+            # the loopback receiver's own client: loopback_sparse checks every round against it
+            from weightsync.plugins.loopback_server import ReceiverClient
+
+            self.client = ReceiverClient(url[0])
         if args.vllm_url:
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
+            from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseNCCLTrainerInitInfo
+
             world = _share(self.client.nccl_world_size() if rank == 0 else None)
-            self.init_info = NCCLTrainerInitInfo(args.master_address, port, world, rank=rank)
+            info_cls = SparseNCCLTrainerInitInfo if sparse else NCCLTrainerInitInfo
+            self.init_info = info_cls(args.master_address, port, world, rank=rank)
+        elif sparse:
+            from weightsync.plugins.loopback import LoopbackSparseTrainerInitInfo
+
+            self.init_info = LoopbackSparseTrainerInitInfo(args.master_address, port, 2, rank=rank)
         else:
             from weightsync.plugins.loopback import LoopbackTrainerInitInfo
 
@@ -114,7 +128,13 @@ def build_model(config: Any, seed: int = 0):
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
 
 
-def receiver_model(config: Any) -> Callable[[], Any]:
+def receiver_model(config: Any, dtype: Any = None) -> Callable[[], Any]:
     """A picklable factory for the loopback receiver's model (different seed: all weights must come
-    from the sync)."""
+    from the sync), in the wire ``dtype`` if given."""
+    if dtype is not None:
+        return functools.partial(_built_in, config, 1, dtype)
     return functools.partial(build_model, config, 1)
+
+
+def _built_in(config: Any, seed: int, dtype: Any):
+    return build_model(config, seed).to(dtype)

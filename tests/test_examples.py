@@ -26,6 +26,10 @@ CASES = {
     "megatron_loop": (["--pp", "2", "--vpp", "2", "--steps", "2"], [r"weight_version: \{'http[^']+': '2'\}"]),
     "async_loop": (["--steps", "4", "--every", "2"], [r"rollouts saw policy versions \['0', '2', '4'\]"]),
     # the merged LoRA weights must reproduce the trainer's LoRA forward on a plain receiver model
+    # delta sync: the first sync whole, then only changed elements, each verified against a dense pass
+    "delta_fsdp2": (["--steps", "2"], [r"step 0: anchor, \d+ elements",
+                                       r"step 1: loss [\d.]+, delta, [\d.]+% of \d+ elements changed, \d+ bytes sent vs \d+ dense, weight_version 1",
+                                       r"step 2: loss [\d.]+, delta, .* weight_version 2"]),
     "lora_fsdp2": (["--steps", "2"], [r"step 1: .*synced \d+ merged tensors .* rel err \S+ \(ok\)",
                                       r"step 2: .*synced \d+ merged tensors .* rel err \S+ \(ok\)"]),
 }
