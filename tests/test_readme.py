@@ -87,6 +87,8 @@ NOT_RUN: dict[str, str] = {
         "tests/test_examples.py runs every example on 2 ranks",
     "torchrun --nproc-per-node 2 examples/megatron_loop.py --pp 2 --vpp 2 --steps 3":
         "tests/test_examples.py runs every example on 2 ranks",
+    "torchrun --nproc-per-node 2 examples/delta_fsdp2.py --steps 4":
+        "tests/test_examples.py runs every example on 2 ranks",
 }
 
 # Folders whose paths, quoted as inline code, must exist.
