@@ -251,6 +251,30 @@ def world_generic(rank: int, world_size: int) -> dict:
     log.round("no change")
     out["module_facts"] = log.facts
 
+    # a checkpoint folder as the source: rewritten between rounds, diffed on rank 0
+    import tempfile
+
+    from weightsync.plugins.checkpoint import save_safetensors
+    from weightsync.sources import SafetensorsSource
+
+    folder = [tempfile.mkdtemp(prefix="ws-delta-") if rank == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    save_safetensors(ModuleSource(plain), folder[0], overwrite=True)
+    ssrc = SafetensorsSource(folder[0])
+    sdelta = DeltaSource(ssrc)
+    slog = RoundLog(ssrc, sdelta, {})
+    slog.round("anchor")
+    with torch.no_grad():
+        torch.manual_seed(13)
+        for p in plain.parameters():
+            p.add_((torch.rand(p.shape) < 0.01).to(p.dtype) * 0.1)
+    save_safetensors(ModuleSource(plain), folder[0], overwrite=True)  # the next checkpoint
+    slog.source = SafetensorsSource(folder[0])  # a folder rewritten under a source is refused: a new one,
+    sdelta.swap(slog.source)                    # the same receiver and snapshots
+    slog.round("delta")
+    out["swap_error"] = errors_of(lambda: sdelta.swap(ModuleSource(torch.nn.Linear(2, 2))))
+    out["safetensors_facts"] = slog.facts
+
     mesh = init_device_mesh("cpu", (world_size,))
     model = shard(tiny_model("qwen3", tied=False), mesh)
     fsrc = FP8Source(FSDPSource(model, dtype=torch.bfloat16))

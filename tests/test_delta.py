@@ -112,10 +112,12 @@ def test_moe_experts_go_per_expert(fsdp):
 
 
 def test_sources_without_pieces(generic):
-    for key in ("module_facts", "fp8_facts"):
+    for key in ("module_facts", "fp8_facts", "safetensors_facts"):
         for f in generic[0][key]:
             assert f["mismatch"] == [], (key, f["label"], f["mismatch"][:5])
             assert f["minimal"], (key, f["label"])
+    assert "DeltaError" in generic[0]["swap_error"] and "differ" in generic[0]["swap_error"]
+    assert not _by(generic[0]["safetensors_facts"])["delta"]["stats"]["anchor"]
     mod = _by(generic[0]["module_facts"])
     assert mod["no change"]["yielded"] == 0
     assert 0 < mod["delta"]["stats"]["changed"] < mod["delta"]["stats"]["elements"] / 10

@@ -209,6 +209,23 @@ class DeltaSource:
         """Forget what the receiver holds: the next round is an anchor. Call on every rank."""
         self._dirty = True
 
+    def swap(self, source: WeightSource) -> None:
+        """Go on with ``source`` in place of the wrapped one -- the same tensors, newer values (a
+        ``SafetensorsSource`` of the next checkpoint; one refuses a folder rewritten under it): the
+        receiver and the snapshots carry over, so the next round holds what changed between the
+        two. Names, wire dtypes and full shapes must be the same (``DeltaError`` otherwise, before any
+        byte), and so must the way it is diffed (pieces or not). Call on every rank."""
+        mine = [(m.name, m.dtype, tuple(m.shape)) for m in self.metadata]
+        new = [(m.name, m.dtype, tuple(m.shape)) for m in source.metadata]
+        if new != mine:
+            diff = next(((a, b) for a, b in zip(mine, new) if a != b), (len(mine), len(new)))
+            raise DeltaError(f"rank {current_rank()}: DeltaSource.swap: the new source's tensors differ "
+                             f"(first: {diff[0]} vs {diff[1]}); build a new DeltaSource (its first round is an anchor)")
+        if callable(getattr(type(source), "iter_pieces", None)) != self.pieces_native:
+            raise DeltaError(f"rank {current_rank()}: DeltaSource.swap: {type(source).__name__} is diffed "
+                             f"{'without' if self.pieces_native else 'with'} pieces, the snapshots were made the other way")
+        self.source = source
+
     # ---- rounds -----------------------------------------------------------------------------------
 
     def iter_patches(self) -> Iterator[Any]:
