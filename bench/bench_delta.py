@@ -17,7 +17,15 @@ and 100 GB/s links.
 
     python bench/bench_delta.py                       # 2 gloo ranks on CPU (~110M parameters)
     python bench/bench_delta.py --lr 3e-6 --steps 6 --hidden 512 --vocab 16384
-    python bench/bench_delta.py --device cuda --hidden 2048 --layers 28 --vocab 151936   # H200
+    python bench/bench_delta.py --device cuda --preset qwen3-1.7b --json out.json        # H200
+    python bench/bench_delta.py --dry-run --json out.json   # the CUDA path's code on CPU, tiny model
+
+With ``--json`` (the ``bench_delta`` part of ``tests/gpu/run_all.py``) or ``--dry-run`` the run is one
+process (the GPU shape): per step, after the Adam step, a delta round, a dense pass and a D2D copy of
+the model's wire bytes are timed interleaved (their order rotates step by step); the part reports
+best and median of delta round / copy (goal <= 1.5x), the sync-time model, and checks every ratio
+with the regression guard (``bench/_gpu_bench.py``: recorded under ``.ci/gpu``, never for a dry run)
+and the wire at <= 6 bytes per changed element.
 """
 
 from __future__ import annotations
@@ -33,16 +41,26 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "gpu"))
 sys.path.insert(0, HERE)
 from worlds import run_world  # noqa: E402
 
 LINKS_GBPS = (25, 50, 100)
+#: goal of the GPU shape: a delta round's trainer time over a D2D copy of the model's wire bytes
+GOAL_VS_COPY = 1.5
+#: the dry run's tiny model (the GPU shape's code on CPU)
+DRY = {"hidden": 256, "layers": 2, "vocab": 4096, "steps": 3}
 
 
 def _model(args, device: str):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     torch.manual_seed(0)
+    if args.preset == "qwen3-1.7b":  # the shape every GPU bench uses (tests/gpu/hf_side.bench_config)
+        from hf_side import bench_config
+
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(bench_config(), torch_dtype=torch.float32)
     cfg = Qwen3Config(
         hidden_size=args.hidden, intermediate_size=args.hidden * 3, num_hidden_layers=args.layers,
         num_attention_heads=max(2, args.hidden // 64), num_key_value_heads=max(1, args.hidden // 256),
@@ -91,11 +109,21 @@ def _worker(rank: int, world: int, args) -> dict | None:
     delta = DeltaSource(src)
     _drain(delta.iter_deltas())  # the anchor (first round): not timed
     _drain(src.iter_full())  # warm-up
+    one_process = world == 1 and (device == "cuda" or getattr(args, "part", False))
+    copy_src = copy_dst = None
+    if one_process:  # the D2D copy of the model's wire bytes, timed interleaved with the rounds
+        copy_src = torch.empty(delta.last_round.dense_bytes, dtype=torch.uint8, device=device)
+        copy_dst = torch.empty_like(copy_src)
+        copy_dst.copy_(copy_src)
     rows = []
     for step in range(args.steps):
         _train_step(model, opt, args, device, seed=step)
         times = {}
-        order = ("dense", "delta") if step % 2 else ("delta", "dense")
+        if one_process:
+            kinds = ("delta", "dense", "copy")
+            order = kinds[step % 3:] + kinds[:step % 3]
+        else:
+            order = ("dense", "delta") if step % 2 else ("delta", "dense")
         for what in order:
             if world > 1:
                 dist.barrier()
@@ -104,6 +132,8 @@ def _worker(rank: int, world: int, args) -> dict | None:
             if what == "dense":
                 _drain(src.iter_full())
                 dense_coll = src.last_pass.bytes_received
+            elif what == "copy":
+                copy_dst.copy_(copy_src)
             else:
                 wire = 0
                 for d in delta.iter_deltas():
@@ -114,22 +144,11 @@ def _worker(rank: int, world: int, args) -> dict | None:
         rows.append({
             "step": step + 1, "changed": st.changed, "elements": st.elements, "tensors": st.tensors,
             "wire": wire, "dense_wire": st.dense_bytes, "coll": st.collective_bytes, "dense_coll": dense_coll,
-            "t_delta": times["delta"], "t_dense": times["dense"], "snapshot": st.snapshot_bytes, "anchor": st.anchor,
+            "t_delta": times["delta"], "t_dense": times["dense"], "t_copy": times.get("copy"),
+            "snapshot": st.snapshot_bytes, "anchor": st.anchor,
         })
     shard = sum((p._local_tensor if hasattr(p, "_local_tensor") else p).numel() * 2 for p in model.parameters())
-    copy_s = None
-    if device == "cuda":  # the D2D copy of the model's wire bytes, the GPU floor
-        n = rows[-1]["dense_wire"]
-        a = torch.empty(n, dtype=torch.uint8, device="cuda")
-        b = torch.empty_like(a)
-        ts = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            b.copy_(a)
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        copy_s = min(ts)
+    copy_s = min(r["t_copy"] for r in rows) if one_process else None
     if world > 1:
         got = [None] * world
         dist.all_gather_object(got, {"rows": rows, "shard": shard})
@@ -139,7 +158,7 @@ def _worker(rank: int, world: int, args) -> dict | None:
     return {"ranks": [{"rows": rows, "shard": shard}], "copy_s": copy_s}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -150,15 +169,53 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--lr", type=float, default=1e-6, help="Adam learning rate (RL-like)")
     ap.add_argument("--record", action="store_true", help="append the ratios to bench/results/history.jsonl")
-    args = ap.parse_args()
-    if args.device == "cuda":
+    ap.add_argument("--preset", choices=("qwen3-1.7b",), default=None,
+                    help="Qwen3-1.7B's shapes (tests/gpu/hf_side.bench_config) instead of --hidden/--layers/--vocab")
+    ap.add_argument("--json", default=None, help="run as a GPU-evidence part: one process, facts into this file")
+    ap.add_argument("--dry-run", action="store_true", help="the part's code on CPU, tiny model, never recorded")
+    args = ap.parse_args(argv)
+    args.part = args.json is not None or args.dry_run
+    if args.dry_run:
+        args.device, args.preset = "cpu", None
+        for k, v in DRY.items():
+            setattr(args, k, v)
+    if args.device == "cuda" or args.part:
         args.world = 1
+    if args.part:
+        return _run_part(args)
+    _run(args)
+    return 0
+
+
+def _run_part(args) -> int:
+    """The ``bench_delta`` part: ``_run`` under ``Facts`` (a crash is a failed check, not a traceback
+    that loses the numbers already measured)."""
+    from facts import Facts
+
+    facts = Facts("bench_delta", dry_run=args.dry_run)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            facts.check("CUDA available", False, "no CUDA device; use --dry-run on CPU")
+            return facts.finish(args.json)
+        torch.cuda.set_device(0)
+    try:
+        _run(args, facts)
+    except Exception as e:  # noqa: BLE001
+        facts.error("bench_delta", e)
+    return facts.finish(args.json)
+
+
+def _run(args, facts=None) -> None:
+    """Run the bench and print its table; with ``facts`` (the part), also its numbers, the GPU-shape
+    ratios against the copy and the regression guard as checks."""
     if args.world > 1:
         res = run_world(_worker, args.world, timeout=3600, pg_timeout_s=900, args=args)[0]
     else:
         res = _worker(0, 1, args)
     rows0 = res["ranks"][0]["rows"]
-    print(f"delta sync vs dense pass: Qwen3-shaped hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, "
+    what = ("Qwen3-1.7B-shaped" if args.preset
+            else f"Qwen3-shaped hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}")
+    print(f"delta sync vs dense pass: {what}, "
           f"fp32 masters, bf16 wire, Adam lr {args.lr:g}, {args.world} rank(s) on {args.device}")
     print(f"{'step':>4} {'changed':>8} {'tensors':>7} {'wire/dense':>10} {'B/changed':>9} "
           f"{'coll/dense':>10} {'t_delta':>8} {'t_dense':>8} {'delta/dense':>11}")
@@ -183,21 +240,59 @@ def main() -> None:
     print(f"trainer time, delta round / dense pass: median {ratio:.3f} (goal <= 0.5 at ~2% changed, 2 CPU ranks)")
     if res["copy_s"]:
         t = statistics.median(r["t_delta"] for r in rows0)
-        print(f"GPU: delta round / D2D copy of the wire bytes: {t / res['copy_s']:.3f} (goal <= 1.5)")
+        cmed = statistics.median(r["t_copy"] for r in rows0)
+        best = min(r["t_delta"] for r in rows0) / res["copy_s"]
+        print(f"{args.device}: delta round / D2D copy of the wire bytes: best {best:.3f}, median {t / cmed:.3f} "
+              f"(goal <= {GOAL_VS_COPY})")
         dense_wire = rows0[-1]["dense_wire"]
         for gbps in LINKS_GBPS:
             dense = statistics.median(r["t_dense"] for r in rows0) + dense_wire / (gbps * 1e9)
             dl = t + statistics.median(r["wire"] for r in rows0) / (gbps * 1e9)
             print(f"  sync-time model at {gbps} GB/s: dense {dense:.3f} s, delta {dl:.3f} s ({dense / dl:.1f}x)")
+            if facts is not None:
+                facts.number(f"sync-time model {gbps} GB/s: dense / delta s",
+                             f"{dense:.4f} / {dl:.4f} ({dense / dl:.1f}x)")
     from _history import Guard, ratio_noise
 
-    shape = f"qwen3 h{args.hidden} l{args.layers} v{args.vocab} lr{args.lr:g} {args.world}r {args.device}"
-    guard = Guard("bench_delta", shape, record=args.record)
-    guard.check("delta/dense trainer time median", ratio,
-                ratio_noise([r["t_delta"] for r in rows0], [r["t_dense"] for r in rows0]))
-    guard.check("wire bytes per changed element", bpe, 0.0)
+    if args.preset:
+        shape = f"{args.preset} lr{args.lr:g} {args.world}r {args.device}"
+    else:
+        shape = f"qwen3 h{args.hidden} l{args.layers} v{args.vocab} lr{args.lr:g} {args.world}r {args.device}"
+    t_delta = [r["t_delta"] for r in rows0]
+    ratios = [("delta/dense trainer time median", ratio, ratio_noise(t_delta, [r["t_dense"] for r in rows0])),
+              ("wire bytes per changed element", bpe, 0.0)]
+    if facts is None:
+        guard = Guard("bench_delta", shape, record=args.record)
+    else:
+        from _gpu_bench import guard as bench_guard
+
+        guard = bench_guard("bench_delta", shape, args)
+        t_copy = [r["t_copy"] for r in rows0]
+        best, med = min(t_delta) / min(t_copy), statistics.median(t_delta) / statistics.median(t_copy)
+        n = len(rows0)
+        facts.number("model", f"{what}, {rows0[0]['elements']} elements, "
+                              f"{rows0[0]['dense_wire'] / 2**30:.3f} GiB bf16 wire")
+        facts.number("changed fraction per step", [round(r["changed"] / r["elements"], 5) for r in rows0])
+        for key, xs in (("delta round", t_delta), ("dense pass", [r["t_dense"] for r in rows0]), ("d2d copy", t_copy)):
+            facts.number(f"{key} best_ms", round(min(xs) * 1e3, 3))
+            facts.number(f"{key} median_ms", round(statistics.median(xs) * 1e3, 3))
+        for stat, r in (("best", best), ("median", med)):
+            facts.number(f"ratio delta/copy {stat}", round(r, 3),
+                         f"(goal <= {GOAL_VS_COPY}: {'met' if r <= GOAL_VS_COPY else 'NOT met'}; {n} interleaved reps)")
+        facts.number("ratio delta/dense median", round(ratio, 3))
+        facts.check("wire <= 6 bytes per changed element (int32 index + bf16 value)", bpe <= 6.0 + 1e-9, f"{bpe:.3f}")
+        facts.check("every timed round was a sparse delta (0 < changed < all)", all(
+            0 < r["changed"] < r["elements"] and not r["anchor"] for r in rows0),
+            [(r["changed"], r["anchor"]) for r in rows0])
+        facts.check("snapshot = the model in the bf16 wire dtype (1.0x)", all(abs(x - 1.0) < 1e-9 for x in snap), snap)
+        noise = ratio_noise(t_delta, t_copy)
+        ratios += [("delta/copy best", best, noise), ("delta/copy median", med, noise)]
+    for name, value, noise in ratios:
+        bad = guard.check(name, value, noise)
+        if facts is not None:
+            facts.check(f"{name} no worse than the last recorded run", bad is None, guard.lines[-1])
     guard.finish()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -48,6 +48,12 @@ PARTS = [
                                                "qwen3_next,qwen3_5_text,qwen3_5_moe_text,deepseek_v32,glm_moe_dsa"], 300),
     ("oracle_dsa", "tests/gpu/part_frontier.py", ["--families", "deepseek_v32,glm_moe_dsa"], 240),
     ("oracle_gdn", "tests/gpu/part_frontier.py", ["--families", "qwen3_next,qwen3_5_text,qwen3_5_moe_text"], 480),
+    # delta sync (issue 32): exactness of rounds diffed on CUDA, their cost against a D2D copy, and
+    # vLLM's sparse_nccl engines GPU 0 -> GPU 1 (a skip with fewer than 2 GPUs: nvidia-h200-x2)
+    ("delta", "tests/gpu/part_delta.py", [], 240),
+    ("bench_delta", "bench/bench_delta.py", ["--device", "cuda", "--preset", "qwen3-1.7b", "--steps", "9"], 300),
+    ("sparse_nccl", "tests/gpu/part_sparse_nccl.py", [], 180),
+    ("sparse_nccl_oldnccl", "tests/gpu/part_sparse_nccl.py", ["--old-nccl-shim"], 180),
 ]
 
 
