@@ -75,7 +75,26 @@ def test_megatron_mla_export_logits_match_transformers_deepseek_v3():
     assert "deepseek_v3[q_lora] MLA tensors per layer" in doc["numbers"]
 
 
-@pytest.mark.parametrize("name", ["bench_ipc", "bench_megatron"])
+def test_delta_rounds_exact_on_cuda():
+    doc = _run("delta")
+    names = [c["name"] for c in doc["checks"]]
+    for kind in ("plain", "fsdp2", "megatron"):
+        for snapshot in ("device", "cpu"):
+            for r in (1, 2, 4, 5, 6):
+                assert any(n.startswith(f"{kind} snapshot={snapshot} round {r} (") and "receiver (vLLM" in n
+                           for n in names), (kind, snapshot, r)
+
+
+def test_sparse_nccl_engine_to_engine_or_skip():
+    doc = _run("sparse_nccl")
+    if not doc["checks"]:
+        pytest.skip(doc["skips"][0]["reason"])  # fewer than 2 GPUs
+    names = [c["name"] for c in doc["checks"]]
+    assert any(n.startswith("preflight: a known tensor") for n in names)
+    assert any(n.startswith("round 6 (auto anchor): worker tensors ==") for n in names)
+
+
+@pytest.mark.parametrize("name", ["bench_ipc", "bench_megatron", "bench_delta"])
 def test_gpu_benchmarks_run_and_check_their_transfers(name):
     doc = _run(name)
     assert any(k.startswith("ratio") for k in doc["numbers"])
