@@ -129,8 +129,9 @@ def preflight(client: Any, device: str, facts: Facts) -> bool:
                                                "lacks a symbol it binds (ncclCommSuspend: NCCL 2.28.9 has none): "
                                                "send_weights would report success while the worker keeps garbage"))
         # control: the old-NCCL mode on purpose -- the probe must notice, and so must check_engine
+        was = comm.disabled  # True already where NCCL is too old: restored as found, never forced on
+        worker_was = client.call("disable", True)
         comm.disabled = True
-        client.call("disable", True)
         try:
             ctl_ok, ctl_detail = _probe(comm, client, device)
             facts.check("preflight control: with both communicators disabled (the old-NCCL mode) the probe sees "
@@ -144,8 +145,8 @@ def preflight(client: Any, device: str, facts: Facts) -> bool:
                         "(SilentTransportError)", err.startswith("SilentTransportError") and "disabled" in err,
                         err[:300])
         finally:
-            comm.disabled = False
-            client.call("disable", False)
+            comm.disabled = was
+            client.call("disable", worker_was)
         return ok
     finally:
         _shutdown_both(engine.shutdown, client)

@@ -247,7 +247,8 @@ def _worker_main(conn: Any, device_str: str, dry_run: bool, old_nccl_shim: bool)
                 c = engine.model_update_group
                 result = None if c is None else {k: str(getattr(c, k, None)) for k in
                                                  ("device", "rank", "world_size", "available", "disabled")}
-            elif method == "disable":  # the silent no-op mode of an old NCCL, switched on / off
+            elif method == "disable":  # the silent no-op mode of an old NCCL, on / off; returns the old value
+                result = bool(engine.model_update_group.disabled)
                 engine.model_update_group.disabled = bool(arg)
             elif method == "probe_recv":  # receive the preflight's known tensor, as a fill-initialized buffer
                 numel, dtype_name = arg
