@@ -354,6 +354,7 @@ class DeltaSource:
             for lo, hi in self._groups:
                 # 1. this rank's pieces of tensors lo..hi-1, diffed against the snapshot
                 changes: dict[int, list[Changed]] = {}
+                mine: list[tuple[int, Piece]] = []
                 rows = torch.zeros(hi - lo, COLS, dtype=torch.int64)
                 problem: str | None = None
                 last = lo
@@ -380,13 +381,20 @@ class DeltaSource:
                         rows[k, BAD] = 1
                         problem = problem or why
                         continue
-                    ch = self._snap.diff(p, metas[i].dtype, everything=anchor)
-                    if has_nan(ch.values):
+                    mine.append((i, p))
+                # one diff for the group's pieces (``Snapshots.diff_group``), then its counts
+                found = self._snap.diff_group(lo, [(p, metas[i].dtype) for i, p in mine], everything=anchor)
+                nan = has_nan(torch.cat([ch.values for ch in found])) if found and not anchor else (
+                    any(has_nan(ch.values) for ch in found))
+                for (i, p), ch in zip(mine, found):
+                    k = i - lo
+                    if nan and has_nan(ch.values):
                         rows[k, NAN] = 1
                     changes.setdefault(i, []).append(ch)
                     rows[k, CHANGED] += ch.count
                     rows[k, HELD] += p.tensor.numel()
                     rows[k, BOXES] += 1
+                mine.clear()
                 if problem is not None:
                     rows[:, BAD] = torch.maximum(rows[:, BAD], torch.ones(1, dtype=torch.int64))
                     logger.error("rank %d: DeltaSource: %s", rank, problem)
@@ -413,9 +421,7 @@ class DeltaSource:
                 # 4. payloads to rank 0
                 got = self._move(changes, plan, table, lo, hi, rank, world, stats) if multi else {}
                 # 5. the snapshot becomes what this round delivers
-                for chs in changes.values():
-                    for ch in chs:
-                        self._snap.commit(ch)
+                self._snap.commit_group()
                 # 6. rank 0 assembles and yields (unless its consumer closed the round: then it only
                 #    finishes the exchanges, so peers complete the round instead of timing out)
                 if rank == 0 and not draining:
@@ -451,6 +457,7 @@ class DeltaSource:
                                "yielding; the next round is an anchor", rank, stats.round)
                 raise GeneratorExit
         finally:
+            self._snap.drop_pending()
             close = getattr(items, "close", None)
             if callable(close):
                 close()
