@@ -11,6 +11,10 @@ Oracle: transformers' forward of the weights the trainer holds (built here from 
 from the server): vLLM's greedy tokens must be equal, their logprobs within ``LOGPROB_ATOL`` (fp32
 on both sides; the difference is kernel arithmetic order).
 
+Tests, in order (each leaves ``server.seed`` = the weights it serves): a sync; rejected / corrupted
+updates; the three pause modes with a request in flight and one queued; a trainer failing
+mid-stream; last, a worker killed mid-update (the server is dead afterwards).
+
 Skipped (with the command to run) when ``WEIGHTSYNC_VLLM_CPU_PYTHON`` is unset: ``.ci/test`` sets it.
 """
 
@@ -234,14 +238,28 @@ def _fsdp(seed: int, world_size: int, vocab: int = VOCAB) -> torch.nn.Module:
     return model
 
 
-def _sync(rank: int, url: str, model: torch.nn.Module, step: int, *, dtype=torch.float32, pause="keep", client=None):
+def _sync(
+    rank: int, url: str, model: torch.nn.Module, step: int, *, dtype=torch.float32, pause="keep",
+    client=None, fail_at: int | None = None, **info_kw,
+):
     from weightsync.plugins.loopback import LoopbackTrainerInitInfo
     from weightsync.plugins.sync import VLLMHTTPClient, WeightSync
     from weightsync.sources import FSDPSource
 
-    info = LoopbackTrainerInitInfo("127.0.0.1", 0, 2, rank=rank, timeout_s=60)
+    info = LoopbackTrainerInitInfo("127.0.0.1", 0, 2, rank=rank, **{"timeout_s": 60, **info_kw})
     client = client if client is not None else VLLMHTTPClient(url, timeout=30)
-    ws = WeightSync(FSDPSource(model, dtype=dtype), info, client, pause=pause)
+    source = FSDPSource(model, dtype=dtype)
+    if fail_at is not None:  # every rank's pass raises at the same tensor (no rank left in a gather)
+        full = source.iter_full
+
+        def failing():
+            for i, pair in enumerate(full()):
+                if i == fail_at:
+                    raise RuntimeError(f"injected: the trainer failed mid-pass at tensor {i}")
+                yield pair
+
+        source.iter_full = failing
+    ws = WeightSync(source, info, client, pause=pause)
     try:
         ws.sync(step=step)
         return {"ok": True}
@@ -295,6 +313,72 @@ def world_rejected(rank: int, world_size: int, *, url: str, seed_before: int, ve
             )
         out[case] = fact
         torch.distributed.barrier()
+    return out
+
+
+def world_fails_mid_pass(rank: int, world_size: int, *, url: str, seed_before: int, seed_after: int) -> dict:
+    """Every rank's pass raises at its 8th tensor, after the sender has broadcast 7 (unpacked) into
+    the server; the server's worker times out waiting for the rest (5 s). Then rank 0 checks the
+    server, and a good sync follows."""
+    srv = Server(url, None, "", "")
+    srv.model_dir = srv.get("/v1/models")["data"][0]["id"]
+    try:
+        _sync(rank, url, _fsdp(31, world_size), 77, fail_at=7, packed=False, timeout_s=5)
+        out = {"raised": None}
+    except Exception as e:  # noqa: BLE001 - the parent asserts every rank raised
+        out = {"raised": f"{type(e).__name__}: {e}"}
+    if rank == 0:
+        oracle = [_greedy(_model(seed_before), p)[0] for p in PROMPTS]
+        out.update(
+            alive=srv.alive_http(), paused=srv.is_paused(), version=srv.weight_version(),
+            same_tokens=[srv.generate(p)[0] for p in PROMPTS] == oracle,
+        )
+    torch.distributed.barrier()
+    _sync(rank, url, _fsdp(seed_after, world_size), seed_after)
+    return out
+
+
+def _worker_pids(pgid: int) -> list[int]:
+    """The vLLM worker process(es) of the server's process group (their title names them)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and "worker" in cmd.lower():
+            pids.append(int(d))
+    return pids
+
+
+def world_worker_killed(rank: int, world_size: int, *, url: str, pgid: int) -> dict:
+    """Rank 0's client kills the server's worker (SIGKILL) right after ``/start_weight_update``
+    (the layers are on the meta device for the reload), as the update begins; then a second sync."""
+    from weightsync.plugins.sync import VLLMHTTPClient
+
+    class Killer(VLLMHTTPClient):
+        killed: list[int] = []
+
+        def update_weights(self, update_info):
+            for pid in _worker_pids(pgid):
+                os.kill(pid, signal.SIGKILL)
+                Killer.killed.append(pid)
+            return super().update_weights(update_info)
+
+    out: dict = {}
+    for attempt in ("killed", "after"):
+        client = Killer(url, timeout=30, transfer_timeout=60) if rank == 0 else None
+        try:
+            _sync(rank, url, _fsdp(51, world_size), 51, client=client, timeout_s=5)
+            out[attempt] = None
+        except Exception as e:  # noqa: BLE001 - the parent asserts every rank raised
+            out[attempt] = f"{type(e).__name__}: {e}"
+    out["killed_pids"] = list(Killer.killed)
     return out
 
 
@@ -466,3 +550,42 @@ def test_pause_modes_with_requests_in_flight_and_queued(server):
     assert not server.is_paused()
     server.seed = seeds["abort"]
     _check_serves(server, seeds["abort"])
+
+
+def test_trainer_failing_mid_pass_leaves_the_server_serving(server):
+    """Every trainer rank's pass raises after the sender has streamed 7 tensors into the server:
+    every rank raises naming it; the server's worker gives up waiting for the rest of the stream,
+    restores the previous weights and survives (alive, resumed, previous version and tokens); the
+    next sync works."""
+    before = server.weight_version()
+    res = run_world(world_fails_mid_pass, 2, timeout=180, url=server.url, seed_before=server.seed, seed_after=41)
+    for rank in (0, 1):
+        assert res[rank]["raised"] and "injected" in res[rank]["raised"], (rank, res[rank]["raised"])
+    r = res[0]
+    assert r["alive"] and not r["paused"] and r["version"] == before and r["same_tokens"], r
+    assert server.weight_version() == "41"
+    server.seed = 41
+    _check_serves(server, 41)
+
+
+def test_worker_killed_mid_update_never_serves_wrong_tokens(server):
+    """The server's worker is killed as an update begins (layers on the meta device): every trainer
+    rank raises, and so does the next sync, naming the server; the server never answers with other
+    weights' tokens (it answers nothing, or its previous weights'). Runs last: the server is dead."""
+    before, seed = server.weight_version(), server.seed
+    res = run_world(world_worker_killed, 2, timeout=240, url=server.url, pgid=server.proc.pid)
+    assert res[0]["killed_pids"], "no vLLM worker process found to kill"
+    host_port = server.url.removeprefix("http://")
+    for rank in (0, 1):
+        for attempt in ("killed", "after"):
+            msg = res[rank][attempt]
+            assert msg, (rank, attempt, "did not raise")
+        assert host_port in res[rank]["after"] or rank != 0, (rank, res[rank]["after"])
+    if server.alive():  # still answering: then only with what it served before
+        assert server.weight_version() == before
+        for prompt in PROMPTS:
+            try:
+                tokens, _ = server.generate(prompt)
+            except urllib.error.URLError:
+                continue
+            assert tokens == _greedy(_model(seed), prompt)[0], prompt

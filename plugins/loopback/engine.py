@@ -130,7 +130,17 @@ def _run_concurrently(main: Callable[[], Any], side: Callable[[], Any], timeout_
 
     t = threading.Thread(target=target, daemon=True, name="weightsync-loopback-rpc")
     t.start()
-    out = main()
+    try:
+        out = main()
+    except BaseException as e:
+        # The transport gave up (e.g. the group never formed): when the receiver's RPC failed too
+        # (a dead or refusing server), say so, naming the server, next to the transport's error.
+        t.join(min(timeout_s, 5.0))
+        if "error" in box:
+            raise WeightSyncError(
+                f"{e}; the receiver's side failed too: {type(box['error']).__name__}: {box['error']}"
+            ) from box["error"]
+        raise
     t.join(timeout_s)
     if "error" in box:
         raise box["error"]
