@@ -11,7 +11,8 @@ Oracle: transformers' forward of the weights the trainer holds (built here from 
 from the server): vLLM's greedy tokens must be equal, their logprobs within ``LOGPROB_ATOL`` (fp32
 on both sides; the difference is kernel arithmetic order).
 
-Tests, in order (each leaves ``server.seed`` = the weights it serves): a sync; rejected / corrupted
+Tests, in order (each leaves ``server.seed`` = the weights it serves): an FSDP2 sync; a Megatron TP2
+sync (weights written by the tests' own HF -> Megatron importer); rejected / corrupted
 updates; the three pause modes with a request in flight and one queued; a trainer failing
 mid-stream; last, a worker killed mid-update (the server is dead afterwards).
 
@@ -57,19 +58,26 @@ MAX_TOKENS = 8
 def _config(vocab: int = VOCAB):
     from transformers import Qwen3Config
 
-    # head_dim 32: the smallest head size vLLM's CPU attention supports.
-    return Qwen3Config(
+    # head_dim 32: the smallest head size vLLM's CPU attention supports; 2 kv heads: Megatron TP2.
+    cfg = Qwen3Config(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, vocab_size=vocab, tie_word_embeddings=False,
+        num_key_value_heads=2, head_dim=32, vocab_size=vocab, tie_word_embeddings=False,
         max_position_embeddings=2048,
     )
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    return cfg
 
 
 def _model(seed: int, vocab: int = VOCAB) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(_config(vocab)).float().eval()
+    model = AutoModelForCausalLM.from_config(_config(vocab)).float().eval()
+    with torch.no_grad():  # norms default to ones: randomize them so a wrong mapping shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    return model
 
 
 def _save_served_model(directory: str) -> None:
@@ -270,6 +278,31 @@ def _sync(
 def world_sync(rank: int, world_size: int, *, url: str, seed: int, step: int) -> dict:
     model = _fsdp(seed, world_size)
     return _sync(rank, url, model, step)
+
+
+def world_megatron_tp2(rank: int, world_size: int, *, url: str, seed: int) -> dict:
+    """Megatron-core GPTModel at TP2 holding the seed's HF weights, written by the tests' own
+    importer (``megatron_worlds.import_hf``, independent of ``MegatronSource``), synced by
+    ``MegatronWeightSync`` (``MegatronSource``: fused QKV split per query group, GLU fc1 per TP shard)."""
+    import megatron_worlds as mw
+    from megatron.core import parallel_state as ps
+
+    from weightsync.plugins.hooks.megatron import MegatronWeightSync
+    from weightsync.plugins.loopback import LoopbackTrainerInitInfo
+    from weightsync.plugins.sync import VLLMHTTPClient
+
+    cfg = _config()
+    mw.init_parallel(tp=2)
+    chunk = mw.megatron_model(cfg)
+    mw.import_hf(chunk, _model(seed).state_dict(), cfg)
+    info = LoopbackTrainerInitInfo("127.0.0.1", 0, 2, rank=rank, timeout_s=60)
+    hook = MegatronWeightSync([chunk], info, VLLMHTTPClient(url, timeout=30), hf_config=cfg, pause="keep")
+    try:
+        hook.sync_now(seed)
+    finally:
+        hook.shutdown()
+        ps.destroy_model_parallel()
+    return {"ok": True}
 
 
 REJECTED_CASES = ("shape", "dtype", "corrupt")
@@ -495,6 +528,16 @@ def test_fsdp_sync_into_a_real_vllm_server(server):
     assert not server.is_paused()
     server.seed = 1
     _check_serves(server, 1)
+
+
+def test_megatron_tp2_sync_into_a_real_vllm_server(server):
+    """MegatronSource at TP2 (2 ranks) into the real server: its greedy tokens and logprobs are
+    transformers' on the weights the Megatron model holds; the version is committed."""
+    run_world(world_megatron_tp2, 2, timeout=240, url=server.url, seed=7)
+    assert server.weight_version() == "7"
+    assert not server.is_paused()
+    server.seed = 7
+    _check_serves(server, 7)
 
 
 def test_rejected_updates_leave_the_server_serving(server):
