@@ -68,6 +68,11 @@ def main() -> None:
                 print(f"step {step}: paused (keep) {report.pause_seconds * 1e3:.1f} ms, "
                       f"sent {report.bytes / 1e6:.2f} MB in {report.send_seconds * 1e3:.1f} ms, "
                       f"resumed {report.resume_seconds * 1e3:.1f} ms")
+        if rank == 0 and ws.last_report is not None:  # let the rollouts see the last committed version
+            # (a poll every 10 ms; on a loaded machine its thread can miss the window before stop)
+            deadline = time.monotonic() + 10.0
+            while (not seen or seen[-1] != ws.last_report.weight_version) and time.monotonic() < deadline:
+                time.sleep(0.01)
         dist.barrier()
         ws.shutdown()
         if rank == 0:
