@@ -120,12 +120,7 @@ def run_delta_demo(
     finally:
         if handle is not None:
             handle.stop()
-    result.summary = (
-        f"weightsync demo --delta: {result.verified}/{result.syncs} syncs verified, "
-        f"{format_bytes(result.bytes)} sent in {result.seconds:.2f} s ({world} ranks, {config.model_type}, "
-        f"{n_params:,} params) -> " + ("PASS" if result.ok else "FAIL")
-    )
-    say(result.summary)
+    say(result.finish("weightsync demo --delta", world, config.model_type, n_params))
     return result
 
 

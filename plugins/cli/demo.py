@@ -54,6 +54,15 @@ class DemoResult:
     def ok(self) -> bool:
         return self.syncs > 0 and self.verified == self.syncs
 
+    def finish(self, demo: str, world: int, model: str, n_params: int, target: str = "") -> str:
+        """Set and return the one summary line every demo ends with (``target``: what it synced into)."""
+        self.summary = (
+            f"{demo}: {self.verified}/{self.syncs} syncs verified, "
+            f"{format_bytes(self.bytes)} sent in {self.seconds:.2f} s "
+            f"({world} ranks, {model}, {n_params:,} params) -> {target}" + ("PASS" if self.ok else "FAIL")
+        )
+        return self.summary
+
 
 @torch.no_grad()
 def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -173,13 +182,7 @@ def run_demo(
     finally:
         if handle is not None:
             handle.stop()
-    result.summary = (
-        f"weightsync demo: {result.verified}/{result.syncs} syncs verified, "
-        f"{format_bytes(result.bytes)} sent in {result.seconds:.2f} s "
-        f"({world} ranks, {config.model_type}, {n_params:,} params) -> "
-        + ("PASS" if result.ok else "FAIL")
-    )
-    say(result.summary)
+    say(result.finish("weightsync demo", world, config.model_type, n_params))
     return result
 
 

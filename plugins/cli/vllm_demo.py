@@ -158,11 +158,5 @@ def run_vllm_demo(*, steps: int = 3, packed: bool = True, checksums: bool = True
                 say(f"  server log kept: {tmp}/server.log")
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
-    result.summary = (
-        f"weightsync demo: {result.verified}/{result.syncs} syncs verified, "
-        f"{format_bytes(result.bytes)} sent in {result.seconds:.2f} s "
-        f"({world} ranks, qwen3, {n_params:,} params) -> vLLM server: "
-        + ("PASS" if result.ok else "FAIL")
-    )
-    say(result.summary)
+    say(result.finish("weightsync demo", world, "qwen3", n_params, "vLLM server: "))
     return result
