@@ -89,6 +89,30 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _profile_round(delta, device: str) -> None:
+    """One delta round under cProfile (host time per function) and torch.profiler (time per op)."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    _sync(device)
+    with profile(activities=acts) as prof:
+        _drain(delta.iter_deltas())
+        _sync(device)
+    key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+    pr = cProfile.Profile()
+    _sync(device)
+    pr.enable()
+    _drain(delta.iter_deltas())
+    _sync(device)
+    pr.disable()
+    pstats.Stats(pr).sort_stats("cumulative").print_stats(30)
+
+
 def _worker(rank: int, world: int, args) -> dict | None:
     from weightsync.sources import DeltaSource, FSDPSource
 
@@ -147,6 +171,9 @@ def _worker(rank: int, world: int, args) -> dict | None:
             "t_delta": times["delta"], "t_dense": times["dense"], "t_copy": times.get("copy"),
             "snapshot": st.snapshot_bytes, "anchor": st.anchor,
         })
+    if getattr(args, "profile", False) and rank == 0:
+        _train_step(model, opt, args, device, seed=args.steps)
+        _profile_round(delta, device)
     shard = sum((p._local_tensor if hasattr(p, "_local_tensor") else p).numel() * 2 for p in model.parameters())
     copy_s = min(r["t_copy"] for r in rows) if one_process else None
     if world > 1:
@@ -173,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="Qwen3-1.7B's shapes (tests/gpu/hf_side.bench_config) instead of --hidden/--layers/--vocab")
     ap.add_argument("--json", default=None, help="run as a GPU-evidence part: one process, facts into this file")
     ap.add_argument("--dry-run", action="store_true", help="the part's code on CPU, tiny model, never recorded")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed steps, one more step and round under cProfile and torch.profiler (printed)")
     args = ap.parse_args(argv)
     args.part = args.json is not None or args.dry_run
     if args.dry_run:
@@ -193,6 +222,9 @@ def _run_part(args) -> int:
     from facts import Facts
 
     facts = Facts("bench_delta", dry_run=args.dry_run)
+    from receiver import preload_checkpoint_weight_patch
+
+    preload_checkpoint_weight_patch()
     if args.device == "cuda":
         if not torch.cuda.is_available():
             facts.check("CUDA available", False, "no CUDA device; use --dry-run on CPU")

@@ -243,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     facts = Facts("delta", dry_run=args.dry_run)
     import torch
 
+    from receiver import preload_checkpoint_weight_patch
+
+    preload_checkpoint_weight_patch()
+
     device = "cpu" if args.dry_run else "cuda:0"
     if not args.dry_run:
         if not torch.cuda.is_available():

@@ -259,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(k, v)
     import torch
 
+    from receiver import preload_checkpoint_weight_patch
+
+    preload_checkpoint_weight_patch()
     if args.dry_run:
         trainer_dev, worker_dev = "cpu", "cpu"
         facts.skip("vLLM sparse_nccl over NCCL, GPU 0 -> GPU 1",

@@ -39,6 +39,35 @@ def _stub_mtp_validation() -> None:
     sys.modules[name] = stub
 
 
+def preload_checkpoint_weight_patch() -> None:
+    """Make ``vllm.model_executor.model_loader.checkpoint_weight_patch`` importable without its package.
+
+    The module (vLLM's sparse-patch apply path, which ``sparse_nccl_engine`` imports too) needs only
+    torch, but importing it normally runs ``model_loader/__init__``, which pulls the serving stack
+    (xgrammar, fastapi, ...) the device kit does not carry. Loading the file itself under its full
+    name puts vLLM's own code in ``sys.modules``, so later imports find it without the package.
+    """
+    import importlib.util
+    import os
+
+    name = "vllm.model_executor.model_loader.checkpoint_weight_patch"
+    if name in sys.modules:
+        return
+    try:
+        import vllm.model_executor.model_loader  # noqa: F401  (a full vLLM install: the normal path)
+        return
+    except Exception:  # noqa: BLE001 - the kit's partial tree; load the one file instead
+        pass
+    import vllm
+
+    path = os.path.join(os.path.dirname(vllm.__file__), "model_executor", "model_loader",
+                        "checkpoint_weight_patch.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+
+
 def _ipc_worker_engine(device: torch.device, model: Any) -> Any:
     _stub_mtp_validation()
     from vllm.config.weight_transfer import WeightTransferConfig

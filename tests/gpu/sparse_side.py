@@ -196,9 +196,10 @@ def _worker_main(conn: Any, device_str: str, dry_run: bool, old_nccl_shim: bool)
     import types
 
     from hf_side import digest
-    from receiver import _stub_mtp_validation
+    from receiver import _stub_mtp_validation, preload_checkpoint_weight_patch
 
     _stub_mtp_validation()
+    preload_checkpoint_weight_patch()
     device = torch.device(device_str)
     if dry_run:
         install_cpu_standins("worker")

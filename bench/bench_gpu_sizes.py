@@ -1,0 +1,241 @@
+"""GPU benchmark at real sizes: one export pass of each source over a Qwen3-8B- or Qwen3-30B-A3B-shaped
+model, against vLLM's ``ModuleSource`` over the same model and a D2D copy of the same bytes.
+
+The model is built on the meta device and materialized on CUDA with random weights (no download):
+``--shape qwen3-8b`` (36 layers, 8.2B parameters, 16.4 GB bf16) or ``--shape qwen3-30b-a3b`` (48
+layers of 128 experts; ``--layers`` keeps the full width with fewer layers, stated in the output).
+Sources, each drained once per repetition (``iter_full``; no transport), interleaved rep by rep:
+
+* ``ModuleSource(plain)``   -- vLLM's source on the unsharded model (the reference cost);
+* ``FSDPSource(fsdp2)``     -- weightsync's source on the same weights under FSDP2 (world size 1,
+  ``fully_shard`` per decoder layer and at the root), experts per-expert (the checkpoint's names) and,
+  for MoE, ``expert_layout="fused"`` (vLLM's fused names);
+* ``ModuleSource(fsdp2)``   -- vLLM's source over the FSDP2 model (one ``full_tensor()`` per parameter).
+
+Per source: seconds (best and median), GB/s of wire bytes, ratio to the copy floor and to
+``ModuleSource(plain)``, tensors per second, and the peak device memory a pass allocates beyond the
+model. Received bytes: every pass's tensors are summed (fp64) per name once and compared with the
+plain model's (per-expert slices of the fused tensors for MoE) -- speed is never bought with a wrong
+byte. ``--profile`` prints a cProfile of one ``FSDPSource`` pass (where per-tensor host time goes).
+
+    python bench/bench_gpu_sizes.py --shape qwen3-8b
+    python bench/bench_gpu_sizes.py --shape qwen3-30b-a3b --layers 12 --profile
+    python bench/bench_gpu_sizes.py --dry-run            # CPU, tiny widths, the same code
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
+
+from _gpu_bench import device_and_reps, guard as bench_guard, parser  # noqa: E402
+from _history import ratio_noise  # noqa: E402
+from _timing import copy_floor, sync  # noqa: E402
+from facts import Facts, log  # noqa: E402
+
+GOAL_VS_MODULE = 1.0
+
+
+def config(shape: str, layers: int | None, dry: bool):
+    """The transformers config of ``shape`` (real widths; ``layers`` overrides the depth)."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    if shape == "qwen3-8b":
+        kw = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+        if dry:
+            kw.update(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32)
+        cfg = Qwen3Config(**kw)
+    else:
+        kw = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                  num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                  num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
+                  tie_word_embeddings=False)
+        if dry:
+            kw.update(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8)
+        cfg = Qwen3MoeConfig(**kw)
+    if layers:
+        cfg.num_hidden_layers = layers
+    return cfg
+
+
+def build(cfg, device: str):
+    """The causal LM of ``cfg`` in bf16 on ``device``: built on meta, materialized, random normal."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=g)
+        for b in model.buffers():  # rotary inv_freq (not part of the checkpoint): defined, not used
+            b.zero_()
+    return model.eval()
+
+
+def _drain_sums(src, plain_sums: dict | None):
+    """One pass; per-name fp64 sums (for the received-bytes check)."""
+    out = {}
+    for name, t in src.iter_full():
+        out[name] = float(t.double().sum().item())
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__, dry_help="CPU, tiny widths")
+    ap.add_argument("--shape", choices=("qwen3-8b", "qwen3-30b-a3b"), default="qwen3-8b")
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers at full width (stated)")
+    ap.add_argument("--profile", action="store_true", help="cProfile one FSDPSource pass")
+    ap.add_argument("--sources", default=None, help="comma list of source labels to time (default: all)")
+    args = ap.parse_args(argv)
+    facts = Facts(f"bench_sizes_{args.shape}", dry_run=args.dry_run)
+    import torch
+
+    setup = device_and_reps(args, facts)
+    if setup is None:
+        return facts.finish(args.json)
+    device, reps, warmup = setup
+    try:
+        _run(args, facts, device, reps, warmup)
+    except Exception as e:  # noqa: BLE001
+        facts.error("bench_sizes", e)
+    return facts.finish(args.json)
+
+
+def _run(args, facts, device: str, reps: int, warmup: int) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from vllm.distributed.weight_transfer import ModuleSource
+
+    from weightsync.sources import FSDPSource
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1, timeout=datetime.timedelta(seconds=300))
+    cfg = config(args.shape, args.layers, args.dry_run)
+    moe = args.shape == "qwen3-30b-a3b"
+    t0 = time.perf_counter()
+    plain = build(cfg, device)
+    sharded = copy.deepcopy(plain)
+    mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (1,))
+    for layer in sharded.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    nbytes = sum(p.numel() * p.element_size() for p in plain.parameters())
+    full = 36 if args.shape == "qwen3-8b" else 48
+    what = (f"{args.shape} ({cfg.num_hidden_layers} of {full} layers at full width, "
+            f"{sum(p.numel() for p in plain.parameters()) / 1e9:.2f}B params, {nbytes / 2**30:.2f} GiB bf16)")
+    log(f"[bench_sizes] models built in {time.perf_counter() - t0:.1f}s: {what}")
+    facts.number("model", what)
+    sources = {"ModuleSource(plain)": ModuleSource(plain), "FSDPSource(fsdp2)": FSDPSource(sharded)}
+    if moe:
+        sources["FSDPSource(fsdp2, fused experts)"] = FSDPSource(sharded, expert_layout="fused")
+    sources["ModuleSource(fsdp2)"] = ModuleSource(sharded)
+    if args.sources:
+        keep = set(args.sources.split(","))
+        sources = {k: v for k, v in sources.items() if k in keep or k == "ModuleSource(plain)"}
+    counts = {k: len(v.metadata) for k, v in sources.items()}
+    for k, n in counts.items():
+        facts.number(f"{k} tensors", n)
+    # received bytes: per-name sums, fused experts compared per expert slice
+    ref = {n: float(p.double().sum().item()) for n, p in plain.named_parameters()}
+    for name, src in sources.items():
+        got = _drain_sums(src, ref)
+        bad = _compare(got, ref, plain, moe)
+        facts.check(f"{name}: every tensor's fp64 sum equals the trainer's", not bad, bad[:5])
+    base_mem = torch.cuda.memory_allocated() if device.startswith("cuda") else 0
+    times: dict[str, list[float]] = {k: [] for k in sources}
+    peaks: dict[str, int] = {}
+    names = list(sources)
+    for rep in range(warmup + reps):
+        order = names[rep % len(names):] + names[: rep % len(names)]
+        for name in order:
+            if device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
+            sync(device)
+            t = time.perf_counter()
+            for _ in sources[name].iter_full():
+                pass
+            sync(device)
+            if rep >= warmup:
+                times[name].append(time.perf_counter() - t)
+            if device.startswith("cuda"):
+                peaks[name] = max(peaks.get(name, 0), torch.cuda.max_memory_allocated() - base_mem)
+    floor = copy_floor(nbytes, device=device, reps=reps)
+    fb, fm = min(floor), statistics.median(floor)
+    mod = times["ModuleSource(plain)"]
+    facts.number("d2d copy best_ms / median_ms", f"{fb * 1e3:.2f} / {fm * 1e3:.2f}")
+    guard = bench_guard("bench_sizes", f"{args.shape} l{cfg.num_hidden_layers} bf16 1gpu", args)
+    for name, ts in times.items():
+        b, m = min(ts), statistics.median(ts)
+        line = (f"{b * 1e3:8.2f} ms best {m * 1e3:8.2f} ms median, {nbytes / b / 1e9:7.1f} GB/s, "
+                f"{b / fb:5.2f}x copy, {b / min(mod):5.2f}x ModuleSource(plain) best / {m / statistics.median(mod):5.2f} median, "
+                f"{counts[name] / b:9.0f} tensors/s, peak +{peaks.get(name, 0) / 2**20:.0f} MiB")
+        log(f"[bench_sizes] {name:34s} {line}")
+        facts.number(name, line)
+        if name.startswith("FSDPSource"):
+            for stat, r in (("best", b / min(mod)), ("median", m / statistics.median(mod))):
+                noise = ratio_noise(ts, mod)
+                bad = guard.check(f"{name}/ModuleSource(plain) {stat}", r, noise)
+                facts.check(f"{name} <= {GOAL_VS_MODULE}x ModuleSource(plain) ({stat})", r <= GOAL_VS_MODULE,
+                            f"{r:.3f}")
+                facts.check(f"{name}/ModuleSource(plain) {stat} no worse than the last recorded run", bad is None,
+                            guard.lines[-1])
+    guard.finish()
+    if args.profile:
+        import cProfile
+        import pstats
+
+        src = sources["FSDPSource(fsdp2)"]
+        pr = cProfile.Profile()
+        sync(device)
+        pr.enable()
+        for _ in src.iter_full():
+            pass
+        sync(device)
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+        pstats.Stats(pr).sort_stats("cumulative").print_stats(25)
+
+
+def _compare(got: dict, ref: dict, plain, moe: bool) -> list[str]:
+    """Names whose sum differs from the trainer's (fused in-memory experts checked per expert)."""
+    bad = []
+    import torch
+
+    for name, v in got.items():
+        want = ref.get(name)
+        if want is None and moe and ".mlp.experts." in name:
+            # per-expert checkpoint name: the slice of the fused in-memory parameter
+            pre, rest = name.split(".mlp.experts.")
+            e, proj = rest.split(".")[0], rest.split(".")[1]
+            experts = plain.get_submodule(pre + ".mlp.experts")
+            e = int(e)
+            if proj in ("gate_proj", "up_proj"):
+                w = experts.gate_up_proj[e]
+                half = w.shape[0] // 2
+                w = w[:half] if proj == "gate_proj" else w[half:]
+            else:
+                w = experts.down_proj[e]
+            want = float(w.double().sum().item())
+        if want is None or want != v:
+            bad.append(name)
+    return bad
+
+
+if __name__ == "__main__":
+    sys.exit(main())
