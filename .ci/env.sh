@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Source me: builds (once) and activates the heavy environment for weightsync's demo and tests.
 #
-# The venv lives OUTSIDE the clone, keyed on the dependency spec (.ci/requirements.txt, pyproject's
+# The venv lives OUTSIDE the clone, keyed on the dependency spec (the requirements file below, pyproject's
 # dependency table and the Python version), so a warm run reuses it and any spec change builds a new
-# one. A cold build (vllm 0.33 + megatron-core + torch, ~10 GB) takes a few minutes. weightsync itself
+# one. A cold build (vllm + megatron-core + torch, ~10 GB) takes a few minutes. weightsync itself
 # is installed editable on top, without dependencies, every time (cheap). A cold build prints one
 # line per stage to stderr with the elapsed seconds, and a heartbeat every 20 s naming pip's latest
 # step (its full output goes to $WEIGHTSYNC_CACHE/build-<key>.log); a warm run prints nothing.
@@ -12,7 +12,15 @@
 set -euo pipefail
 _ws_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 _ws_py=${WEIGHTSYNC_PYTHON:-python3}
-_ws_key=$( { cat "$_ws_root/.ci/requirements.txt"; sed -n '/^dependencies/,/^]/p;/^\[project.optional-dependencies\]/,/^\[project.scripts\]/p' "$_ws_root/pyproject.toml"; "$_ws_py" -c 'import sys; print(sys.version_info[:2])'; } | sha256sum | cut -c1-16)
+# WEIGHTSYNC_VLLM picks the vLLM line: unset or 0.34 -> .ci/requirements.txt (the default), 0.33 ->
+# .ci/requirements-vllm033.txt (the second pass of .ci/test). Each has its own cached venv.
+case "${WEIGHTSYNC_VLLM:-0.34}" in
+  0.34) _ws_req="$_ws_root/.ci/requirements.txt" ;;
+  0.33) _ws_req="$_ws_root/.ci/requirements-vllm033.txt" ;;
+  *) echo "weightsync: WEIGHTSYNC_VLLM=${WEIGHTSYNC_VLLM} is not one of 0.34 (default), 0.33" >&2
+     set +euo pipefail; return 1 2>/dev/null || exit 1 ;;
+esac
+_ws_key=$( { cat "$_ws_req"; sed -n '/^dependencies/,/^]/p;/^\[project.optional-dependencies\]/,/^\[project.scripts\]/p' "$_ws_root/pyproject.toml"; "$_ws_py" -c 'import sys; print(sys.version_info[:2])'; } | sha256sum | cut -c1-16)
 _ws_cache=${WEIGHTSYNC_CACHE:-$HOME/.cache/weightsync}
 WEIGHTSYNC_VENV="$_ws_cache/venv-$_ws_key"
 mkdir -p "$_ws_cache"
@@ -48,9 +56,34 @@ if [ ! -f "$WEIGHTSYNC_VENV/.complete" ]; then
   _ws_step "creating venv" "$_ws_py" -m venv "$WEIGHTSYNC_VENV" || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
   _ws_step "upgrading pip" "$WEIGHTSYNC_VENV/bin/python" -m pip install --upgrade pip \
     || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
-  _ws_step "installing .ci/requirements.txt (vllm, megatron-core, torch, ...)" \
-    "$WEIGHTSYNC_VENV/bin/python" -m pip install --progress-bar off -r "$_ws_root/.ci/requirements.txt" \
-    || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
+  # "# override: PKG==VER" lines in the requirements file replace vLLM's own pin of PKG (vLLM 0.34.0
+  # pins flashinfer-python==0.7.3, which PyPI does not serve): vLLM is then installed --no-deps and
+  # its other requirements, read from its installed metadata, beside the overrides.
+  _ws_over=$(sed -n 's/^# override: *//p' "$_ws_req")
+  if [ -n "$_ws_over" ]; then
+    _ws_vllm=$(grep -E '^vllm==' "$_ws_req")
+    _ws_step "installing $_ws_vllm (no dependencies: the requirements file overrides some)" \
+      "$WEIGHTSYNC_VENV/bin/python" -m pip install --progress-bar off --no-deps "$_ws_vllm" \
+      || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
+    printf '%s\n' "$_ws_over" > "$WEIGHTSYNC_VENV/overrides.txt"
+    "$WEIGHTSYNC_VENV/bin/python" - "$WEIGHTSYNC_VENV/overrides.txt" > "$WEIGHTSYNC_VENV/vllm-deps.txt" <<'PY'
+import importlib.metadata as md, re, sys
+over = {re.split(r"[=<>!~ ;]", l, maxsplit=1)[0].lower().replace("_", "-")
+        for l in open(sys.argv[1]) if l.strip()}
+for r in md.requires("vllm") or []:
+    name = re.split(r"[\[=<>!~ ;(]", r, maxsplit=1)[0].lower().replace("_", "-")
+    if "extra ==" not in r and name not in over:
+        print(r)
+PY
+    _ws_step "installing $(basename "$_ws_req") and vLLM's requirements (overridden: $(echo $_ws_over))" \
+      "$WEIGHTSYNC_VENV/bin/python" -m pip install --progress-bar off \
+      -r <(grep -vE '^vllm==' "$_ws_req") -r "$WEIGHTSYNC_VENV/vllm-deps.txt" -r "$WEIGHTSYNC_VENV/overrides.txt" \
+      || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
+  else
+    _ws_step "installing $(basename "$_ws_req") (vllm, megatron-core, torch, ...)" \
+      "$WEIGHTSYNC_VENV/bin/python" -m pip install --progress-bar off -r "$_ws_req" \
+      || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
+  fi
   touch "$WEIGHTSYNC_VENV/.complete"
   _ws_cold=1
 fi
