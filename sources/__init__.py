@@ -80,6 +80,8 @@ _LAZY = {
     "family_for": ".families",
     "model_types": ".families",
     "tp_split_dim": ".megatron.walk",
+    # many senders (vLLM 0.34's NCCL engine): who is in the transfer group
+    "broadcast_ranks": ".core.senders",
 }
 
 __all__ = [
@@ -121,6 +123,7 @@ __all__ = [
     "family_for",
     "model_types",
     "tp_split_dim",
+    "broadcast_ranks",
 ]
 
 

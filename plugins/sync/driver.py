@@ -45,6 +45,18 @@ the phase, on any rank, makes **every** rank call ``delta.reset()`` before raisi
 is an anchor that brings the receiver, in whatever state the failed round left it, to the exact
 weights. A delta source with a dense engine, or a plain source with a sparse one, is refused at
 construction; dense syncs are unchanged.
+
+**Many senders** (a source with ``senders="owners"``, vLLM 0.34's NCCL engine: each tensor is
+broadcast by its first owner, each broadcaster on its own turn while the others wait in that
+turn's broadcasts). A broadcaster whose source fails mid-turn cannot just stop: every other member
+of the transfer group would wait in its next broadcast forever (NCCL has no timeout). So it posts the
+failure on the sync's sender board, completes its turn with zero tensors of the declared shapes
+(the engine's own ``_checked_iter`` still checks them), and raises after ``send_weights`` returns;
+rank 0, seeing the posted failure, finishes the update without committing the new
+``weight_version``; then the send outcome is agreed and every rank raises. The workers hold zeros
+where the failed turn's tensors should be until the next sync, which sends every tensor again.
+The cross-rank metadata agreement runs when ``WeightSync`` is built (``CheckedSource``), since no
+exchange can run inside a pass.
 """
 
 from __future__ import annotations
@@ -67,7 +79,17 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-from weightsync.sources import DEFAULT_TIMEOUT_S, Board, WeightSyncError, checked, get_logger, next_tag
+import torch
+
+from weightsync.sources import (
+    DEFAULT_TIMEOUT_S,
+    Board,
+    WeightSyncError,
+    broadcast_ranks,
+    checked,
+    get_logger,
+    next_tag,
+)
 
 from .preflight import check_engine
 from .report import SyncReport
@@ -87,6 +109,8 @@ class _CommittingClient:
         self.client = client
         self.version: str | None = None
         self.committed: str | None = None
+        #: many senders: the sync's sender board; a failure posted there withholds the version
+        self.turns: Board | None = None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.client.init_weight_transfer_engine(init_info)
@@ -99,6 +123,8 @@ class _CommittingClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         version = weight_version if weight_version is not None else self.version
+        if self.turns is not None and self.turns.failure() is not None:
+            version = None  # a sender completed its turn with zeros: finish, commit nothing
         self.client.finish_weight_update(version)
         self.committed = version
 
@@ -125,6 +151,10 @@ class _TrackedSource(WeightSource):
         self.source = source
         self.live: Iterator[Any] | None = None
         self.passes = 0
+        #: many senders (``senders="owners"``): the sync's sender board, set per sync by the driver
+        self.turns: Board | None = None
+        #: what this broadcaster's source raised in its turn (the turn was completed with zeros)
+        self.failure: BaseException | None = None
 
     @cached_property
     def metadata(self) -> list[ParamMeta]:
@@ -142,7 +172,31 @@ class _TrackedSource(WeightSource):
     def iter_full(self) -> Iterator[Any]:
         self.passes += 1
         self.live = iter(self.source.iter_full())
+        if self.turns is not None and self.turns.rank in broadcast_ranks(self.metadata):
+            return self._complete_turn(self.live)
         return self.live
+
+    def _complete_turn(self, pairs: Iterator[Any]) -> Iterator[Any]:
+        """A broadcaster's pass that always yields every tensor it declared (module docstring):
+        after a failure, zeros of the declared shapes and dtypes, on the device of what it yielded."""
+        rank = self.turns.rank  # type: ignore[union-attr]
+        mine = [m for m in self.metadata if m.owners is None or rank in m.owners]
+        n = 0
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        try:
+            for name, tensor in pairs:
+                n += 1
+                device = tensor.device
+                yield name, tensor
+        except GeneratorExit:
+            raise
+        except BaseException as e:  # noqa: BLE001 - re-raised by the driver after the turn
+            self.failure = e
+            self.turns.fail(f"rank {rank}: {type(e).__name__}: {e}")  # type: ignore[union-attr]
+            logger.error("rank %d: source failed after %d of %d tensors (%s); completing the turn with "
+                         "zeros so the transfer group does not hang", rank, n, len(mine), e)
+            for m in mine[n:]:
+                yield m.name, torch.zeros(tuple(m.shape), dtype=m.dtype, device=device)
 
     def iter_local(self) -> Iterator[Any]:
         self.passes += 1
@@ -281,6 +335,8 @@ class WeightSync:
             self.source = source
         else:
             self.source = checked(source, rank=init_info.rank, timeout_s=timeout_s) if check else source
+        #: the source sends from many ranks (``senders="owners"``: vLLM 0.34's NCCL engine)
+        self.many_senders = getattr(source, "senders", "rank0") == "owners"
         self._tracked = _TrackedSource(self.source)
         self.timeout_s = timeout_s
         self.init_info = init_info
@@ -363,6 +419,9 @@ class WeightSync:
         # -- send (+ commit on the sender), then resume whatever happened.
         err = None
         passes_before = self._tracked.passes
+        turns = Board(f"{board.tag}/senders") if board is not None and self.many_senders else None
+        self._tracked.turns = self._commit_client.turns = turns
+        self._tracked.failure = None
         t_send = time.perf_counter()
         delta_round: Any = None
         try:
@@ -374,6 +433,15 @@ class WeightSync:
                 self._send_delta(delta_round, board)
             else:
                 self._engine.send_weights()
+                if self._tracked.failure is not None:  # this broadcaster's turn was completed with zeros
+                    raise self._tracked.failure
+                failed = turns.failure() if turns is not None else None
+                if failed is not None:
+                    raise WeightSyncError(
+                        f"rank {self.rank}: sending rank {failed[0]} failed in its turn and completed it "
+                        f"with zeros ({failed[1]}); the update was finished without committing "
+                        f"weight_version {version!r}"
+                    )
             if self.is_sender and self._commit_client.committed != version:
                 self._commit_explicitly(version)
         except BaseException as e:  # noqa: BLE001

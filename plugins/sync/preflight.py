@@ -10,6 +10,12 @@ side keeps whatever its buffers held. ``check_engine`` inspects the engine that
 * NCCL (anything carrying ``model_update_group``): on the sender, the communicator exists, is
   ``available`` and not ``disabled``, is rank 0 of its group, has at least one receiver, and its world
   size equals ``expected_world_size`` (or the client's ``nccl_world_size()``, when it has one);
+* NCCL with many senders (vLLM 0.34: the source's metadata names first owners other than rank 0,
+  ``broadcast_ranks``): every broadcasting rank checks its own communicator the same way (enabled,
+  its group rank is its place among the broadcasters), and the group size is the broadcasters plus
+  the workers (the client's ``nccl_world_size()`` counts one trainer sender). vLLM 0.34 already
+  refuses a disabled communicator at ``trainer_init`` (``_require_usable_communicator``); this check
+  names the rank and stays for 0.33 and for communicators disabled after init.
 * IPC (``IPCTrainerWeightTransferEngine``): CUDA is available and this rank owns every parameter;
 * any engine: a ``preflight()`` method, if it has one, is called (the hook for other backends).
 
@@ -30,6 +36,7 @@ import torch.distributed as dist
 
 from weightsync.sources import (  # noqa: F401 (PreflightError, SilentTransportError: re-exported)
     DEFAULT_TIMEOUT_S,
+    broadcast_ranks,
     PreflightError,
     SilentTransportError,
     WeightSyncError,
@@ -111,9 +118,13 @@ def _check_local(engine: Any, report: PreflightReport, rank: int, expected: int 
 
 
 def _check_nccl(engine: Any, report: PreflightReport, rank: int, expected: int | None) -> None:
-    if not engine.is_sender:
+    source = getattr(engine, "source", None)
+    metadata = getattr(source, "metadata", None)
+    group = broadcast_ranks(metadata) if isinstance(metadata, list) else [0]
+    if not engine.is_sender and rank not in group:
         report.checks.append("nccl: non-sender holds no communicator (joins only the gathers)")
         return
+    where = group.index(rank) if rank in group else 0
     comm = engine.model_update_group
     if comm is None:
         raise SilentTransportError(
@@ -129,26 +140,30 @@ def _check_nccl(engine: Any, report: PreflightReport, rank: int, expected: int |
             f"success while the inference side keeps stale weights. Cause: {_nccl_cause(comm)}"
         )
     report.checks.append("nccl: communicator enabled")
-    if getattr(comm, "rank", 0) != 0:
+    if getattr(comm, "rank", where) != where:
         raise PreflightError(
-            f"rank {rank}: the NCCL sender is rank {comm.rank} of its transfer group, not 0; "
-            "vLLM's workers receive from rank 0"
+            f"rank {rank}: this NCCL sender is rank {comm.rank} of its transfer group, not {where} "
+            f"(its place among the broadcasting trainer ranks {group}); vLLM's workers receive "
+            "each broadcaster's turn from that group rank"
         )
-    if world is not None and world < 2:
+    if world is not None and world <= len(group):
         raise SilentTransportError(
             f"rank {rank}: the NCCL transfer group has world_size {world}: no inference worker "
             "is in it, nothing would receive"
         )
+    if not engine.is_sender:
+        report.checks.append(f"nccl: broadcaster {where} of {group}, communicator enabled")
+        return
     if expected is None:
         probe = getattr(engine.client, "nccl_world_size", None)
         if callable(probe):
-            expected = int(probe())
+            expected = int(probe()) - 1 + len(group)  # nccl_world_size() counts one trainer sender
     if expected is not None and world is not None:
         if world != expected:
             raise PreflightError(
                 f"rank {rank}: the NCCL transfer group has world_size {world} but the inference "
-                f"side needs {expected} (1 trainer sender + {expected - 1} workers): the broadcast "
-                "would wait for ranks that never join, or leave workers without weights"
+                f"side needs {expected} ({len(group)} trainer sender(s) {group} + {expected - len(group)} "
+                "workers): the broadcast would wait for ranks that never join, or leave workers without weights"
             )
         report.checks.append(f"nccl: world_size {world} matches the inference side")
     elif world is not None:

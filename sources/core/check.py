@@ -18,6 +18,11 @@ collective or ships garbage. The guarantees here:
   end-of-pass exchange of tensor counts, so that no rank returns from a pass another rank failed; a
   failure is posted on the pass's ``groups.Board`` and heard by peers at once (``PeerFailedError``).
 
+Many senders (a source with ``senders="owners"``, vLLM 0.34's NCCL engine): vLLM pulls each
+sender's pass only on its own turn, so no exchange can run inside a pass. ``CheckedSource`` then
+agrees at construction (every rank builds it, as ``WeightSync`` does) and leaves the count check to
+each rank's own ``check_stream``; the driver agrees on every rank's outcome after the send.
+
 Exchanges run on the store rather than on a process group (``groups.Board.exchange``): a rank that
 gives up leaves nothing pending, so a failed pass never misaligns a group and the next pass works.
 """
@@ -312,6 +317,11 @@ class CheckedSource(WeightSource):
         self.last_checksums: dict[str, str] = {}
         #: Passes started on this rank (the driver compares it around ``send_weights``).
         self.passes = 0
+        #: the wrapped source sends from many ranks (``senders="owners"``): no exchange inside a pass
+        self.many_senders = getattr(source, "senders", "rank0") == "owners"
+        if self.many_senders and agree and _distributed() and dist.get_world_size() > 1:
+            verify_metadata_agreement(self.metadata, timeout_s=timeout_s, what="metadata (many senders)")
+            self._agreed = True
 
     @cached_property
     def metadata(self) -> list[ParamMeta]:
@@ -354,7 +364,7 @@ class CheckedSource(WeightSource):
             activate(board)
         try:
             metadata = self.metadata
-            if multi and self.agree and not self._agreed:
+            if multi and self.agree and not self._agreed and not self.many_senders:
                 verify_metadata_agreement(metadata, timeout_s=self.timeout_s, board=board)
                 self._agreed = True
             stream = inner = make_iter()
@@ -368,7 +378,7 @@ class CheckedSource(WeightSource):
                 count, last = count + 1, name
                 yield name, tensor
                 del tensor  # as in check_stream: no extra reference across the next gather
-            if multi and self.end_check:
+            if multi and self.end_check and not self.many_senders:
                 self._end_of_pass(board, what, count, metadata)
             if self.checksums:
                 self.last_checksums = resolve_checksums(sums)

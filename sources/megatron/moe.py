@@ -259,6 +259,10 @@ class MegatronMoEExporter:
         self.local = _moe_modules(self.chunks)
         self._coords: list[Coords] | None = None
         self._stage_of: dict[int, int] | None = None
+        #: ``senders="owners"`` (``plan_owners``): layer -> its stage's sender (router, shared experts,
+        #: fused experts), and (layer, ep rank) -> the rank sending those experts.
+        self._layer_dst: dict[int, int] = {}
+        self._expert_dst: dict[tuple[int, int], int] = {}
 
     def layout_of(self, spec: Any) -> ExpertLayout:
         return self.layout or default_expert_layout(spec)
@@ -351,6 +355,59 @@ class MegatronMoEExporter:
             out.append((hf.shared_gate[0], hf.shared_gate[1], wd["sgate"]))
         return out
 
+    # -- who sends what (``senders="owners"``; default: rank 0 sends everything) --------------------
+    def plan_owners(self, stage_of: dict[int, int], stage_sender: Any, helpers: set[int]) -> None:
+        """Choose the sender of every MoE tensor (``core/senders.py`` says why each rule):
+
+        * router, its biases, shared experts and gate: the layer's stage sender
+          (``stage_sender(stage)``, the stage's first rank), gathered from its TP peers as before;
+        * routed experts of EP rank ``k``: with ``expert_tensor_parallel_size`` 1 and a per-expert
+          wire layout, the lowest rank holding them (EP rank ``k``, same stage) unless that rank is a
+          TP peer of a stage sender (``helpers``: it serves that sender's gathers, and a rank can
+          serve one sender only): then the lowest holder outside ``helpers``, so experts leave from
+          where they live; the stage sender when it holds them, or when every holder is a helper
+          (then they travel to it, the one case where an expert crosses ranks to reach a sender).
+          Expert TP > 1 or the fused layout (one tensor for all experts): the stage sender gathers
+          them as before.
+
+        Collective (one cached exchange of coordinates): call on every rank, at construction."""
+        self._placement()
+        assert self._coords is not None
+        for layer, stage in stage_of.items():
+            first = stage_sender(stage)
+            self._layer_dst[layer] = first
+            fused = self.layout_of(self.hf_layer(layer).experts) == "fused"
+            for k in range(self.ep):
+                holders = [c.rank for c in self._coords if c.pp == stage and c.ep == k and c.etp == 0]
+                free = [r for r in holders if r not in helpers]
+                if self.etp > 1 or fused or first in holders or not free:
+                    self._expert_dst[(layer, k)] = first
+                else:
+                    self._expert_dst[(layer, k)] = free[0]
+
+    def _dst(self, layer: int, expert: int = -1) -> int:
+        """The rank that sends ``layer``'s tensor (``expert``: a routed expert's; -1: the rest)."""
+        if expert < 0:
+            return self._layer_dst.get(layer, 0)
+        return self._expert_dst.get((layer, expert // self.E_local), self._layer_dst.get(layer, 0))
+
+    def entry_senders(self, layer: int) -> list[int]:
+        """The sending rank of each of ``entries(layer)``, in the same order (no collective after
+        ``plan_owners``; all 0 without it)."""
+        hf = self.hf_layer(layer)
+        spec = hf.experts
+        experts = spec.entries(self.layout_of(spec))
+        head = 1 + (hf.router_linear_bias is not None) + (hf.router_bias is not None)
+        tail = (len(hf.shared) if hf.shared is not None else 0) + (hf.shared_gate is not None)
+        if self.layout_of(spec) == "fused":
+            per_expert = None
+        else:
+            per_expert, rest = divmod(len(experts), self.E)
+            assert rest == 0, (len(experts), self.E)
+        out = [self._dst(layer)] * head
+        out += [self._dst(layer) if per_expert is None else self._dst(layer, i // per_expert) for i in range(len(experts))]
+        return out + [self._dst(layer)] * tail
+
     # -- placement (one cached exchange) ---------------------------------------------------------
     def _placement(self) -> None:
         if self._coords is not None:
@@ -391,10 +448,12 @@ class MegatronMoEExporter:
         # router weight / expert bias / shared gate: replicated, sent by the lowest holder.
         src = self._holder(layer)
 
+        dst = self._dst(layer)
+
         def one(kind: str, entry: tuple[str, tuple[int, ...]], dtype: torch.dtype):
             return self._move(
                 [_Piece(src, kind, -1, 0, entry[1], dtype)], mlp, f"layer {layer}'s {entry[0]!r}",
-                lambda ps, ts: [(entry[0], ts[0])],
+                lambda ps, ts: [(entry[0], ts[0])], dst=dst,
             )
 
         yield from one("router", hf.router, wd["router"])
@@ -415,15 +474,18 @@ class MegatronMoEExporter:
         H, F = self.mcfg.hidden_size, self.mcfg.moe_ffn_hidden_size
         spec = hf.experts
         buf = None
-        if self.layout_of(spec) == "fused" and dist.get_rank() == 0:
+        if self.layout_of(spec) == "fused" and dist.get_rank() == self._dst(layer):
             buf = FusedExpertBuffer(spec, wd, device=self._device(mlp))
             self.stats.hold(buf.nbytes)
-        for batch in expert_batches(self.E, spec.expert_bytes(wd), self.expert_batch_bytes):
+        for batch in self._batches(layer, spec.expert_bytes(wd)):
+            dst = self._dst(layer, batch[0])
             pieces = []
             for e in batch:
                 ep_rank, _ = divmod(e, self.E_local)
                 for r in range(self.etp):
                     h = self._holder(layer, ep=ep_rank, etp=r)
+                    if self.etp == 1 and dst != self._dst(layer) and self._coords[dst].ep == ep_rank:
+                        h = dst  # the expert sender holds it (plan_owners)
                     pieces.append(_Piece(h, "fc1", e, r, (2 * F // self.etp, H), wd))
                     pieces.append(_Piece(h, "fc2", e, r, (H, F // self.etp), wd))
                 if spec.bias:  # ETP 1 (hf_layer): one holder
@@ -445,7 +507,7 @@ class MegatronMoEExporter:
                 return out
 
             what = f"layer {layer}'s experts {batch[0]}..{batch[-1]}"
-            yield from self._move(pieces, mlp, what, assemble)
+            yield from self._move(pieces, mlp, what, assemble, dst=dst)
         if buf is not None:
             for name, t in buf.take():
                 self.stats.yielded(t.nbytes)
@@ -469,7 +531,7 @@ class MegatronMoEExporter:
             (down,) = ROW.concat(ts[1::2])
             return [(hf.shared[0][0], gate), (hf.shared[1][0], up), (hf.shared[2][0], down)]
 
-        yield from self._move(pieces, mlp, f"layer {layer}'s shared experts", assemble_shared)
+        yield from self._move(pieces, mlp, f"layer {layer}'s shared experts", assemble_shared, dst=self._dst(layer))
 
     # -- moving pieces ---------------------------------------------------------------------------
     @staticmethod
@@ -517,10 +579,22 @@ class MegatronMoEExporter:
             return t.detach()
         return t.detach().to(p.dtype).contiguous()
 
-    def _move(self, pieces: list[_Piece], mlp, what: str, assemble) -> Iterator[tuple[str, torch.Tensor]]:
-        """Send this rank's pieces to rank 0 (``p2p.gather_to``); on rank 0 assemble and yield."""
+    def _batches(self, layer: int, expert_bytes: int) -> list[range]:
+        """``expert_batches`` of the layer's experts, cut where the sending rank changes."""
+        out: list[range] = []
+        for batch in expert_batches(self.E, expert_bytes, self.expert_batch_bytes):
+            start = batch[0]
+            for e in batch[1:]:
+                if self._dst(layer, e) != self._dst(layer, start):
+                    out.append(range(start, e))
+                    start = e
+            out.append(range(start, batch[-1] + 1))
+        return out
+
+    def _move(self, pieces: list[_Piece], mlp, what: str, assemble, *, dst: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+        """Send this rank's pieces to ``dst`` (``p2p.gather_to``); on ``dst`` assemble and yield."""
         ts = gather_to(
-            [Piece(p.src, p.shape, p.dtype) for p in pieces], 0,
+            [Piece(p.src, p.shape, p.dtype) for p in pieces], dst,
             local=lambda i: self._local_piece(mlp, pieces[i]), device=self._device(mlp),
             timeout_s=self.timeout_s, what=what, stats=self.stats,
         )

@@ -82,6 +82,7 @@ from ..core import pieces as checkpoint_pieces
 from ..core.experts import DEFAULT_EXPERT_BATCH_BYTES, ExpertLayout
 from ..core.stats import PassStats
 from ..core.dtype_policy import WirePolicy
+from ..core.senders import Senders, check_senders, require_many_senders
 
 __all__ = ["MegatronSource"]
 
@@ -174,6 +175,14 @@ class MegatronSource(WeightSource):
         timeout_s: bound on the first pass's cross-rank metadata agreement.
         overlap: post the next unit's transfer before yielding this one's tensors (``mode="full"``;
             module docstring). None: on unless the environment sets ``WEIGHTSYNC_OVERLAP=0``.
+        senders: ``"rank0"`` (default: rank 0 sends every tensor, as above) or ``"owners"`` (vLLM
+            0.34's NCCL engine: each pipeline stage's first rank of rank 0's replica sends its
+            stage's tensors, VPP chunks included, gathered from its TP peers only; routed experts are
+            sent by a rank holding them -- see ``moe.MegatronMoEExporter.plan_owners`` --, so rank 0
+            never receives another stage's tensors). Needs ``mode="full"`` and vLLM 0.34+ (raises
+            ``ValueError`` naming the installed version otherwise). Construction is then collective
+            (every rank, same order): the cross-rank agreement and the MoE placement exchange run
+            here, because vLLM pulls each sender's pass only on its own turn.
         ahead_bytes: with overlap, rank 0 keeps posting receives while what it posted ahead holds less
             than this many bytes of HF tensors (``megatron/ahead.py``). None: 128 MiB where each local
             rank has 4 or more cores, else 64 MiB (``default_ahead_bytes``).
@@ -199,9 +208,20 @@ class MegatronSource(WeightSource):
         expert_batch_bytes: int = DEFAULT_EXPERT_BATCH_BYTES,
         overlap: bool | None = None,
         ahead_bytes: int | None = None,
+        senders: Senders = "rank0",
     ) -> None:
         if mode not in ("full", "local"):
             raise ValueError(f"MegatronSource mode must be 'full' or 'local', got {mode!r}")
+        _rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        #: who sends each tensor (``core/senders.py``): ``"rank0"`` or ``"owners"``
+        self.senders: Senders = check_senders(senders, rank=_rank, who="MegatronSource")
+        if senders == "owners":
+            if mode != "full":
+                raise ValueError(
+                    f"rank {_rank}: MegatronSource(senders='owners') needs mode='full' (vLLM's NCCL "
+                    f"broadcast engine); mode={mode!r} already sends each stage's TP pieces from their ranks"
+                )
+            require_many_senders(rank=_rank, who="MegatronSource")
         if overlap is not None and not isinstance(overlap, bool):
             raise TypeError(f"overlap= must be a bool or None, got {overlap!r}")
         if ahead_bytes is not None and (isinstance(ahead_bytes, bool) or not isinstance(ahead_bytes, int)
@@ -272,6 +292,8 @@ class MegatronSource(WeightSource):
             (u, s, self._moe_after.get(i)) for i, (u, s) in enumerate(zip(self.plan, local))
         ]
         self._precast: list[LocalStep] = [s for s in local if s is not None and s.precast]
+        if self.senders == "owners":
+            self._start()  # collective at construction: vLLM pulls each sender's pass on its turn only
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -296,6 +318,10 @@ class MegatronSource(WeightSource):
         # plan index of each MoE layer's last unit -> that layer: its MoE tensors follow that unit.
         last_unit = {u.key[1]: i for i, u in enumerate(self.plan) if u.key[0] == "layer"}
         self._moe_after: dict[int, int] = {last_unit[L]: L for L in self.moe_layers}
+        if self._moe is not None and self.senders == "owners":
+            stage_of = {L: self.plan[last_unit[L]].stage for L in self.moe_layers}
+            helpers = {r for row in self._topo.grid for r in row[1:]}
+            self._moe.plan_owners(stage_of, lambda s: self._topo.stage_ranks(s)[0], helpers)
 
     def _attention(
         self, hf_config: Any, bound: dict[tuple, Bound], layer_names: dict[int, list[str]]
@@ -396,9 +422,15 @@ class MegatronSource(WeightSource):
 
     # ---- metadata ---------------------------------------------------------------------------
 
+    def _dst(self, unit: Unit) -> int:
+        """The global rank that sends ``unit``'s HF tensors (and gathers its TP pieces): rank 0, or
+        with ``senders="owners"`` the first rank of its stage in rank 0's replica."""
+        return 0 if self.senders == "rank0" else self._topo.stage_ranks(unit.stage)[0]
+
     def _unit_metas(self, unit: Unit) -> list[ParamMeta]:
         if self.mode == "full":
-            return [ParamMeta(n, self._wd[unit.key], s, owners=(0,)) for n, s in zip(unit.names, unit.shapes)]
+            owner = (self._dst(unit),)
+            return [ParamMeta(n, self._wd[unit.key], s, owners=owner) for n, s in zip(unit.names, unit.shapes)]
         ranks = self._topo.stage_ranks(unit.stage)
         dim = unit.kind.dim
         if (unit.kind is VOCAB and not self._vocab_chunked) or not unit.kind.chunked:
@@ -416,7 +448,9 @@ class MegatronSource(WeightSource):
             out += self._unit_metas(unit)
             if i in self._moe_after:
                 assert self._moe is not None
-                out += [ParamMeta(n, d, s, owners=(0,)) for n, s, d in self._moe.entries(self._moe_after[i])]
+                layer = self._moe_after[i]
+                owners = self._moe.entry_senders(layer)
+                out += [ParamMeta(n, d, s, owners=(o,)) for (n, s, d), o in zip(self._moe.entries(layer), owners)]
         return out
 
     @property
@@ -534,7 +568,8 @@ class MegatronSource(WeightSource):
 
         That is every unit of rank 0's stage at tp=1, and replicated ones (norms) at any tp."""
         topo = self._topo
-        if topo.rank != 0 or unit.stage != topo.pp_rank or self._senders(unit) != (0,) or unit.key not in self._bound:
+        dst = self._dst(unit)
+        if topo.rank != dst or unit.stage != topo.pp_rank or self._senders(unit) != (dst,) or unit.key not in self._bound:
             return None
         return local_step(
             self._bound[unit.key].param,
@@ -576,7 +611,7 @@ class MegatronSource(WeightSource):
         pieces = [Piece(src, self._piece_shape(unit, stage_ranks.index(src)), wd) for src in self._senders(unit)]
         before = stats._extra
         posted = post_gather(
-            pieces, 0, local=lambda i: self._piece(unit, stats), device=self._device,
+            pieces, self._dst(unit), local=lambda i: self._piece(unit, stats), device=self._device,
             what=repr(unit.names[0]), stats=stats,
         )
         stats.hold(posted.held_bytes)
@@ -594,13 +629,14 @@ class MegatronSource(WeightSource):
         never has more than one cast piece out. Between any two ranks the transfers are posted in
         plan order on both sides, so they pair up as without overlap (``ahead.py`` says why the
         budget is in bytes, not units)."""
-        if not self.overlap or self._topo.rank != 0 or self._steps[k][2] is not None:
+        rank = self._topo.rank
+        if not self.overlap or rank != self._dst(self._steps[k][0]) or self._steps[k][2] is not None:
             return
         held = sum(self._unit_bytes(self._steps[i][0]) for i in posted)
         j = k + 1
         while j < len(self._steps):
             unit, local, moe_layer = self._steps[j]
-            if local is None and j not in posted:
+            if local is None and j not in posted and self._dst(unit) == rank:
                 if held >= self.ahead_bytes:
                     return
                 posted[j] = self._post(unit, stats)
@@ -611,6 +647,11 @@ class MegatronSource(WeightSource):
             if moe_layer is not None:
                 return
             j += 1
+
+    @cached_property
+    def _is_gatherer(self) -> bool:
+        """This rank receives TP pieces of some unit (rank 0; with ``senders="owners"`` each stage's first rank)."""
+        return any(self._dst(u) == self._topo.rank for u in self.plan)
 
     def _unit_bytes(self, unit: Unit) -> int:
         """Bytes of ``unit``'s HF tensors in its wire dtype (what rank 0 holds once it is concatenated)."""
@@ -635,7 +676,7 @@ class MegatronSource(WeightSource):
                 return
             casts, peak = precast(self._precast, self.dtype) if self._precast else (iter(()), 0)
             transfers = self.overlap and any(s[1] is None for s in self._steps)  # none at TP1 on rank 0
-            if transfers and self._topo.rank == 0 and self._device.type == "cpu":
+            if transfers and self._is_gatherer and self._device.type == "cpu":
                 split_ahead = SplitAhead()  # rank 0's concatenation / splits off this thread (megatron/ahead.py)
             for k, (unit, local, moe_layer) in enumerate(self._steps):
                 if local is not None and local.views is not None and local.param.data_ptr() == local.ptr:

@@ -1,0 +1,167 @@
+"""Many senders (``senders="owners"``) through vLLM 0.34's real NCCL trainer and worker engines, on
+gloo CPU ranks (``many_senders_worlds.py`` says what stands in: only the PyNccl communicator).
+
+Oracles: transformers' ``save_pretrained`` of the HF model the Megatron / FSDP model was built from
+(the Megatron weights are written by the tests' own importer, ``megatron_worlds.import_hf``, not by
+weightsync); for the MoE EP2 case, Megatron's own ``dist_checkpointing`` for the experts and router.
+What each sender sent is counted at the communicator (broadcasts it sourced) and at the worker
+(each turn's ``update_info`` names and ``src``), against owners computed here from the layer
+placement, not from the source's metadata.
+
+Skips (named) when the installed vLLM has a single NCCL sender (0.33); one check runs there: asking
+for many senders is refused, naming the version.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+from fsdp_worlds import pack, unpack
+from many_senders_worlds import skip_reason
+from worlds import run_world as _run_world
+
+SKIP = skip_reason()
+needs_034 = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+
+
+def run_world(*a, **k):
+    return unpack(_run_world(*a, **k))
+
+
+def _bitwise_mismatches(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    bad = sorted(set(got) ^ set(want))
+    for n in set(got) & set(want):
+        a, b = got[n], want[n]
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)):
+            bad.append(n)
+    return sorted(bad)
+
+
+def _megatron_case(rank: int, *, tmp: str, case: str, tp: int, pp: int, vpp: int | None, fail: bool = False) -> dict:
+    """One Megatron sync (and, with ``fail``, a failed sync then a good one) of a tiny Qwen3."""
+    import torch.distributed as dist
+    from many_senders_worlds import InProcessWorker, NoClient, sent_by_me, weight_sync
+    from megatron_worlds import hf_config, hf_model, import_hf, init_parallel, megatron_model, saved_checkpoint
+
+    from weightsync.sources import MegatronSource
+
+    init_parallel(tp=tp, pp=pp, vpp=vpp)
+    layers = 4
+    cfg = hf_config("qwen3", layers=layers)
+    hf = hf_model(cfg, seed=3)
+    model = megatron_model(cfg)
+    import_hf(model, dict(hf.state_dict()), cfg)
+    oracle = saved_checkpoint(hf, f"{tmp}/{case}") if rank == 0 else None
+    src = MegatronSource(model, hf_config=cfg, senders="owners")
+    client = InProcessWorker() if rank == 0 else NoClient()
+    sync = weight_sync(src, client)
+    if rank == 0:
+        client.model.expect(src.metadata)
+    facts: dict = {"owners": {m.name: m.owners for m in src.metadata}}
+    sync.sync(1)
+    facts["sent"], facts["sent_bytes"] = sent_by_me(sync)
+    facts["stats"] = src.last_pass.as_dict()
+    if rank == 0:
+        facts["mismatch"] = _bitwise_mismatches(client.model.held, oracle)
+        facts["updates"] = [(s, list(n)) for s, n in client.updates]
+        facts["payload_rank_offset"] = client.init_payloads[0]["rank_offset"]
+    if fail:
+        orig = src._full_pass
+
+        def failing():
+            for i, pair in enumerate(orig()):
+                if i == 3:
+                    raise RuntimeError("injected: this sender fails mid-stream")
+                yield pair
+
+        if rank == 1:
+            src._full_pass = failing
+        try:
+            sync.sync(2)
+            facts["fail_outcome"] = "returned"
+        except Exception as e:  # noqa: BLE001 - the fact under test
+            facts["fail_outcome"] = f"{type(e).__name__}: {e}"
+        facts["sent_in_failed"], _ = sent_by_me(sync)
+        if rank == 1:
+            del src._full_pass
+        if rank == 0:
+            facts["after_fail_mismatch"] = len(_bitwise_mismatches(client.model.held, oracle))
+            client.model.expect(src.metadata)  # NaN again: the next sync must deliver everything
+        sync.sync(3)
+        facts["resent"], _ = sent_by_me(sync)
+        if rank == 0:
+            facts["next_mismatch"] = _bitwise_mismatches(client.model.held, oracle)
+            facts["versions"] = client.versions
+    sync.shutdown()
+    if rank == 0:
+        client.engine.shutdown()
+    dist.barrier()
+    return facts
+
+
+def _world_megatron_2(rank: int, world_size: int, *, tmp: str) -> bytes:
+    from many_senders_worlds import install_standins
+
+    install_standins()
+    facts = {
+        "pp2": _megatron_case(rank, tmp=tmp, case="pp2", tp=1, pp=2, vpp=None, fail=True),
+        "vpp": _megatron_case(rank, tmp=tmp, case="vpp", tp=1, pp=2, vpp=2),
+    }
+    return pack(facts)
+
+
+def _expected_sender(name: str, *, layers: int, pp: int, tp: int, vpp: int = 1) -> int:
+    """The rank that must send ``name``: its stage's first rank (Megatron's default rank order puts
+    stage s's first rank of replica 0 at s * tp * dp; dp = 1 here)."""
+    if name.startswith("model.layers."):
+        from many_senders_worlds import stage_of_layer
+
+        stage = stage_of_layer(int(name.split(".")[2]), layers, pp, vpp)
+    elif name.startswith("model.embed_tokens"):
+        stage = 0
+    else:  # final norm, lm_head
+        stage = pp - 1
+    return stage * tp
+
+
+def _check_megatron(facts: dict, *, world: int, tp: int, pp: int, vpp: int = 1) -> None:
+    r0 = facts[0]
+    assert r0["mismatch"] == [], r0["mismatch"][:5]
+    names = list(r0["owners"])
+    want = {n: _expected_sender(n, layers=4, pp=pp, tp=tp, vpp=vpp) for n in names}
+    assert {n: o[0] for n, o in r0["owners"].items()} == want
+    senders = sorted(set(want.values()))
+    # each sender broadcast exactly its own tensors (counted at the communicator) ...
+    for r in range(world):
+        assert facts[r]["sent"] == sum(1 for s in want.values() if s == r), (r, facts[r]["sent"])
+    # ... and the worker got them in turns, each turn's src the sender's place in the group
+    assert [(s, sorted(ns)) for s, ns in r0["updates"]] == [
+        (senders.index(r), sorted(n for n in names if want[n] == r)) for r in senders
+    ]
+    assert r0["payload_rank_offset"] == len(senders)
+    # rank 0 holds only its own stage: nothing from another stage moved to it
+    own = [n for n in names if want[n] == 0]
+    if tp == 1:
+        assert r0["stats"]["bytes_received"] == 0
+    else:
+        assert 0 < r0["stats"]["bytes_received"] < sum(1 for _ in own) * 10**9
+    assert r0["stats"]["tensors"] == len(own)
+
+
+@needs_034
+def test_megatron_pp2_vpp_and_a_failed_sender():
+    tmp = tempfile.mkdtemp()
+    res = run_world(_world_megatron_2, 2, tmp=tmp, timeout=300)
+    pp2 = {r: f["pp2"] for r, f in res.items()}
+    _check_megatron(pp2, world=2, tp=1, pp=2)
+    _check_megatron({r: f["vpp"] for r, f in res.items()}, world=2, tp=1, pp=2, vpp=2)
+    # a sender that fails mid-stream: every rank raises, naming it; nothing is committed; the next sync works
+    for r in (0, 1):
+        assert "injected: this sender fails mid-stream" in pp2[r]["fail_outcome"], (r, pp2[r]["fail_outcome"])
+    assert pp2[0]["after_fail_mismatch"] > 0  # the failed turn was completed with zeros
+    assert pp2[0]["next_mismatch"] == []
+    assert pp2[0]["versions"] == ["1", None, "3"]
+    assert pp2[1]["sent_in_failed"] == pp2[1]["sent"]  # its whole turn: 3 tensors, then zeros
+    assert pp2[1]["resent"] == pp2[1]["sent"]
