@@ -9,6 +9,11 @@ proven against ``save_pretrained`` in test_fsdp / test_moe_fsdp); the receiver n
 
 from __future__ import annotations
 
+import os
+import pickle
+import subprocess
+import sys
+
 import pytest
 import torch
 from worlds import run_world
@@ -21,6 +26,24 @@ def fsdp():
     from delta_worlds import world_fsdp
 
     return run_world(world_fsdp, 2, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def fsdp_kernels(tmp_path_factory):
+    """The same world with the CUDA diff kernels (``diff_triton``) run by Triton's CPU interpreter.
+
+    In a fresh interpreter: Triton decides interpreted vs compiled when it is first imported, and this
+    process's forkserver imported it already."""
+    pytest.importorskip("triton")
+    out = tmp_path_factory.mktemp("kernels") / "facts.pkl"
+    code = ("import pickle, sys; from worlds import run_world; from delta_worlds import world_fsdp; "
+            f"pickle.dump(run_world(world_fsdp, 2, timeout=400), open({str(out)!r}, 'wb'))")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
+                          capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out, "rb") as f:
+        return pickle.load(f)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +76,24 @@ def test_each_round_carries_exactly_the_changed_elements(fsdp):
         assert f["stats"]["collective_bytes"] < f["stats"]["dense_bytes"] / 2, label
     for f in fsdp[0]["moe_facts"]:
         assert f["minimal"], f["label"]
+
+
+def test_triton_kernels_find_exactly_what_torch_finds(fsdp, fsdp_kernels):
+    """The kernel path (``diff_triton``, interpreted on CPU) gives every round the receiver bytes and
+    the minimal patch set the torch path gives; its counts equal the torch world's, element for
+    element, and it really ran (``kernel_buckets``)."""
+    for key in ("dense_facts", "moe_facts"):
+        kern_facts, torch_facts = fsdp_kernels[0][key], fsdp[0][key]
+        for a, b in zip(kern_facts, torch_facts):
+            if "mismatch" in a:
+                assert a["mismatch"] == [], (key, a["label"], a["mismatch"][:5])
+            assert a.get("minimal", True), (key, a["label"])
+            assert a["stats"]["changed"] == b["stats"]["changed"], (key, a["label"])
+            assert a["stats"]["wire_bytes"] == b["stats"]["wire_bytes"], (key, a["label"])
+            assert b["stats"]["kernel_buckets"] == 0, "the default CPU run uses the torch ops"
+    used = [f["stats"]["kernel_buckets"] for f in fsdp_kernels[0]["dense_facts"]
+            if not f["stats"]["anchor"] and f["stats"]["changed"]]
+    assert used and all(n > 0 for n in used), used
 
 
 def test_no_change_round_sends_nothing(fsdp):

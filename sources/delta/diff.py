@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +102,10 @@ class Snapshots:
         #: per exchange group and (wire dtype, device): (pieces' signature, flat snapshot)
         self._groups: dict[tuple, tuple[tuple, torch.Tensor]] = {}
         self._scratch: dict[torch.device, torch.Tensor] = {}
+        #: per bucket: (pieces' signature, ``diff_triton.Layout``), for the kernels' block table
+        self._layouts: dict[tuple, tuple[tuple, Any]] = {}
+        #: buckets diffed by ``diff_triton`` so far (a count the round's stats report)
+        self.kernel_buckets = 0
 
     @staticmethod
     def key(piece: Piece) -> Key:
@@ -119,6 +124,7 @@ class Snapshots:
         self._store.clear()
         self._groups.clear()
         self._scratch.clear()
+        self._layouts.clear()
 
     def _cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``t`` in ``dtype``, flattened, in a scratch buffer reused across pieces and rounds: a fresh
@@ -199,10 +205,23 @@ class Snapshots:
                     out[j] = Changed(p, None, whole[a: a + n])
                 pending.append((bkey, sig, whole, None, None))
                 continue
+            if snap.device != dev:
+                snap = snap.to(dev, non_blocking=True)
+            kern = _kernels(dev)
+            tensors = [p.tensor for p in pieces]
+            if kern is not None and kern.eligible(tensors, snap, dt):
+                layout = self._layouts.get(bkey)
+                if layout is None or layout[0] != sig:
+                    layout = self._layouts[bkey] = (sig, kern.Layout(sizes, dev))
+                flat_pos, local, vals, counts = kern.diff(tensors, snap, dt, layout[1],
+                                                          self._flat_scratch(kern.need(layout[1]), torch.uint8, dev))
+                for j, p, ps, vs in zip(js, pieces, local.split(counts), vals.split(counts)):
+                    out[j] = Changed(p, ps, vs)
+                pending.append((bkey, sig, None, flat_pos, vals))
+                self.kernel_buckets += 1
+                continue
             cur = self._flat_scratch(starts[-1], dt, dev)
             _fill(cur, pieces, starts)
-            if snap.device != cur.device:
-                snap = snap.to(cur.device, non_blocking=True)
             pos = changed_positions(cur, snap)
             vals = bits(cur).index_select(0, pos).view(dt)
             if pos.numel():
@@ -242,6 +261,27 @@ class Snapshots:
         out = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=True)
         out.copy_(src, non_blocking=True)
         return out
+
+
+_KERNELS: Any = None
+
+
+def _kernels(device: torch.device) -> Any:
+    """``diff_triton`` for a CUDA bucket (or any bucket under Triton's CPU interpreter,
+    ``TRITON_INTERPRET=1``, which is how the tests run the kernels without a GPU); None where Triton
+    is missing or ``WEIGHTSYNC_DELTA_TRITON=0`` (the torch path then runs: same results)."""
+    global _KERNELS
+    if os.environ.get("WEIGHTSYNC_DELTA_TRITON") == "0":  # opt out: the torch path below
+        return None
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    if _KERNELS is None:
+        try:
+            from . import diff_triton
+        except Exception:  # noqa: BLE001 - no Triton: the torch ops below do the same diff
+            diff_triton = False
+        _KERNELS = diff_triton
+    return _KERNELS or None
 
 
 def _fill(flat: torch.Tensor, pieces: list[Piece], starts: list[int]) -> None:

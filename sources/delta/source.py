@@ -96,6 +96,9 @@ class DeltaStats:
     dense_bytes: int = 0
     collective_bytes: int = 0
     snapshot_bytes: int = 0
+    #: buckets (a group's pieces of one wire dtype on one device) diffed by the Triton kernels
+    #: (``diff_triton``; CUDA) rather than the torch ops
+    kernel_buckets: int = 0
     seconds: float = 0.0
     completed: bool = False
 
@@ -252,6 +255,7 @@ class DeltaSource:
         stats.dense_bytes = sum(math.prod(m.shape) * m.dtype.itemsize for m in self.metadata)
         stats.elements = sum(math.prod(m.shape) for m in self.metadata)
         t0 = time.perf_counter()
+        k0 = self._snap.kernel_buckets
         self._dirty = True  # until this round completes
         rounds = self._pieces_round if self.pieces_native else self._full_round
         try:
@@ -260,6 +264,7 @@ class DeltaSource:
         finally:
             stats.seconds = time.perf_counter() - t0
             stats.snapshot_bytes = self._snap.nbytes
+            stats.kernel_buckets = self._snap.kernel_buckets - k0
         self._dirty = False
         self.rounds += 1
         self._since_anchor = 0 if anchor else self._since_anchor + 1
