@@ -84,7 +84,7 @@ def test_checked_modulesource_with_a_non_contiguous_param_passes_vllms_nccl_engi
     assert not module.w.is_contiguous()
     source = checked(ModuleSource(module))
     engine = NCCLTrainerWeightTransferEngine(client=MagicMock(), source=source, packed=False)
-    engine.model_update_group = MagicMock()
+    engine.model_update_group = MagicMock(rank=0)  # 0.34 sends from the group rank that is `src`
     monkeypatch.setattr(torch.cuda, "current_stream", MagicMock())
 
     engine.send_weights()

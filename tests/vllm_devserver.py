@@ -1,4 +1,4 @@
-"""A recording stand-in for vLLM 0.33's dev-mode RL routes, for control-plane tests on CPU.
+"""A recording stand-in for vLLM's dev-mode RL routes (0.33 and 0.34 alike), for control-plane tests on CPU.
 
 Routes, methods, query-vs-body and response shapes follow ``vllm/entrypoints/rl/online/api_router.py``
 (``/pause`` takes ``mode`` and ``clear_cache`` as query parameters, the weight-transfer routes take
@@ -11,6 +11,12 @@ It also applies updates: ``update_info`` entries carrying ``safetensors_b64`` (f
 arrived with an oracle. Test-only knobs: ``fail`` (route -> HTTP status for the next N calls),
 ``delay`` (route -> seconds), ``api_key`` (401 without the right bearer token), set directly or by a
 trainer rank via ``POST /_test/config``.
+
+A version (``vllm_version=``) makes it answer ``GET /version`` as every vLLM server does (without one,
+404: a server whose version is unknown). ``init_fields`` / ``update_fields`` make it parse like a vLLM
+worker, which builds its init / update info as ``InfoClass(**payload)``: a key outside the set is
+answered as vLLM answers a worker's ``TypeError`` (HTTP 500, "unexpected keyword argument") -- how
+an older server meets a field a newer trainer added.
 """
 
 from __future__ import annotations
@@ -27,9 +33,20 @@ _VALID_MODES = ("abort", "wait", "keep")
 
 
 class DevServer:
-    def __init__(self, *, world_size: int = 1, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        world_size: int = 1,
+        api_key: str | None = None,
+        vllm_version: str | None = None,
+        init_fields: set[str] | None = None,
+        update_fields: set[str] | None = None,
+    ) -> None:
         self.world_size = world_size
         self.api_key = api_key
+        self.vllm_version = vllm_version
+        self.init_fields = init_fields
+        self.update_fields = update_fields
         self.calls: list[dict[str, Any]] = []
         self.weights: dict[str, Any] = {}
         #: weight_version -> the weights as they were when that version was committed.
@@ -148,9 +165,24 @@ class DevServer:
     def _get_is_paused(self, q: dict, body: Any) -> tuple[int, Any]:
         return 200, {"is_paused": self.paused}
 
+    def _unexpected(self, what: str, info: Any, fields: set[str] | None) -> tuple[int, Any] | None:
+        if fields is None:
+            return None
+        for entry in info if isinstance(info, list) else [info]:
+            extra = sorted(set(entry) - fields)
+            if extra:
+                return 500, {"error": {"message": f"Invalid {what} for NCCLWeightTransferEngine: "
+                                                   f"__init__() got an unexpected keyword argument {extra[0]!r}"}}
+        return None
+
+    def _get_version(self, q: dict, body: Any) -> tuple[int, Any]:
+        if self.vllm_version is None:
+            return 404, {"detail": "Not Found"}
+        return 200, {"version": self.vllm_version}
+
     def _post_init_weight_transfer_engine(self, q: dict, body: Any) -> tuple[int, Any]:
-        (body or {})["init_info"]
-        return 200, {"message": "Weight transfer initialized"}
+        info = (body or {})["init_info"]
+        return self._unexpected("init_info", info, self.init_fields) or (200, {"message": "Weight transfer initialized"})
 
     def _post_shutdown_weight_transfer_engine(self, q: dict, body: Any) -> tuple[int, Any]:
         return 200, {"message": "Weight transfer shut down"}
@@ -160,6 +192,9 @@ class DevServer:
 
     def _post_update_weights(self, q: dict, body: Any) -> tuple[int, Any]:
         info = (body or {})["update_info"]
+        refused = self._unexpected("update_info", info, self.update_fields)
+        if refused:
+            return refused
         for entry in info if isinstance(info, list) else [info]:
             blob = entry.get("safetensors_b64")
             if blob:
@@ -252,7 +287,7 @@ class RecordingEngineClient:
 
 
 class VLLMRouterServer:
-    """vLLM 0.33's own RL ``APIRouter`` (``vllm.entrypoints.rl.online.api_router``), served by uvicorn
+    """vLLM's own RL ``APIRouter`` (``vllm.entrypoints.rl.online.api_router``) and ``GET /version``, served by uvicorn
     on 127.0.0.1 in a thread, over a ``RecordingEngineClient``. Route parsing (query vs body, 422s,
     response shapes) is vLLM's, not ours."""
 
@@ -264,8 +299,11 @@ class VLLMRouterServer:
         from vllm.entrypoints.rl.online.api_router import router
 
         self.engine = RecordingEngineClient(world_size)
+        from vllm.entrypoints.serve.instrumentator.basic import router as basic_router
+
         app = FastAPI()
         app.include_router(router)
+        app.include_router(basic_router)  # GET /version (the installed vLLM's), as a real server has
         app.state.engine_client = self.engine
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))

@@ -8,7 +8,7 @@ Importing this package imports vLLM (the driver and the HTTP client subclass vLL
 from __future__ import annotations
 
 from .driver import PAUSE_MODES, LateSync, WeightSync
-from .http_client import ControlPlaneError, InsecureTransportError, VLLMHTTPClient
+from .http_client import ControlPlaneError, InsecureTransportError, ServerVersionError, VLLMHTTPClient
 from .preflight import PreflightError, PreflightReport, check_engine, check_weights_changed
 from .report import SyncReport
 
@@ -19,6 +19,7 @@ __all__ = [
     "LateSync",
     "PreflightError",
     "PreflightReport",
+    "ServerVersionError",
     "SyncReport",
     "VLLMHTTPClient",
     "WeightSync",

@@ -2,8 +2,10 @@
 
 Per sync, in this order, on every rank:
 
-1. (first sync only) build the trainer engine: ``WeightTransferTrainerFactory.trainer_init`` on every
-   rank (rank 0 rendezvouses with vLLM), then the transport preflight;
+1. (first sync only) rank 0 checks that every server's vLLM can parse what the init info and source
+   need (``check_compatible``, if the client has one: a 0.34 trainer beside 0.33 servers), then the
+   trainer engine is built: ``WeightTransferTrainerFactory.trainer_init`` on every rank (rank 0
+   rendezvouses with vLLM), then the transport preflight;
 2. rank 0 pauses generation on every server (``keep`` | ``wait`` | ``abort``, or not at all);
 3. every rank runs ``engine.send_weights()`` (the collectives), rank 0 drives the four vLLM calls and
    its ``finish_weight_update`` commits ``weight_version`` (the training step by default);
@@ -24,7 +26,8 @@ Invariants, and why:
   peers blocked in the source's gathers complete them and hear the error.
 * **Bad configuration raises before any bytes move**: argument errors at construction (same on every
   rank), rank / backend disagreement between ranks and the IPC-over-remote-HTTP refusal at the first
-  sync, before ``trainer_init``.
+  sync, before ``trainer_init``, and so does a server whose vLLM version cannot parse a field the
+  sync needs (``ServerVersionError``, naming the server, both versions and the field).
 * **The commit is vLLM's own**: ``finish_weight_update(weight_version)`` sets the version in the same
   call that finishes the update (``AsyncLLM.finish_weight_update``). Engines call ``finish`` without a
   version, so the driver hands them a thin client that adds it; an engine that never calls ``finish``
@@ -397,7 +400,11 @@ class WeightSync:
         # -- first sync: build the engine on every rank, then the transport preflight. Each step's
         #    outcome is agreed before the next, so no rank enters a collective its peers skipped.
         if cold:
-            for phase, fn in (("engine init", self._build_engine), ("preflight", self._preflight)):
+            for phase, fn in (
+                ("server compatibility", self._check_compatible),
+                ("engine init", self._build_engine),
+                ("preflight", self._preflight),
+            ):
                 err = _attempt(fn, board)
                 failed = self._agree(board, phase, err)
                 if failed:
@@ -486,6 +493,16 @@ class WeightSync:
         self.shutdown()
 
     # ---- pieces -------------------------------------------------------------------------------
+
+    def _check_compatible(self, board: Board | None) -> None:
+        """The sender asks the client whether every server's vLLM can parse what this init info and
+        source need (``VLLMHTTPClient.check_compatible``: ``GET /version``); agreed before
+        ``trainer_init``, so a too-old server raises on every rank before any collective."""
+        check = getattr(self.client, "check_compatible", None)
+        if not self.is_sender or not callable(check):
+            return
+        source = self.delta if self.delta is not None else self.source
+        check(self.init_info, getattr(source, "metadata", None))
 
     def _build_engine(self, board: Board | None) -> None:
         self._check_ranks(board)

@@ -2,9 +2,10 @@
 
 ``VLLMHTTPClient`` extends vLLM's ``HTTPVLLMWeightSyncClient`` (the four weight-transfer calls an
 engine drives) with the dev-mode routes a sync needs around them: ``/pause``, ``/resume``,
-``/is_paused``, ``/weight_info``, ``/get_world_size`` and ``/update_weight_version``. Routes, methods,
-query-vs-body and response shapes are vLLM 0.33's ``vllm/entrypoints/rl/online/api_router.py``
-(served only with ``VLLM_SERVER_DEV_MODE=1``).
+``/is_paused``, ``/weight_info``, ``/get_world_size``, ``/update_weight_version`` and ``GET /version``.
+Routes, methods, query-vs-body and response shapes are ``vllm/entrypoints/rl/online/api_router.py``
+(served only with ``VLLM_SERVER_DEV_MODE=1``), the same in vLLM 0.33 and 0.34; ``/version`` is served
+by every vLLM server (``vllm/entrypoints/serve/instrumentator/basic.py``).
 
 Invariants, and why:
 
@@ -25,11 +26,24 @@ Invariants, and why:
   sent unchanged to several instances, all of them would claim the same NCCL ranks and the rendezvous
   would hang. With several servers the client gives each one the offset after its predecessors'
   workers (from ``/get_world_size``) and checks the payload's ``world_size`` covers them all.
+* **Each server gets a payload its vLLM version parses** (a 0.34 trainer beside 0.33 servers, or the
+  other way round). vLLM's worker builds its init / update info with ``InfoClass(**payload)``, so a
+  field it does not know is an "unexpected keyword" error (0.34's NCCL init payload always carries
+  ``"use_load_plan": false``, which a 0.33 worker rejects). The client reads every server's
+  ``GET /version`` once and leaves out, per server, each field of ``ADDED_FIELDS`` that the server's
+  version predates while the field holds its default (the value that means "as before": omitting it
+  changes nothing on any version). A field at a non-default value that a server predates is refused
+  with ``ServerVersionError`` naming the server, both versions and the field, before the request is
+  sent; ``check_compatible`` raises the same error from the trainer's init info and metadata alone,
+  which ``WeightSync`` calls on the sender before ``trainer_init`` so that every rank raises before
+  any collective. A server without ``/version`` (a proxy, a stand-in) counts as unknown: defaults are
+  left out (safe everywhere), anything else is sent as is.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
@@ -41,11 +55,14 @@ from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 from weightsync.sources import WeightSyncError, get_logger
 
 __all__ = [
+    "ADDED_FIELDS",
     "VLLMHTTPClient",
     "ControlPlaneError",
     "InsecureTransportError",
     "PauseMode",
+    "ServerVersionError",
     "is_loopback_url",
+    "parse_vllm_version",
 ]
 
 logger = get_logger(__name__)
@@ -65,6 +82,44 @@ class ControlPlaneError(WeightSyncError):
 
 class InsecureTransportError(WeightSyncError, ValueError):
     """Pickled CUDA IPC handles would be sent to a non-loopback host without an explicit opt-in."""
+
+
+class ServerVersionError(WeightSyncError, ValueError):
+    """A server's vLLM version cannot parse a payload field the trainer needs at a non-default value."""
+
+
+#: Fields of vLLM's worker-side payloads that a newer vLLM added: ``{payload: {field: (version that
+#: added it, the value that means "as before")}}``. Read from vLLM 0.34.0's
+#: ``nccl_common.NCCLWeightTransferInitInfo`` (``use_load_plan``, ``metadata``: direct reload through a
+#: load plan) and ``nccl_engine.NCCLWeightTransferUpdateInfo`` (``src``: the broadcasting trainer
+#: rank, many senders) against 0.33.0's; the other backends' payloads did not change.
+ADDED_FIELDS: dict[str, dict[str, tuple[tuple[int, int], Any]]] = {
+    "init_info": {"use_load_plan": ((0, 34), False), "metadata": ((0, 34), None)},
+    "update_info": {"src": ((0, 34), 0)},
+}
+
+#: What each added field is for, in the refusal's words.
+_FIELD_USE = {
+    "use_load_plan": "use_load_plan=True (direct reload through a load plan)",
+    "metadata": "the load plan's metadata (use_load_plan=True)",
+    "src": "a sender other than trainer rank 0 (many senders: ParamMeta.owners[0] != 0)",
+}
+
+
+def parse_vllm_version(text: str | None) -> tuple[int, int] | None:
+    """``(major, minor)`` of a vLLM version string (``"0.34.0"``, ``"0.33.1.dev4+gabc"``,
+    ``"0.32.0+cpu"``); ``None`` for ``None`` or anything without a leading ``N.N``."""
+    m = re.match(r"\s*v?(\d+)\.(\d+)", text or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _local_vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", "unknown"))
+    except Exception:  # noqa: BLE001 - only for messages
+        return "unknown"
 
 
 def is_loopback_url(url: str) -> bool:
@@ -141,6 +196,7 @@ class VLLMHTTPClient(HTTPVLLMWeightSyncClient):
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._has_key = bool(api_key)
+        self._versions: dict[str, str | None] | None = None
         if session is None:
             import requests
 
@@ -237,21 +293,133 @@ class VLLMHTTPClient(HTTPVLLMWeightSyncClient):
     # ---- the four VLLMWeightSyncClient calls (+ shutdown) -------------------------------------
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """``POST /init_weight_transfer_engine`` on every server, each with the payload its vLLM
+        version parses (see ``ADDED_FIELDS``) and, for NCCL with several servers, its own
+        ``rank_offset``. Raises ``ServerVersionError`` before any request if a server cannot take it."""
+        offsets = None
         if len(self.base_urls) > 1 and "rank_offset" in init_info:
             offsets = self._nccl_offsets(init_info)
-            self._fanout(
-                "POST",
-                "init_weight_transfer_engine",
-                json_for=lambda i, u: {"init_info": {**init_info, "rank_offset": offsets[u]}},
-                long=True,
-            )
-            return
-        super().init_weight_transfer_engine(init_info)
+        bodies = {}
+        for u in self.base_urls:
+            info = self._for_server(u, "init_info", dict(init_info))
+            if offsets is not None:
+                info["rank_offset"] = offsets[u]
+            bodies[u] = {"init_info": info}
+        self._fanout("POST", "init_weight_transfer_engine", json_for=lambda i, u: bodies[u], long=True)
 
     def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
+        """``POST /update_weights`` on every server, each with the payload its vLLM version parses
+        (see ``ADDED_FIELDS``); ``ServerVersionError`` before any request if a server cannot."""
         if _has_ipc_handles(update_info):
             self.check_backend("ipc")
-        super().update_weights(update_info)
+        from vllm.distributed.weight_transfer.clients import _json_safe_update_payload
+
+        safe = _json_safe_update_payload(update_info)
+        bodies = {}
+        for u in self.base_urls:
+            if isinstance(safe, list):
+                info: Any = [self._for_server(u, "update_info", dict(i)) if isinstance(i, dict) else i for i in safe]
+            else:
+                info = self._for_server(u, "update_info", dict(safe)) if isinstance(safe, dict) else safe
+            bodies[u] = {"update_info": info}
+        self._fanout("POST", "update_weights", json_for=lambda i, u: bodies[u], long=True)
+
+    # ---- versions -----------------------------------------------------------------------------
+
+    def server_versions(self, *, refresh: bool = False) -> dict[str, str | None]:
+        """``GET /version`` on every server, once per client (``refresh`` asks again):
+        ``{base_url: vLLM version}``; ``None`` for a server that has no ``/version`` route (404)."""
+        if self._versions is None or refresh:
+            timeout = self.control_timeout
+
+            def one(url: str) -> str | None:
+                try:
+                    r = self._request_one(url, "GET", "version", params=None, json=None, timeout=timeout)
+                except _Failure as e:
+                    if str(e).startswith("HTTP 404"):
+                        return None
+                    raise
+                return str(r["version"]) if isinstance(r, dict) and "version" in r else None
+
+            found: dict[str, str | None] = {}
+            failures: dict[str, str] = {}
+            with ThreadPoolExecutor(max_workers=len(self.base_urls)) as pool:
+                futs = {u: pool.submit(one, u) for u in self.base_urls}
+                for u, f in futs.items():
+                    try:
+                        found[u] = f.result()
+                    except _Failure as e:
+                        failures[u] = str(e)
+            if failures:
+                lines = "; ".join(f"{u}: GET /version {why}" for u, why in failures.items())
+                raise ControlPlaneError(
+                    f"{len(failures)} of {len(self.base_urls)} vLLM server(s) failed GET /version: {lines}",
+                    failures,
+                )
+            for u, v in found.items():
+                if v is None:
+                    logger.warning(
+                        "%s has no GET /version: its vLLM version is unknown; fields newer vLLMs added "
+                        "are left out while they hold their defaults, anything else is sent as is", u
+                    )
+            self._versions = found
+        return dict(self._versions)
+
+    def check_compatible(self, init_info: Any, metadata: Sequence[Any] | None = None) -> None:
+        """Raise ``ServerVersionError`` if a server's vLLM is too old for what ``init_info`` (a vLLM
+        ``TrainerInitInfo``) and the source's ``metadata`` ask of it: ``use_load_plan=True`` (init
+        field ``use_load_plan``), or, with vLLM's NCCL backend, a parameter whose first owner is not
+        rank 0 (update field ``src``). Asks each server's ``GET /version`` (once per client); no
+        other request. ``WeightSync`` calls it on the sender before ``trainer_init``."""
+        needs: list[tuple[str, str, Any]] = []  # (payload, field, value)
+        if getattr(init_info, "use_load_plan", False):
+            needs.append(("init_info", "use_load_plan", True))
+        if getattr(init_info, "backend", None) == "nccl" and metadata:
+            srcs = sorted({m.owners[0] for m in metadata if getattr(m, "owners", None)} - {0})
+            if srcs:
+                needs.append(("update_info", "src", srcs))
+        if not needs:
+            return
+        versions = self.server_versions()
+        problems = []
+        for u in self.base_urls:
+            for payload, field_, value in needs:
+                problem = self._too_old(u, versions.get(u), payload, field_, value)
+                if problem:
+                    problems.append(problem)
+        if problems:
+            raise ServerVersionError("; ".join(problems))
+
+    def _too_old(self, url: str, version: str | None, payload: str, field_: str, value: Any) -> str | None:
+        added, _default = ADDED_FIELDS[payload][field_]
+        have = parse_vllm_version(version)
+        if have is None or have >= added:
+            return None
+        return (
+            f"{url} runs vLLM {version}, whose {payload} has no field {field_!r} (added in vLLM "
+            f"{added[0]}.{added[1]}); this trainer runs vLLM {_local_vllm_version()} and needs "
+            f"{_FIELD_USE.get(field_, field_)} (value {value!r}). Upgrade that server to vLLM >= "
+            f"{added[0]}.{added[1]}, or leave {field_!r} at its default"
+        )
+
+    def _for_server(self, url: str, payload: str, info: dict[str, Any]) -> dict[str, Any]:
+        """``info`` as the server at ``url`` parses it: fields it predates are dropped while at their
+        default; ``ServerVersionError`` for one that is not."""
+        added_fields = ADDED_FIELDS[payload]
+        present = [f for f in added_fields if f in info]
+        if not present:
+            return info
+        version = self.server_versions().get(url)
+        have = parse_vllm_version(version)
+        for f in present:
+            added, default = added_fields[f]
+            if have is not None and have >= added:
+                continue
+            if info[f] == default:
+                del info[f]
+            elif have is not None:
+                raise ServerVersionError(self._too_old(url, version, payload, f, info[f]))
+        return info
 
     # ---- dev-mode routes ----------------------------------------------------------------------
 
