@@ -165,3 +165,115 @@ def test_megatron_pp2_vpp_and_a_failed_sender():
     assert pp2[0]["versions"] == ["1", None, "3"]
     assert pp2[1]["sent_in_failed"] == pp2[1]["sent"]  # its whole turn: 3 tensors, then zeros
     assert pp2[1]["resent"] == pp2[1]["sent"]
+
+
+# ---- 4 ranks: Megatron PP2 x TP2, FSDP2 under HSDP (2 replicas x 2 shards) ---------------------------
+
+
+def _hsdp_case(rank: int, mesh, *, tmp: str, kind: str) -> dict:
+    """One HSDP sync of a tiny model: ``plain`` (Qwen3, tied), ``lora`` (PEFT LoRA, merged on the
+    way out) or ``moe`` (Qwen3-MoE, transformers' fused experts sent per expert)."""
+    import copy
+
+    import torch.distributed as dist
+    from fsdp_worlds import load_oracle, shard, tiny_model
+    from many_senders_worlds import InProcessWorker, NoClient, sent_by_me, weight_sync
+
+    from weightsync.sources import FSDPSource
+
+    layers = None
+    if kind == "plain":
+        model = tiny_model("qwen3", tied=True, seed=5, layers=4)
+        oracle_model = model
+    elif kind == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(tiny_model("qwen3", tied=False, seed=6, layers=4),
+                               LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_()  # B starts at zero: a merge that dropped it would still match
+        oracle_model = copy.deepcopy(model).merge_and_unload()
+        layers = model.base_model.model.model.layers
+    else:
+        from moe_models import tiny_model as moe_model
+
+        model = moe_model("qwen3_moe", seed=7)
+        oracle_model = model
+    if rank == 0:
+        oracle_model.save_pretrained(f"{tmp}/{kind}")
+    oracle = load_oracle(f"{tmp}/{kind}") if rank == 0 else None
+    shard(model, mesh, layers=layers)
+    src = FSDPSource(model, senders="owners")
+    client = InProcessWorker() if rank == 0 else NoClient()
+    sync = weight_sync(src, client)
+    if rank == 0:
+        client.model.expect(src.metadata)
+    sync.sync(1)
+    facts: dict = {"owners": {m.name: m.owners for m in src.metadata}, "replicas": src.replicas}
+    facts["sent"], facts["sent_bytes"] = sent_by_me(sync)
+    facts["stats"] = src.last_pass.as_dict()
+    facts["sizes"] = {m.name: m.dtype.itemsize * m.shape.numel() if hasattr(m.shape, "numel")
+                      else m.dtype.itemsize * int(torch.Size(m.shape).numel()) for m in src.metadata}
+    if rank == 0:
+        facts["mismatch"] = _bitwise_mismatches(client.model.held, oracle)
+        facts["updates"] = [(s, sorted(n)) for s, n in client.updates]
+        facts["versions"] = client.versions
+    sync.shutdown()
+    if rank == 0:
+        client.engine.shutdown()
+    dist.barrier()
+    return facts
+
+
+def _world_4(rank: int, world_size: int, *, tmp: str) -> bytes:
+    from many_senders_worlds import install_standins
+    from torch.distributed.device_mesh import init_device_mesh
+
+    install_standins()
+    facts = {"pp2tp2": _megatron_case(rank, tmp=tmp, case="pp2tp2", tp=2, pp=2, vpp=None)}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for kind in ("plain", "lora", "moe"):
+        facts[f"hsdp_{kind}"] = _hsdp_case(rank, mesh, tmp=tmp, kind=kind)
+    return pack(facts)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    if SKIP is not None:
+        pytest.skip(SKIP)
+    return run_world(_world_4, 4, tmp=tempfile.mkdtemp(), timeout=400)
+
+
+@needs_034
+def test_megatron_pp2_tp2(world4):
+    _check_megatron({r: f["pp2tp2"] for r, f in world4.items()}, world=4, tp=2, pp=2)
+
+
+@needs_034
+@pytest.mark.parametrize("kind", ["plain", "lora", "moe"])
+def test_fsdp_hsdp_each_replica_sends_its_share(world4, kind):
+    f = {r: world4[r][f"hsdp_{kind}"] for r in range(4)}
+    r0 = f[0]
+    assert r0["mismatch"] == [], r0["mismatch"][:5]  # byte for byte what save_pretrained wrote
+    assert r0["versions"] == ["1"]
+    replicas = [tuple(row) for row in r0["replicas"]]
+    assert replicas == [(0, 1), (2, 3)]  # init_device_mesh's (2, 2) grid, rows = replicas
+    owners = r0["owners"]
+    # every tensor is owned by one replica's shard group, sent by that replica's first rank
+    assert {o for o in owners.values()} == {(0, 1), (2, 3)}
+    first = {n: o[0] for n, o in owners.items()}
+    assert [f[r]["sent"] for r in range(4)] == [
+        sum(1 for s in first.values() if s == 0), 0, sum(1 for s in first.values() if s == 2), 0
+    ]
+    assert [(s, ns) for s, ns in r0["updates"]] == [
+        (0, sorted(n for n in first if first[n] == 0)), (1, sorted(n for n in first if first[n] == 2))
+    ]
+    # no gather across replicas: each replica's ranks yield only their replica's tensors
+    for r in range(4):
+        assert f[r]["stats"]["tensors"] == sum(1 for o in owners.values() if r in o), r
+    # bytes per sender: max <= total / senders + the largest tensor
+    sizes = r0["sizes"]
+    per = [sum(sizes[n] for n in first if first[n] == s) for s in (0, 2)]
+    assert max(per) <= sum(per) / 2 + max(sizes.values()), (per, max(sizes.values()))

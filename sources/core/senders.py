@@ -24,7 +24,7 @@ from typing import Literal
 
 from vllm.distributed.weight_transfer.base import ParamMeta
 
-__all__ = ["Senders", "SENDERS", "check_senders", "require_many_senders", "broadcast_ranks", "balance",
+__all__ = ["Senders", "SENDERS", "check_senders", "require_many_senders", "broadcast_ranks", "split_contiguous",
            "many_senders_supported", "vllm_version"]
 
 Senders = Literal["rank0", "owners"]
@@ -68,13 +68,15 @@ def broadcast_ranks(metadata: Iterable[ParamMeta]) -> list[int]:
     return sorted({0, *(0 if m.owners is None else m.owners[0] for m in metadata)})
 
 
-def balance(sizes: Sequence[int], bins: int) -> list[int]:
-    """Bin of each item: greedy longest-first onto the least-loaded bin (ties: the lowest bin), so
-    the largest bin holds at most ``sum(sizes) / bins + max(sizes)``. Deterministic from ``sizes``."""
-    load = [0] * bins
-    out = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        b = min(range(bins), key=lambda b: (load[b], b))
-        out[i] = b
-        load[b] += sizes[i]
+def split_contiguous(sizes: Sequence[int], bins: int) -> list[int]:
+    """Bin of each item: ``bins`` contiguous runs in item order, item ``i`` in the run its start
+    offset falls in (``floor(start * bins / total)``), so every run holds at most
+    ``sum(sizes) / bins + max(sizes)`` and each run's items stay in order (a batched gather is cut
+    at most ``bins - 1`` times). Deterministic from ``sizes``."""
+    total = sum(sizes)
+    out: list[int] = []
+    start = 0
+    for size in sizes:
+        out.append(min(bins - 1, start * bins // total) if total else 0)
+        start += size
     return out

@@ -29,7 +29,7 @@ from torch import nn
 
 from .gather import batchable_axis, gather_device
 
-__all__ = ["fsdp_units", "Step", "plan_steps", "is_dtensor", "is_member", "dtensor_layout"]
+__all__ = ["fsdp_units", "Step", "plan_steps", "is_dtensor", "is_member", "dtensor_layout", "hsdp_replicas"]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -74,6 +74,44 @@ def dtensor_layout(t: torch.Tensor):
         else:
             return owners, tuple(grid.shape), None
     return owners, tuple(grid.shape), tuple(placements)
+
+
+def hsdp_replicas(tensors: Sequence[torch.Tensor], *, rank: int) -> tuple[tuple[int, ...], ...]:
+    """The replicas of an HSDP model, each its shard group's global ranks in shard order:
+    ``replicas[r][0]`` is replica ``r``'s first rank (its sender under ``senders="owners"``).
+
+    HSDP here: every DTensor lives on one 2-D mesh spanning the world, placed ``(Replicate(),
+    Shard(d))``. Anything else -- plain FSDP (a 1-D mesh: every rank holds only a shard, and vLLM
+    0.34's engine pulls a sender's pass only on its own turn, so gathers among all ranks would
+    deadlock), FSDP+TP, per-parameter meshes, no DTensor at all -- raises ``ValueError`` naming
+    what was found, on every rank alike (module structure only, no collective)."""
+    from torch.distributed.tensor import Replicate as TReplicate
+    from torch.distributed.tensor import Shard as TShard
+
+    meshes: dict[int, object] = {}
+    bad: list[str] = []
+    for t in tensors:
+        if not is_dtensor(t):
+            continue
+        meshes[id(t.device_mesh)] = t.device_mesh
+        p = tuple(t.placements)
+        if len(p) != 2 or type(p[0]) is not TReplicate or type(p[1]) is not TShard:
+            bad.append(repr(p))
+    grids = {tuple(tuple(int(r) for r in row) for row in m.mesh.tolist()) if m.mesh.dim() == 2 else
+             (tuple(int(r) for r in m.mesh.flatten().tolist()),) for m in meshes.values()}
+    grid = next(iter(grids)) if len(grids) == 1 else None
+    if grid is None or bad or len(grid) < 2 or sum(len(row) for row in grid) != _world_size():
+        found = ("no DTensor (not sharded)" if not meshes else
+                 f"meshes {sorted(str(tuple(m.mesh.shape)) for m in meshes.values())}"
+                 + (f", placements {sorted(set(bad))[:3]}" if bad else ""))
+        raise ValueError(
+            f"rank {rank}: FSDPSource(senders='owners') needs HSDP: every sharded tensor on one 2-D "
+            "mesh (replicate x shard) spanning the world, placed (Replicate(), Shard(d)), so each "
+            f"replica sends its share of the units; found {found}. Under plain FSDP every rank holds "
+            "only a shard and vLLM 0.34's engine pulls a sender's pass only on its own turn, so the "
+            "gathers would deadlock: use senders='rank0' there"
+        )
+    return grid
 
 
 def _world_size() -> int:

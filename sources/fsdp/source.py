@@ -82,13 +82,14 @@ from .gather import (
 from .prefetch import GatherPipeline
 from .pieces import fsdp_pieces
 from ..core.pieces import Piece
-from .plan import dtensor_layout, fsdp_units, is_dtensor, is_member, plan_steps
+from .plan import dtensor_layout, fsdp_units, hsdp_replicas, is_dtensor, is_member, plan_steps
 from ..core.logs import current_rank, get_logger
 from .lora import LoraMerge, LoraPlan, UnsupportedAdapterError, merge_lora
 from ..core.naming import CheckpointEntry, TensorTransform, checkpoint_entries
 from ..core.stats import PassStats
 from ..core.dtype_policy import WirePolicy
 from ..core.receiver_writes import copy_written, written_by_receiver
+from ..core.senders import Senders, check_senders, require_many_senders, split_contiguous
 
 __all__ = ["FSDPSource", "DEFAULT_GROUP_BYTES"]
 
@@ -135,6 +136,15 @@ class FSDPSource(WeightSource):
         check: check each pass's stream against metadata on this rank.
         agree: verify on the first pass that every rank holds the same metadata.
         rank: this trainer rank (default: the default process group's rank).
+        senders: ``"rank0"`` (default: every rank iterates every tensor, rank 0 sends) or
+            ``"owners"`` (vLLM 0.34's NCCL engine; HSDP only): the tensors, in stream order, are cut
+            into one contiguous run per replica, balanced by wire bytes
+            (``core.senders.split_contiguous``); each replica's shard group gathers only its own
+            run, among its own ranks, and the replica's first rank sends it -- no gather across
+            replicas. Metadata owners are that replica's ranks. Plain FSDP, FSDP+TP or per-parameter
+            meshes raise ``ValueError`` naming HSDP (``plan.hsdp_replicas`` says why); so does a
+            vLLM without many senders (0.33). Construction is then collective (the cross-rank
+            agreement runs here: vLLM pulls each sender's pass only on its own turn).
 
     A PEFT LoRA model (``get_peft_model(...)``, wrapped and sharded like any model) exports the
     merged base checkpoint -- what ``merge_and_unload().save_pretrained()`` writes -- without
@@ -158,6 +168,7 @@ class FSDPSource(WeightSource):
         agree: bool = True,
         rank: int | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        senders: Senders = "rank0",
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module= must be a torch.nn.Module, got {type(module).__name__}")
@@ -195,6 +206,17 @@ class FSDPSource(WeightSource):
         self.timeout_s = timeout_s
         self._agreed = False
         self.last_pass = PassStats()
+        #: who sends each tensor (``core/senders.py``)
+        self.senders: Senders = check_senders(senders, rank=self.rank, who="FSDPSource")
+        if senders == "owners":
+            require_many_senders(rank=self.rank, who="FSDPSource")
+            #: HSDP replicas, each its shard group's global ranks (``plan.hsdp_replicas``)
+            self.replicas = hsdp_replicas(self._resolve(), rank=self.rank)
+            if self.agree:  # collective at construction: no exchange can run inside a pass
+                verify_metadata_agreement(
+                    self._agreement_metas(self.metadata), timeout_s=self.timeout_s, what="FSDPSource metadata"
+                )
+                self._agreed = True
 
     # ---- metadata (no collective) -------------------------------------------------------------
 
@@ -309,10 +331,35 @@ class FSDPSource(WeightSource):
             a is b for a, b in zip(cached[0], tensors)
         ):
             return cached[1]
-        owned = [t if is_member(t) else None for t in tensors]
+        owned = [t if is_member(t) and self._sends_item(i) else None for i, t in enumerate(tensors)]
         steps = plan_steps(owned, self._wire_dtypes, self._units, self.group_bytes)
         self._plan_cache = (list(tensors), steps)
         return steps
+
+    @cached_property
+    def _item_replica(self) -> list[int]:
+        """``senders="owners"``: the replica that gathers and sends each item -- contiguous runs of
+        items in stream order balanced by wire bytes (``core.senders.split_contiguous``: a replica
+        sends at most total / replicas + the largest tensor); a LoRA base travels with its A/B."""
+        tensors = self._resolve()
+        sizes = [t.numel() * wd.itemsize for t, wd in zip(tensors, self._wire_dtypes)]
+        base = list(range(len(tensors)))
+        if self.lora is not None:
+            for i, b in self._lora_items[1].items():
+                base[i] = b
+        atoms = list(dict.fromkeys(base))  # a base and its A/B are contiguous items
+        atom_bytes = dict.fromkeys(atoms, 0)
+        for i, b in enumerate(base):
+            atom_bytes[b] += sizes[i]
+        bins = dict(zip(atoms, split_contiguous([atom_bytes[a] for a in atoms], len(self.replicas))))
+        return [bins[b] for b in base]
+
+    @cached_property
+    def _my_replica(self) -> int:
+        return next(r for r, row in enumerate(self.replicas) if self.rank in row)
+
+    def _sends_item(self, i: int) -> bool:
+        return self.senders == "rank0" or self._item_replica[i] == self._my_replica
 
     @cached_property
     def _out_dtypes(self) -> list[torch.dtype]:
@@ -345,6 +392,10 @@ class FSDPSource(WeightSource):
         tensors = self._entry_tensors(self._resolve())
         for k, (e, t, wd) in enumerate(zip(self.entries, tensors, self._out_dtypes)):
             layout = dtensor_layout(t)
+            if self.senders == "owners":  # the entry's replica: its shard group, first rank sends
+                row = self.replicas[self._item_replica[self._entry_item[k] if self.lora is not None else k]]
+                shard = None if layout is None or layout[2] is None or k in merged else (layout[2][-1],)
+                layout = (tuple(row), (len(row),), shard)
             if layout is not None and k in merged:
                 # The merged tensor exists in full only: iter_local gathers it (placements None).
                 layout = (layout[0], layout[1], None)
@@ -551,9 +602,14 @@ class FSDPSource(WeightSource):
         terms = [(full(a), full(b), s) for (a, b), s in zip(pairs, m.scalings())]
         return merge_lora(base, terms, fan_in_fan_out=bool(m.layer.fan_in_fan_out), out_dtype=self._out_dtypes[k])
 
+    def implements_iter_local(self) -> bool:
+        return self.senders == "rank0"
+
     def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's piece of every owned name per ``placements`` (cast, staged to the mesh's
         device); tensors without plain placements are gathered in full."""
+        if self.senders != "rank0":
+            raise NotImplementedError("FSDPSource(senders='owners') implements iter_full() (vLLM's NCCL engine) only")
         stats = self._start_pass()
         stream = self._raw_local(stats)
         if self.check:
