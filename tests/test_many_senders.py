@@ -101,6 +101,64 @@ def _megatron_case(rank: int, *, tmp: str, case: str, tp: int, pp: int, vpp: int
     return facts
 
 
+def _moe_ep2_case(rank: int, *, tmp: str) -> dict:
+    """Qwen3-MoE at EP2 (2 ranks, 4 experts, 2 per rank): owners vs rank 0 through the same engines."""
+    import torch.distributed as dist
+    from many_senders_worlds import InProcessWorker, NoClient, sent_by_me, weight_sync
+    from moe_megatron import build_gpt, init_parallel, load_full_checkpoint, megatron_checkpoint, moe_config
+    from transformers import AutoConfig
+
+    from weightsync.sources import MegatronSource
+
+    init_parallel(ep=2)
+    hf = AutoConfig.for_model("qwen3_moe", hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, vocab_size=64, num_experts_per_tok=2,
+                              moe_intermediate_size=12, num_experts=4, intermediate_size=40, head_dim=4)
+    model = build_gpt(hf, moe_config(hf, ep=2))
+    import os
+
+    os.makedirs(f"{tmp}/moe_ckpt", exist_ok=True)
+    megatron_checkpoint(model, f"{tmp}/moe_ckpt")
+    facts: dict = {}
+    got: dict[str, dict[str, torch.Tensor]] = {}
+    for senders in ("owners", "rank0"):
+        src = MegatronSource(model, hf_config=hf, senders=senders)
+        client = InProcessWorker() if rank == 0 else NoClient()
+        sync = weight_sync(src, client)
+        if rank == 0:
+            client.model.expect(src.metadata)
+        sync.sync(1)
+        facts[senders] = {"sent": sent_by_me(sync)[0], "stats": src.last_pass.as_dict(),
+                          "owners": {m.name: m.owners for m in src.metadata}}
+        if rank == 0:
+            got[senders] = {n: t.clone() for n, t in client.model.held.items()}
+            facts[senders]["updates"] = [(s, sorted(n)) for s, n in client.updates]
+        sync.shutdown()
+        if rank == 0:
+            client.engine.shutdown()
+    if rank == 0:
+        facts["vs_rank0"] = _bitwise_mismatches(got["owners"], got["rank0"])
+        # Megatron's own checkpoint (dist_checkpointing, resharded by torch's DCP reader): experts and routers
+        ck = load_full_checkpoint(f"{tmp}/moe_ckpt")
+        bad = []
+        for layer in range(2):
+            def ck_of(suffix):
+                key = f"decoder.layers.{layer}.{suffix}"
+                return ck[key] if key in ck else ck[f"decoder.layers.{suffix}"][layer]
+            fc1, fc2 = ck_of("mlp.experts.experts.linear_fc1.weight"), ck_of("mlp.experts.experts.linear_fc2.weight")
+            F = fc2.shape[-1]
+            pre = f"model.layers.{layer}.mlp."
+            want = {pre + "gate.weight": ck_of("mlp.router.weight")}
+            for e in range(4):
+                want.update({f"{pre}experts.{e}.gate_proj.weight": fc1[e, :F], f"{pre}experts.{e}.up_proj.weight": fc1[e, F:],
+                             f"{pre}experts.{e}.down_proj.weight": fc2[e]})
+            bad += [n for n, t in want.items() if not torch.equal(got["owners"][n], t.to(got["owners"][n].dtype))]
+        facts["vs_megatron_ckpt"] = bad
+        facts["ckpt_names"] = 2 * (1 + 12)
+    dist.barrier()
+    return facts
+
+
 def _world_megatron_2(rank: int, world_size: int, *, tmp: str) -> bytes:
     from many_senders_worlds import install_standins
 
@@ -108,6 +166,7 @@ def _world_megatron_2(rank: int, world_size: int, *, tmp: str) -> bytes:
     facts = {
         "pp2": _megatron_case(rank, tmp=tmp, case="pp2", tp=1, pp=2, vpp=None, fail=True),
         "vpp": _megatron_case(rank, tmp=tmp, case="vpp", tp=1, pp=2, vpp=2),
+        "ep2": _moe_ep2_case(rank, tmp=tmp),
     }
     return pack(facts)
 
@@ -150,10 +209,32 @@ def _check_megatron(facts: dict, *, world: int, tp: int, pp: int, vpp: int = 1) 
     assert r0["stats"]["tensors"] == len(own)
 
 
+@pytest.fixture(scope="module")
+def world2():
+    if SKIP is not None:
+        pytest.skip(SKIP)
+    return run_world(_world_megatron_2, 2, tmp=tempfile.mkdtemp(), timeout=300)
+
+
 @needs_034
-def test_megatron_pp2_vpp_and_a_failed_sender():
-    tmp = tempfile.mkdtemp()
-    res = run_world(_world_megatron_2, 2, tmp=tmp, timeout=300)
+def test_megatron_ep2_experts_leave_from_their_ep_rank(world2):
+    f = {r: world2[r]["ep2"] for r in (0, 1)}
+    r0 = f[0]
+    assert r0["vs_megatron_ckpt"] == []  # experts and routers: Megatron's own checkpoint
+    assert r0["vs_rank0"] == []  # everything: what the single sender delivers through the same engines
+    owners = r0["owners"]["owners"]
+    want = {n: (1 if ".experts." in n and int(n.split(".experts.")[1].split(".")[0]) >= 2 else 0) for n in owners}
+    assert {n: o for n, (o,) in owners.items()} == want
+    assert [f[r]["owners"]["sent"] for r in (0, 1)] == [sum(1 for s in want.values() if s == r) for r in (0, 1)]
+    assert [s for s, _ in r0["owners"]["updates"]] == [0, 1]
+    # rank 0 received nothing point to point (it used to receive EP rank 1's experts)
+    assert r0["owners"]["stats"]["bytes_received"] == 0 < r0["rank0"]["stats"]["bytes_received"]
+    assert f[1]["owners"]["stats"]["tensors"] == sum(1 for s in want.values() if s == 1)
+
+
+@needs_034
+def test_megatron_pp2_vpp_and_a_failed_sender(world2):
+    res = world2
     pp2 = {r: f["pp2"] for r, f in res.items()}
     _check_megatron(pp2, world=2, tp=1, pp=2)
     _check_megatron({r: f["vpp"] for r, f in res.items()}, world=2, tp=1, pp=2, vpp=2)
