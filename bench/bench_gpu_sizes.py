@@ -97,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="fewer layers at full width (stated)")
     ap.add_argument("--profile", action="store_true", help="cProfile one FSDPSource pass")
     ap.add_argument("--sources", default=None, help="comma list of source labels to time (default: all)")
+    ap.add_argument("--ipc", action="store_true",
+                    help="also time each source through vLLM's real IPC engines (packed and unpacked) into a "
+                         "receiver process holding the same model; received per-parameter sums checked")
+    ap.add_argument("--delta", type=float, default=0.0,
+                    help="also time DeltaSource(FSDPSource) rounds after changing this fraction of elements")
     args = ap.parse_args(argv)
     facts = Facts(f"bench_sizes_{args.shape}", dry_run=args.dry_run)
     import torch
@@ -195,6 +200,10 @@ def _run(args, facts, device: str, reps: int, warmup: int) -> None:
                             f"{r:.3f}")
                 facts.check(f"{name}/ModuleSource(plain) {stat} no worse than the last recorded run", bad is None,
                             guard.lines[-1])
+    if args.ipc:
+        _ipc(args, facts, device, sources, cfg, plain, nbytes, reps, warmup, fb, guard)
+    if args.delta:
+        _delta(args, facts, device, sharded, reps, fb, guard)
     guard.finish()
     if args.profile:
         import cProfile
@@ -210,6 +219,110 @@ def _run(args, facts, device: str, reps: int, warmup: int) -> None:
         pr.disable()
         pstats.Stats(pr).sort_stats("tottime").print_stats(25)
         pstats.Stats(pr).sort_stats("cumulative").print_stats(25)
+
+
+def _ipc(args, facts, device: str, sources: dict, cfg, plain, nbytes: int, reps: int, warmup: int,
+         copy_s: float, guard) -> None:
+    """Each source through vLLM's IPC trainer engine and its worker engine in a receiver process
+    (``tests/gpu/receiver.py``: a transformers model of the same config; per-expert names land in
+    its fused tensors), packed (1 GiB buffers) and unpacked, interleaved; then per source one sync
+    into a reset receiver whose per-parameter fp64 sums must equal the trainer's."""
+    import torch
+
+    from receiver import start_receiver, trainer_engine
+
+    mode = "loopback" if args.dry_run else "ipc"
+    ref = {n: float(p.double().sum().item()) for n, p in plain.named_parameters()}
+    client = start_receiver(mode, device, timeout_s=900)
+    try:
+        client.call("build", (cfg, torch.bfloat16, 7, False))
+        for packed in (False, True):
+            tag = "packed" if packed else "unpacked"
+            engines = {name: trainer_engine(mode, client=client, source=src, packed=packed, buffer_bytes=1 << 30)
+                       for name, src in sources.items()}
+            times: dict[str, list[float]] = {name: [] for name in engines}
+            names = list(engines)
+            for rep in range(warmup + reps):
+                for name in names[rep % len(names):] + names[: rep % len(names)]:
+                    sync(device)
+                    t0 = time.perf_counter()
+                    engines[name].send_weights()
+                    sync(device)
+                    if rep >= warmup:
+                        times[name].append(time.perf_counter() - t0)
+            for name, eng in engines.items():
+                client.call("reset")
+                eng.send_weights()
+                got = client.call("checksums")
+                bad = [n for n, v in ref.items() if got.get(n) != v]
+                facts.check(f"ipc {tag} {name}: the receiver's per-parameter sums equal the trainer's", not bad,
+                            bad[:5])
+            mod = times["ModuleSource(plain)"]
+            for name, ts in times.items():
+                b, m = min(ts), statistics.median(ts)
+                line = (f"{b * 1e3:8.1f} ms best {m * 1e3:8.1f} ms median, {nbytes / b / 1e9:6.1f} GB/s, "
+                        f"{b / copy_s:5.2f}x copy, {b / min(mod):5.2f}x / {m / statistics.median(mod):5.2f}x "
+                        "ModuleSource(plain) best / median")
+                log(f"[bench_sizes] ipc {tag:8s} {name:34s} {line}")
+                facts.number(f"ipc {tag} {name}", line)
+                if name.startswith("FSDPSource"):
+                    r = b / min(mod)
+                    bad = guard.check(f"ipc {tag} {name}/ModuleSource(plain) best", r, ratio_noise(ts, mod))
+                    facts.check(f"ipc {tag} {name} <= {GOAL_VS_MODULE}x ModuleSource(plain) (best)",
+                                r <= GOAL_VS_MODULE, f"{r:.3f}")
+    finally:
+        client.close()
+
+
+def _delta(args, facts, device: str, sharded, reps: int, copy_s: float, guard) -> None:
+    """DeltaSource over FSDPSource: per rep, ``--delta`` of the elements change (parameter noise on
+    the local shards; bf16 model, so every noised element changes on the wire), then one delta round
+    and one dense pass, interleaved; rounds checked against the dense pass (changed count)."""
+    import torch
+
+    from weightsync.sources import DeltaSource, FSDPSource
+
+    dense_src = FSDPSource(sharded)
+    delta = DeltaSource(FSDPSource(sharded))
+    for _ in delta.iter_patches():  # anchor
+        pass
+    g = torch.Generator(device=device).manual_seed(1)
+    rows = []
+    for rep in range(reps):
+        with torch.no_grad():
+            for p in sharded.parameters():
+                t = p._local_tensor if hasattr(p, "_local_tensor") else p
+                m = torch.rand(t.shape, generator=g, device=device) < args.delta
+                t.add_(m.to(t.dtype) * 0.01)
+                del m
+        times = {}
+        for what in (("delta", "dense") if rep % 2 else ("dense", "delta")):
+            sync(device)
+            t0 = time.perf_counter()
+            if what == "delta":
+                n = 0
+                for pt in delta.iter_patches():
+                    n += pt.indices.numel()
+            else:
+                for _ in dense_src.iter_full():
+                    pass
+            sync(device)
+            times[what] = time.perf_counter() - t0
+        st = delta.last_round
+        rows.append((times["delta"], times["dense"], st.changed, st.elements, st.kernel_buckets, n))
+    import statistics as stt
+
+    d = [r[0] for r in rows]
+    dn = [r[1] for r in rows]
+    frac = stt.median(r[2] / r[3] for r in rows)
+    line = (f"changed {100 * frac:.2f}%, round best {min(d) * 1e3:.1f} ms median {stt.median(d) * 1e3:.1f} ms; "
+            f"dense pass median {stt.median(dn) * 1e3:.1f} ms; round/dense {stt.median(d) / stt.median(dn):.3f}; "
+            f"round/copy best {min(d) / copy_s:.2f}; kernel buckets {rows[-1][4]}")
+    log(f"[bench_sizes] DeltaSource(FSDPSource) {line}")
+    facts.number("DeltaSource(FSDPSource)", line)
+    facts.check("every delta round's patches carry exactly its changed count", all(r[2] == r[5] for r in rows),
+                [(r[2], r[5]) for r in rows])
+    guard.check("delta round/copy best", min(d) / copy_s, 0.1)
 
 
 def _compare(got: dict, ref: dict, plain, moe: bool) -> list[str]:
