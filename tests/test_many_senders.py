@@ -159,11 +159,57 @@ def _moe_ep2_case(rank: int, *, tmp: str) -> dict:
     return facts
 
 
+def _fp8_and_refusals_case(rank: int, *, tmp: str) -> dict:
+    """FP8Source over a PP2 MegatronSource(senders="owners") through the engines (weights and their
+    scales sent by the weight's stage), and what is refused, on every rank: DeltaSource over many
+    senders, mode="local" with owners, FSDPSource(senders="owners") under plain FSDP."""
+    import torch.distributed as dist
+    from fsdp_worlds import shard, tiny_model
+    from many_senders_worlds import InProcessWorker, NoClient, sent_by_me, weight_sync
+    from megatron_worlds import hf_config, hf_model, import_hf, init_parallel, megatron_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from worlds import errors_of
+
+    from weightsync.sources import DeltaSource, FP8Source, FSDPSource, MegatronSource, SafetensorsSource
+
+    init_parallel(pp=2)
+    cfg = hf_config("qwen3", layers=4, hidden_size=128, intermediate_size=256, vocab=256)
+    hf = hf_model(cfg, seed=4)
+    model = megatron_model(cfg)
+    import_hf(model, dict(hf.state_dict()), cfg)
+    if rank == 0:
+        hf.save_pretrained(f"{tmp}/fp8")
+    dist.barrier()
+    src = FP8Source(MegatronSource(model, hf_config=cfg, senders="owners"))
+    client = InProcessWorker() if rank == 0 else NoClient()
+    sync = weight_sync(src, client)
+    if rank == 0:
+        client.model.expect(src.metadata)
+    sync.sync(1)
+    facts: dict = {"owners": {m.name: m.owners for m in src.metadata}, "sent": sent_by_me(sync)[0]}
+    # the oracle: the same quantizer over the save_pretrained folder, no engine (collective: every rank)
+    want = dict(FP8Source(SafetensorsSource(f"{tmp}/fp8")).iter_full())
+    if rank == 0:
+        facts["mismatch"] = _bitwise_mismatches(client.model.held, want)
+        facts["fp8"] = sum(1 for t in client.model.held.values() if t.dtype == torch.float8_e4m3fn)
+    sync.shutdown()
+    if rank == 0:
+        client.engine.shutdown()
+    facts["delta"] = errors_of(DeltaSource, MegatronSource(model, hf_config=cfg, senders="owners"))
+    facts["local"] = errors_of(MegatronSource, model, hf_config=cfg, mode="local", senders="owners")
+    facts["bad_value"] = errors_of(MegatronSource, model, hf_config=cfg, senders="all")
+    plain = shard(tiny_model("qwen3", tied=False), init_device_mesh("cpu", (2,)))
+    facts["plain_fsdp"] = errors_of(FSDPSource, plain, senders="owners")
+    dist.barrier()
+    return facts
+
+
 def _world_megatron_2(rank: int, world_size: int, *, tmp: str) -> bytes:
     from many_senders_worlds import install_standins
 
     install_standins()
     facts = {
+        "fp8": _fp8_and_refusals_case(rank, tmp=tmp),
         "pp2": _megatron_case(rank, tmp=tmp, case="pp2", tp=1, pp=2, vpp=None, fail=True),
         "vpp": _megatron_case(rank, tmp=tmp, case="vpp", tp=1, pp=2, vpp=2),
         "ep2": _moe_ep2_case(rank, tmp=tmp),
@@ -358,3 +404,35 @@ def test_fsdp_hsdp_each_replica_sends_its_share(world4, kind):
     sizes = r0["sizes"]
     per = [sum(sizes[n] for n in first if first[n] == s) for s in (0, 2)]
     assert max(per) <= sum(per) / 2 + max(sizes.values()), (per, max(sizes.values()))
+
+
+@needs_034
+def test_fp8_over_many_senders_and_refusals(world2):
+    f = {r: world2[r]["fp8"] for r in (0, 1)}
+    r0 = f[0]
+    assert r0["mismatch"] == [] and r0["fp8"] > 0
+    owners = r0["owners"]
+    for n, o in owners.items():  # a scale travels with its weight, from the weight's stage
+        if n.endswith("weight_scale_inv"):
+            assert o == owners[n.removesuffix("_scale_inv")], n
+    assert {o for o in owners.values()} == {(0,), (1,)}
+    assert [f[r]["sent"] for r in (0, 1)] == [sum(1 for o in owners.values() if o == (r,)) for r in (0, 1)]
+    for r in (0, 1):
+        assert f[r]["delta"].startswith("ValueError") and "sparse_nccl" in f[r]["delta"] and f"rank {r}" in f[r]["delta"]
+        assert f[r]["local"].startswith("ValueError") and "mode='full'" in f[r]["local"]
+        assert f[r]["bad_value"].startswith("ValueError") and "senders=" in f[r]["bad_value"]
+        assert f[r]["plain_fsdp"].startswith("ValueError") and "HSDP" in f[r]["plain_fsdp"], f[r]["plain_fsdp"]
+        assert f"rank {r}" in f[r]["plain_fsdp"]
+
+
+def test_many_senders_refused_on_a_single_sender_vllm(monkeypatch):
+    """On vLLM 0.33 (one NCCL sender) senders="owners" raises naming the installed version; runs on
+    either version (0.34: the engine's single-sender answer is simulated)."""
+    from weightsync.sources.core import senders
+
+    if SKIP is None:
+        monkeypatch.setattr(senders, "many_senders_supported", lambda: False)
+    with pytest.raises(ValueError, match=r"rank 0: FSDPSource\(senders='owners'\) needs vLLM 0.34 or newer.*installed vLLM 0\.3"):
+        from weightsync.sources import FSDPSource
+
+        FSDPSource(torch.nn.Linear(2, 2), senders="owners", rank=0)

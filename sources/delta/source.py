@@ -144,6 +144,12 @@ class DeltaSource:
             raise ValueError(f"DeltaSource(anchor_every={anchor_every!r}): a positive int or None")
         if isinstance(group_bytes, bool) or not isinstance(group_bytes, int) or group_bytes <= 0:
             raise ValueError(f"DeltaSource(group_bytes={group_bytes!r}): a positive int")
+        if getattr(source, "senders", "rank0") != "rank0":
+            raise ValueError(
+                f"rank {current_rank()}: DeltaSource: the wrapped {type(source).__name__} has "
+                f"senders={getattr(source, 'senders')!r}, but vLLM's sparse_nccl engine (0.33 and 0.34) has "
+                "one sender, rank 0, which the delta rounds gather to; build the source with senders='rank0'"
+            )
         self.source = source
         self.anchor_every = anchor_every
         self.group_bytes = group_bytes
