@@ -1,4 +1,4 @@
-"""The worker side of the ``"loopback"`` backend inside a real vLLM server (vLLM 0.32 and 0.33).
+"""The worker side of the ``"loopback"`` backend inside a real vLLM server (vLLM 0.32, 0.33 and 0.34).
 
 vLLM's worker builds it through ``WeightTransferEngineFactory`` when the server runs with
 ``--weight-transfer-config '{"backend": "loopback"}'``; the registration comes from weightsync's
@@ -12,16 +12,34 @@ validation before the go/no-go handshake, the chunk plan, the checksums. What it
 * **Strict against the served checkpoint.** The update must name exactly the served checkpoint's
   tensors (the ``.safetensors`` headers of the folder vLLM loaded), with their shapes, in the dtype
   the server runs (``--dtype``): anything else is answered "no" before any byte moves.
-* **Loading through vLLM.** Everything is received and its checksums verified first; only then does
-  the chunk go to the model's own ``load_weights``, inside vLLM's layerwise reload
-  (``start_weight_update`` / ``finish_weight_update``), which repacks what CPU kernels need.
-* **The server survives a failed update.** vLLM's worker drops a failed ``update_weights`` without
-  finishing the reload, which leaves the layers on the meta device (the next forward kills the
-  engine). On any failure this engine finalizes the reload itself: layers that loaded nothing get
-  their previous tensors back, so a rejected update, a checksum mismatch or a sender that went away
-  leaves the previous weights served. (A failure *inside* ``load_weights``, after validation, would
-  leave the layers it already processed on the new weights; the round is not committed, so
-  ``weight_version`` stays, and the next full sync repairs it.)
+* **Loading through vLLM, in the server's reload mode.** Everything is received and its checksums
+  verified first; only then does the chunk go to the model's own ``load_weights``, inside vLLM's
+  reload, which repacks what CPU kernels need. On vLLM 0.34 that is ``start_reload`` /
+  ``finish_reload``, which follow the server's ``VLLM_RELOAD_MODE``: ``layerwise`` (the default)
+  or ``direct`` (in place, into the served tensors' own memory). On 0.32 / 0.33 (no
+  ``start_reload``) it is ``initialize_layerwise_reload`` / ``finalize_layerwise_reload``, as before.
+  ``reload_mode()`` says which one this process runs.
+* **The server survives a failed update** where the mode allows. vLLM's worker drops a failed
+  ``update_weights`` without finishing the reload.
+
+  - ``layerwise``: the reload starts at ``start_weight_update`` (the layers go to the meta device;
+    a forward before the finish kills the engine). On any failure this engine finishes the reload
+    itself: layers that loaded nothing get their previous tensors back, so a rejected update, a
+    checksum mismatch or a sender that went away leaves the previous weights served.
+  - ``direct``: vLLM has no rollback (``begin_direct_reload`` views re-laid-out tensors back to their
+    checkpoint layout in place and zero-fills padding; "the next full update repairs it"). So this
+    engine begins the direct reload only once the round has been received and verified, right
+    before ``load_weights``: a rejected update, a checksum mismatch or a sender that went away
+    never touches the model, and the previous weights stay served. What ``direct`` cannot restore:
+    a failure *inside* ``load_weights`` or in the finish (post-load processing): the served tensors
+    then hold a mix of new bytes and old ones reinterpreted in checkpoint layout. The engine still
+    finishes (so the next update can begin) and logs that the weights are inconsistent until the
+    next full sync.
+
+  In both modes a failure inside ``load_weights`` leaves what it already loaded on the new weights;
+  the round is not committed, so ``weight_version`` stays, and the next full sync repairs it. (On
+  0.34 vLLM's worker also keeps reporting ``has_incomplete_weight_update()`` after a failed round,
+  until the next successful one; that flag is informational: generation goes on.)
 * **CPU.** It never calls ``torch.accelerator.synchronize()`` (vLLM's base ``update_weights`` does,
   and it raises on CPU): loading here is synchronous.
 
@@ -45,7 +63,7 @@ from weightsync.sources import MetadataMismatchError, get_logger
 from .receiving import DenseRound, Plan, receive_dense, typed
 from .transport import LoopbackWorkerInitInfo, open_transport_group
 
-__all__ = ["LoopbackWorkerEngine", "served_checkpoint_table"]
+__all__ = ["LoopbackWorkerEngine", "reload_mode", "served_checkpoint_table"]
 
 logger = get_logger(__name__)
 
@@ -56,6 +74,36 @@ _ST_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool,
 }
+
+
+def reload_mode() -> str:
+    """How this process reloads weights: ``"direct"`` or ``"layerwise"`` on vLLM 0.34 (its
+    ``VLLM_RELOAD_MODE``), ``"layerwise-legacy"`` on 0.32 / 0.33 (no ``start_reload``)."""
+    from vllm.model_executor.model_loader import reload as vllm_reload
+
+    if not hasattr(vllm_reload, "start_reload"):
+        return "layerwise-legacy"
+    from vllm.model_executor.model_loader.reload.direct import direct_reload_enabled
+
+    return "direct" if direct_reload_enabled() else "layerwise"
+
+
+def _start_reload(model: torch.nn.Module) -> None:
+    from vllm.model_executor.model_loader import reload as vllm_reload
+
+    if hasattr(vllm_reload, "start_reload"):
+        vllm_reload.start_reload(model)
+    else:
+        vllm_reload.initialize_layerwise_reload(model)
+
+
+def _finish_reload(model: torch.nn.Module, model_config: Any, device: torch.device) -> None:
+    from vllm.model_executor.model_loader import reload as vllm_reload
+
+    if hasattr(vllm_reload, "finish_reload"):
+        vllm_reload.finish_reload(model, model_config, device)
+    else:
+        vllm_reload.finalize_layerwise_reload(model, model_config)
 
 
 def served_checkpoint_table(folder: str) -> dict[str, tuple[torch.dtype | None, tuple[int, ...]]]:
@@ -88,7 +136,11 @@ class LoopbackWorkerEngine(WeightTransferEngine[LoopbackWorkerInitInfo, dict]):
         self._store: Any = None
         self._group_rank = -1
         self._last_plan: Plan | None = None
+        #: ``start_weight_update`` was called and no finish yet (the round is open).
         self._reloading = False
+        #: vLLM's reload has begun on the model (layerwise: at start; direct: right before loading).
+        self._begun = False
+        self._mode = reload_mode()
         self._table: dict[str, tuple[torch.dtype | None, tuple[int, ...]]] | None = None
 
     # -- the served checkpoint ----------------------------------------------------------------
@@ -167,10 +219,9 @@ class LoopbackWorkerEngine(WeightTransferEngine[LoopbackWorkerInitInfo, dict]):
         logger.info("vLLM worker %d joined the loopback group as rank %d", self.index, rank)
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
         self._reloading = True
+        if self._mode != "direct":  # direct begins only once the round is received and verified
+            self._begin()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # Not the base class's: that one ends in torch.accelerator.synchronize(), which raises on
@@ -198,15 +249,16 @@ class LoopbackWorkerEngine(WeightTransferEngine[LoopbackWorkerInitInfo, dict]):
             precheck=self._require_reloading,
         )
         # Received whole and verified: only now does anything reach the model.
+        if not self._begun:
+            self._begin()
         with torch.no_grad():
             self.model.load_weights(received)
 
     def finish_weight_update(self) -> None:
-        if self._reloading:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            self._reloading = False
-            finalize_layerwise_reload(self.model, self.model_config)
+        self._reloading = False
+        if self._begun:
+            self._begun = False
+            _finish_reload(self.model, self.model_config, self.device)
 
     def shutdown(self) -> None:
         self._group = self._store = None
@@ -218,13 +270,29 @@ class LoopbackWorkerEngine(WeightTransferEngine[LoopbackWorkerInitInfo, dict]):
         if not self._reloading:
             raise RuntimeError("loopback worker: update_weights without start_weight_update")
 
+    def _begin(self) -> None:
+        _start_reload(self.model)
+        self._begun = True
+
     def _restore(self) -> None:
-        """Finish the layerwise reload after a failed update: layers that loaded nothing get their
-        previous tensors back (vLLM's worker would leave them on the meta device)."""
+        """After a failed update. Layerwise: finish the reload, so layers that loaded nothing get
+        their previous tensors back (vLLM's worker would leave them on the meta device). Direct, not
+        begun (the failure came before loading): nothing touched the model. Direct, begun: no
+        rollback exists; finish so the next update can begin, and say the weights are mixed."""
         if not self._reloading:
             return
+        begun = self._begun
         try:
             self.finish_weight_update()
-            logger.warning("loopback worker: update failed; previous weights restored")
         except Exception as e:  # noqa: BLE001 - the update's own error is the one to raise
-            logger.error("loopback worker: restoring the previous weights failed: %s", e)
+            logger.error("loopback worker: finishing the %s reload after a failed update failed: %s", self._mode, e)
+            return
+        if self._mode == "direct" and begun:
+            logger.error(
+                "loopback worker: update failed while loading in VLLM_RELOAD_MODE=direct, which has no "
+                "rollback: the served weights are inconsistent until the next full sync"
+            )
+        elif begun:
+            logger.warning("loopback worker: update failed; previous weights restored (%s reload)", self._mode)
+        else:
+            logger.warning("loopback worker: update failed before loading; the model was not touched")
