@@ -36,6 +36,7 @@ Memory invariants (the reason this file exists; verl #6691 stacked a whole layer
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -454,17 +455,27 @@ def split_fused(
         raise ValueError(f"{spec.prefix} {part}: expected a {want} tensor, got {tuple(full.shape)}")
     if not full.is_contiguous():
         full = full.contiguous()
-    if spec.saved == "fused":  # each expert's slice under vLLM's streamed per-expert name
-        for k, e in enumerate(rng):
-            yield spec.expert_name(e, part), full[k]
+    # one C call per run of views (``unbind``) and names built once per layer: a 30B-A3B checkpoint
+    # has 18,432 expert tensors, so per-expert Python work is the cost of a pass
+    names = _expert_names(spec, part)[rng.start: rng.stop]
+    if spec.saved == "fused" or part != "gate_up":
+        yield from zip(names, full.unbind(0))
         return
     i = spec.intermediate
-    for k, e in enumerate(rng):
-        if part == "gate_up":
-            yield spec.expert_name(e, "gate"), full[k, :i]
-            yield spec.expert_name(e, "up"), full[k, i:]
-        else:
-            yield spec.expert_name(e, "down"), full[k]
+    for (gname, uname), g, u in zip(names, full[:, :i].unbind(0), full[:, i:].unbind(0)):
+        yield gname, g
+        yield uname, u
+
+
+@functools.lru_cache(maxsize=1024)
+def _expert_names(spec: ExpertLayerSpec, part: str) -> tuple[Any, ...]:
+    """Per expert, its wire name (``(gate, up)`` names for a per-expert checkpoint's ``gate_up``)."""
+    e = range(spec.num_experts)
+    if spec.saved == "fused":
+        return tuple(spec.expert_name(k, part) for k in e)
+    if part == "gate_up":
+        return tuple((spec.expert_name(k, "gate"), spec.expert_name(k, "up")) for k in e)
+    return tuple(spec.expert_name(k, "down") for k in e)
 
 
 class FusedExpertBuffer:
