@@ -54,6 +54,9 @@ PARTS = [
     ("bench_delta", "bench/bench_delta.py", ["--device", "cuda", "--preset", "qwen3-1.7b", "--steps", "9"], 300),
     ("sparse_nccl", "tests/gpu/part_sparse_nccl.py", [], 180),
     ("sparse_nccl_oldnccl", "tests/gpu/part_sparse_nccl.py", ["--old-nccl-shim"], 180),
+    # many senders (issue 40): vLLM 0.34's NCCL engines, each stage / replica / EP rank sending its own
+    # tensors (a skip below 3 GPUs, 4-rank scenarios from 4: nvidia-h100-x4)
+    ("many_senders", "tests/gpu/part_many_senders.py", [], 300),
 ]
 
 
