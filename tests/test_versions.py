@@ -241,3 +241,76 @@ def test_weightsync_refuses_an_old_server_on_every_rank_before_any_collective():
     assert "many senders" in f0["senders"] and "'src'" in f1["senders"], f1
     assert f1["senders"].startswith("WeightSyncError"), f1
     assert set(routes) == {"version"}, routes  # no pause, no init: nothing but GET /version
+
+
+# ---- a disabled PyNccl communicator: 0.34 raises at trainer_init, 0.33 at our preflight -------------
+
+
+def _disabled_pynccl_world(rank: int, world_size: int, port: int) -> dict:
+    import threading
+
+    from vllm.distributed.utils import StatelessProcessGroup
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    from weightsync.plugins.sync import WeightSync
+
+    # vLLM's trainer endpoint asks the current CUDA device; this CPU machine stands in for device 0
+    torch.accelerator.current_device_index = lambda: 0
+
+    class Worker:
+        """The inference side: its init joins the transfer group's store as the worker rank."""
+
+        def __init__(self):
+            self.calls = []
+            self.joined = threading.Event()
+
+        def init_weight_transfer_engine(self, payload):
+            self.calls.append("init")
+            StatelessProcessGroup.create(host=payload["master_address"], port=payload["master_port"],
+                                         rank=payload["rank_offset"], world_size=payload["world_size"])
+            self.joined.set()
+
+        def start_weight_update(self):
+            self.calls.append("start")
+
+        def update_weights(self, update_info):
+            self.calls.append("update")
+
+        def finish_weight_update(self, weight_version=None):
+            self.calls.append("finish")
+
+    client = Worker()
+    info = NCCLTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=port, world_size=2)
+    ws = WeightSync(ModuleSource(torch.nn.Linear(2, 2)), info, client, pause=None)
+    try:
+        ws.sync(step=0)
+        return {"error": "no error", "calls": client.calls}
+    except Exception as e:  # noqa: BLE001 - the test records type, message and notes
+        notes = " | ".join(getattr(e, "__notes__", []))
+        return {"error": f"{type(e).__name__}: {e} {notes}", "calls": client.calls, "engine": ws.engine is not None}
+
+
+def test_disabled_pynccl_raises_on_every_rank_before_any_byte(monkeypatch):
+    """``VLLM_DISABLE_PYNCCL=1`` on a 2-rank trainer with vLLM's NCCL engine and a worker that joins the
+    group: vLLM 0.34 raises at ``trainer_init`` on rank 0 (``_require_usable_communicator``; we add
+    the cause), vLLM 0.33 builds a silent communicator and our preflight raises; either way every rank
+    raises naming the disabled communicator, no update was started, and no engine is kept."""
+    import socket
+
+    monkeypatch.setenv("VLLM_DISABLE_PYNCCL", "1")
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    out = run_world(_disabled_pynccl_world, 2, timeout=180, port=port)
+    f0, f1 = out[0], out[1]
+    if INSTALLED >= (0, 34):
+        assert f0["error"].startswith("RuntimeError: PyNccl communicator is disabled"), f0
+        assert "VLLM_DISABLE_PYNCCL is set" in f0["error"], f0
+        assert f1["error"].startswith("WeightSyncError") and "engine init on rank(s) [0]" in f1["error"], f1
+    else:
+        assert f0["error"].startswith("SilentTransportError") and "VLLM_DISABLE_PYNCCL" in f0["error"], f0
+        assert f1["error"].startswith("SilentTransportError") and "preflight failed on rank 0" in f1["error"], f1
+    assert f0["calls"] == ["init"] and f1["calls"] == [], (f0, f1)  # the rendezvous, nothing after it
+    assert not f0["engine"] and not f1["engine"]

@@ -516,9 +516,14 @@ class WeightSync:
                 self.init_info, client=self._commit_client, source=source
             )
             return
-        self._engine = WeightTransferTrainerFactory.trainer_init(
-            self.init_info, client=self._commit_client, source=self._tracked
-        )
+        try:
+            self._engine = WeightTransferTrainerFactory.trainer_init(
+                self.init_info, client=self._commit_client, source=self._tracked
+            )
+        except RuntimeError as e:
+            if "PyNccl communicator is disabled" in str(e):  # vLLM >= 0.34, at trainer_init
+                e.add_note(f"weightsync: rank {self.rank}: {_pynccl_disabled_cause()}")
+            raise
 
     def _delta_round(self) -> Iterator[Any]:
         """The round's iterator: vLLM's ``SparseWeightPatch`` es (indices always explicit), or, for
@@ -740,6 +745,20 @@ class WeightSync:
             cold=cold,
             **delta_fields,
         )
+
+
+def _pynccl_disabled_cause() -> str:
+    """Why vLLM's ``PyNcclCommunicator`` disabled itself, from the environment (vLLM 0.34 raises at
+    ``trainer_init``; 0.33 went on and the preflight catches it)."""
+    import os
+
+    if os.environ.get("VLLM_DISABLE_PYNCCL", "0") not in ("", "0", "false", "False"):
+        return "vLLM disabled its NCCL communicator because VLLM_DISABLE_PYNCCL is set in the trainer's environment"
+    return (
+        "vLLM disabled its NCCL communicator: it could not load the NCCL library (missing, or older "
+        "than the symbols vLLM binds, e.g. ncclCommSuspend, absent in NCCL 2.28.9) -- install the NCCL "
+        "vLLM was built against or point VLLM_NCCL_SO_PATH at it"
+    )
 
 
 def _multi_rank() -> bool:
