@@ -1,6 +1,6 @@
 """A test-only vLLM trainer engine that ships tensors inside the HTTP ``update_weights`` body.
 
-It follows the IPC engine's shape (vLLM 0.33 ``ipc_engine.py``): sender-only RPCs, every rank drains
+It follows the IPC engine's shape (vLLM's ``ipc_engine.py``, 0.33 and 0.34): sender-only RPCs, every rank drains
 ``iter_full()`` (so FSDP gathers line up), one ``update_weights`` per ``chunk`` tensors carrying a
 base64 safetensors blob, then ``finish_weight_update()`` with no version (as vLLM's engines do).
 Registered under backend ``"test_json"`` on import. Used to drive ``WeightSync`` end to end against

@@ -70,7 +70,7 @@ def test_stream_check_requires_contiguity_only_where_the_engine_ships_the_tensor
 
 
 def test_checked_modulesource_with_a_non_contiguous_param_passes_vllms_nccl_engine(monkeypatch):
-    """vLLM 0.33's own ``test_nccl_trainer_send_weights_broadcasts_contiguous``, through ``checked()``:
+    """vLLM's own ``test_nccl_trainer_send_weights_broadcasts_contiguous``, through ``checked()``:
     a ``ModuleSource`` yielding a transposed (non-contiguous) parameter, the unpacked NCCL trainer
     engine with a mocked group; the engine broadcasts a contiguous copy with the view's values."""
     from unittest.mock import MagicMock

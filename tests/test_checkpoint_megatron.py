@@ -543,7 +543,7 @@ def test_moe_per_expert_folder_equals_megatron_checkpoint(moe, phase, tmp_path):
 @pytest.mark.parametrize("phase", list(MOE_PHASES))
 def test_moe_fused_folder_is_the_refusion_of_per_expert(moe, phase):
     """Fused: transformers' in-memory names and shapes ([E, 2I, H] gate first, [E, H, I]), claimed by
-    vLLM 0.33's routed-expert mapping (gate_up = shards w1, w3; down = w2); each fused tensor is the
+    vLLM's routed-expert mapping (gate_up = shards w1, w3; down = w2); each fused tensor is the
     stack of the Megatron-checkpoint oracle's per-expert tensors by that layout, every other tensor
     equals the per-expert folder's; from_pretrained of it equals from_pretrained of the per-expert
     folder (transformers' own per-expert -> fused conversion)."""

@@ -1,7 +1,7 @@
 """FP8 rollouts (``weightsync.sources.FP8Source`` / ``quantize_blocks`` / ``FP8Config``) against oracles
 nobody here wrote:
 
-* **numerics**: vLLM 0.33's ``per_block_cast_to_fp8`` (the quantizer vLLM's tests use) and
+* **numerics**: vLLM's ``per_block_cast_to_fp8`` (the quantizer vLLM's tests use) and
   transformers' ``Fp8Quantize`` (its FineGrainedFP8 save-time quantizer), bit for bit, fp32 and UE8M0
   scales, on edge shapes (N, K not multiples of the block), all-zero blocks, subnormal-range and
   large values, 3-D expert stacks; where the two references disagree, the test says how;

@@ -131,7 +131,7 @@ def test_fsdp_fp32_and_bf16_wire_equal_save_pretrained(fsdp):
 
 def test_fsdp_fused_layout_is_what_vllms_glm4_moe_loader_reads(fsdp):
     """Fused experts on a bf16 wire: exactly transformers' in-memory state dict (names and shapes),
-    each fused tensor transformers' own parameter cast to bf16; vLLM 0.33's routed-expert mapping
+    each fused tensor transformers' own parameter cast to bf16; vLLM's routed-expert mapping
     claims ``gate_up_proj`` as shards w1, w3 of every expert and ``down_proj`` as w2, and its
     ``chunk(2, dim=1)`` of gate_up gives save_pretrained's per-expert gate and up."""
     from moe_models import saved_state_dict

@@ -6,7 +6,7 @@ oracles nobody here wrote:
   ``down_proj`` ``[E, I, H]``, ``down_proj_bias``): ``FSDPSource`` (FSDP2, 2 ranks) sends its names,
   shapes and bytes by default -- fp32 wire, and bf16 wire where the router weight and bias keep
   their fp32 bytes (vLLM's sender-side ``_checked_iter`` accepts it; rank 1 is a real non-sender);
-* vLLM 0.33's gpt_oss loader for the per-expert layout: its own ``hf_to_vllm_mapper`` and
+* vLLM's gpt_oss loader for the per-expert layout: its own ``hf_to_vllm_mapper`` and
   ``_get_streamed_expert_info`` parse every ``mlp.experts.{e}.*`` name into (expert ``e``, that
   fused parameter, its shard), and each tensor is save_pretrained's fused tensor's slice ``[e]``;
 * megatron-core's own ``dist_checkpointing`` (full tensors torch's DCP reader assembles):
@@ -396,7 +396,7 @@ def _forward_world(rank, world_size):
     return pack(f)
 
 
-#: The names vLLM 0.33's gpt_oss loader zeroes in place (``.down_proj_bias`` and ``.down_proj.bias``
+#: The names vLLM's gpt_oss loader zeroes in place (``.down_proj_bias`` and ``.down_proj.bias``
 #: both map to its ``w2_bias``), written out here independently of the sources' own patterns.
 VLLM_ZEROES = re.compile(r"\.mlp\.experts\.(\d+\.)?down_proj(_bias|\.bias)$")
 
@@ -433,7 +433,7 @@ def test_forward_logits_megatron_vs_transformers_from_export(forward):
 
 
 def test_a_loader_zeroing_the_expert_down_bias_leaves_the_trainers_model_alone(forward):
-    """vLLM 0.33's gpt_oss loader zeroes the expert down-projection bias it is handed on TP ranks != 0,
+    """vLLM's gpt_oss loader zeroes the expert down-projection bias it is handed on TP ranks != 0,
     and through IPC that is the trainer's memory. On one rank (nothing gathered), both expert layouts:
     FSDPSource yields it as a copy (``core/receiver_writes``), MegatronSource at TP1 as the new tensor
     its expert export builds -- zeroing every one of them changes no parameter. Control: zeroing ``model.norm.weight``,

@@ -1,6 +1,6 @@
 """The HTTP control plane against real HTTP servers started here.
 
-Route shapes are checked against vLLM 0.33's own FastAPI router (``VLLMRouterServer``: vLLM parses
+Route shapes are checked against vLLM's own FastAPI router (``VLLMRouterServer``: vLLM parses
 the query and the body, we only record what its EngineClient receives). Failure injection, auth and
 fan-out bookkeeping use the stdlib recording server (``DevServer``), which stands in for an
 authenticating proxy / a broken instance.

@@ -1,5 +1,5 @@
 """Expert names/shapes/bytes against the oracles: transformers' ``save_pretrained`` (per_expert)
-and its in-memory fused tensors + vLLM 0.33's own fused-expert mapping (fused).
+and its in-memory fused tensors + vLLM's own fused-expert mapping (fused).
 
 Single-process: these are the pure transforms both sources share; the multi-rank paths are in
 test_moe_megatron.py / test_moe_fsdp.py.
@@ -66,7 +66,7 @@ def test_fused_equals_in_memory_and_vllm_mapping(family):
         wire_name, t = out[0]
         assert torch.equal(t, params[name])
         spec = tr.specs[name.rpartition(".")[0]]
-        # vLLM 0.33's own mapping for this checkpoint's leaf names must claim the fused name.
+        # vLLM's own mapping for this checkpoint's leaf names must claim the fused name.
         mapping = RoutedExperts.build_expert_params_mapping(
             spec.gate.removesuffix(".weight"), spec.down.removesuffix(".weight"),
             spec.up.removesuffix(".weight"), spec.num_experts, include_fused=True,

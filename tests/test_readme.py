@@ -57,6 +57,10 @@ NOT_RUN: dict[str, str] = {
     "bash .ci/run": "the test suite this test is part of",
     "bash .ci/gpu": "needs a CUDA GPU (docs/gpu.md; tests/gpu is skipped without one)",
     "source .ci/env.sh": "activates (and, when cold, builds) the venv this test already runs in",
+    "WEIGHTSYNC_VLLM=0.33 source .ci/env.sh":
+        "activates (when cold, builds) the vLLM 0.33 venv that .ci/test's second pass runs in",
+    "pip install vllm==0.34.0":
+        "named as what fails (PyPI serves no flashinfer-python 0.7.3); .ci/env.sh's override is what works",
     "weightsync demo --quantize fp8":
         "2 ranks under torchrun (~30 s); tests/test_fp8.py::test_demo_fp8_syncs_within_tolerance_and_control "
         "runs the same demo with --steps 2",

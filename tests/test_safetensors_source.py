@@ -6,7 +6,7 @@ Oracles nobody here wrote:
   the bytes of every tensor;
 * transformers' ``from_pretrained(path)``: the loopback receiver's parameters (vLLM's own
   ``compute_tensor_digests`` on both sides) and logits after a 2-rank sync;
-* vLLM 0.33's NCCL trainer engine: the sender's ``_checked_iter`` and a real non-sender engine;
+* vLLM's NCCL trainer engine: the sender's ``_checked_iter`` and a real non-sender engine;
 * the kernel's page cache (``mincore``): a data page nobody read, through ``read()`` or ``mmap``,
   is not resident, so "metadata reads no tensor data" is observed, not assumed. The positive
   control (after a pass every page is resident) shows the measurement can fail.

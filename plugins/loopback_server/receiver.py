@@ -26,7 +26,7 @@ Invariants:
   ``ReportsChecksums`` protocol) for trainer-side comparison.
 
 vLLM's own receivers verify nothing end to end: the NCCL/IPC engines load whatever bytes arrive.
-The closest vLLM 0.33 offers is the dev-mode ``/weight_checker`` route, a SHA-256 per *vLLM-layout*
+The closest vLLM 0.33 / 0.34 offer is the dev-mode ``/weight_checker`` route, a SHA-256 per *vLLM-layout*
 parameter computed after loading (fused ``qkv_proj`` etc.), which a trainer cannot compute from its
 checkpoint-named tensors without re-doing vLLM's fusion (see ``weightsync.sources.core.integrity``). The
 loopback checksums cover the wire.

@@ -36,7 +36,7 @@ Invariants, and why:
   with the metadata, or ranks that disagree about the metadata, raise before vLLM loads garbage.
 
 **Delta rounds** (a ``DeltaSource`` with a sparse engine: vLLM's ``sparse_nccl``,
-``SparseNCCLTrainerInitInfo``, or the CPU ``LoopbackSparseTrainerInitInfo``). vLLM 0.33's sparse
+``SparseNCCLTrainerInitInfo``, or the CPU ``LoopbackSparseTrainerInitInfo``). vLLM's sparse (0.33, 0.34)
 trainer engine takes no source, its ``send_weights(patches)`` holds the whole round in memory
 (``list(patches)``) and returns at once on non-senders, whose collectives would then never run. So
 step 3 becomes, on every rank: iterate ``delta.iter_patches()`` (the diff's collectives; patches

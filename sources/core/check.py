@@ -1,7 +1,7 @@
 """Checking a source's stream against its metadata, on every rank, and agreeing across ranks.
 
-vLLM 0.33 checks iteration against ``metadata`` only on the NCCL sender (``_checked_iter``); the IPC
-engine and every non-sender rank check nothing, so a divergent rank either hangs in the next
+vLLM (0.33, 0.34) checks iteration against ``metadata`` only on the NCCL sender(s) (``_checked_iter``);
+the IPC engine and every non-sender rank check nothing, so a divergent rank either hangs in the next
 collective or ships garbage. The guarantees here:
 
 * ``check_stream``: each ``(name, tensor)`` a rank yields is exactly the next entry of
@@ -114,7 +114,7 @@ def check_stream(
     as it is -- contiguity.
 
     ``contiguous`` (default: ``what == "iter_local"``) requires contiguous tensors. Only
-    ``iter_local`` needs it: its consumer, vLLM 0.33's ``nccl_m2n`` trainer engine
+    ``iter_local`` needs it: its consumer, vLLM's ``nccl_m2n`` trainer engine (0.33, 0.34)
     (``m2n_trainer.py``), hands each shard unchanged to ``nccl.m2n.reshard``, which sends from the
     shard's memory, so a strided view would ship the wrong bytes. Every ``iter_full`` consumer
     linearizes what it gets, so a non-contiguous full tensor is a valid stream there and is accepted

@@ -10,7 +10,7 @@ It is a wrap-around sum: it catches a receiver that kept stale or garbage bytes,
 shifted buffer, zeros; it is blind to a permutation of equal-width elements (use sha256 over the
 bytes, as vLLM's ``/weight_checker`` does, where a host copy is acceptable).
 
-What vLLM 0.33 exposes on the receiving side (read from ``vllm/entrypoints/rl/online/api_router.py``
+What vLLM 0.33 and 0.34 expose on the receiving side (read from ``vllm/entrypoints/rl/online/api_router.py``
 and ``vllm/model_executor/model_loader/weight_checksum.py``):
 
 * ``POST /weight_checker {"action": "checksum"}`` returns ``{"checksums": {key: sha256}}`` where

@@ -5,7 +5,7 @@ trainer's memory or a view of it. ``FSDPSource`` copies it (``copy_written``); `
 needs no copy: these are MoE expert tensors, which it only exports in ``mode="full"`` through
 ``megatron/moe.py``, and that export always builds new tensors (``test_gpt_oss`` checks both).
 
-Why: vLLM 0.33's GPT-OSS ``load_weights`` zeroes the expert down-projection bias it is handed
+Why: vLLM's GPT-OSS ``load_weights`` (0.33; 0.34's ``gpt_oss.py`` is the same file) zeroes the expert down-projection bias it is handed
 (``weight.zero_()``, for the fused ``...mlp.experts.down_proj_bias`` and the per-expert
 ``...mlp.experts.{e}.down_proj_bias`` alike) on every tensor-parallel rank but the first, so that
 the TP ranks add the bias once. Through vLLM's IPC engine that tensor IS the trainer's memory

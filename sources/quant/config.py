@@ -9,7 +9,7 @@ moves; and it names what an FP8 checkpoint of the same model holds:
   followed by ``<module>.weight_scale_inv`` (float32 ``[ceil(N/bN), ceil(K/bK)]``);
 * fused experts ``<layer>.experts.gate_up_proj`` ``[E, 2I, H]`` / ``.down_proj`` ``[E, H, I]`` (the
   transformers in-memory layout, ``expert_layout="fused"``) -> the FP8 tensor followed by
-  ``<name>_scale_inv``. vLLM 0.33 loads that pair: its fused-expert mapping turns
+  ``<name>_scale_inv``. vLLM 0.33 and 0.34 load that pair: its fused-expert mapping turns
   ``experts.gate_up_proj_scale_inv`` into ``w13_weight_scale_inv`` and splits it in two like the weight
   (``RoutedExperts.load_weights``, block scales share the weight's layout). Its parameter holds the
   gate and the up half's blocks separately (``2 * ceil(I/bN)`` rows), so gate and up are quantized as

@@ -1,6 +1,6 @@
 """Block-wise FP8 quantization of one weight: ``W -> (float8_e4m3fn W_q, float32 weight_scale_inv)``.
 
-The format is the one vLLM 0.33 loads for a block-FP8 checkpoint (DeepSeek-V3, Qwen3-FP8, ...):
+The format is the one vLLM 0.33 and 0.34 load for a block-FP8 checkpoint (DeepSeek-V3, Qwen3-FP8, ...):
 ``W_q`` has ``W``'s shape; ``weight_scale_inv[..., i, j]`` is the dequantization multiplier of block
 ``(i, j)`` (``block = (bN, bK)`` rows x columns of the last two dims), shape
 ``(*lead, ceil(N / bN), ceil(K / bK))``; ``W ~= W_q * scale_inv`` blockwise. Edge blocks are partial
