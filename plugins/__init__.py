@@ -32,6 +32,7 @@ _LAZY: dict[str, str] = {
     "VLLMHTTPClient": ".sync",
     "ControlPlaneError": ".sync",
     "InsecureTransportError": ".sync",
+    "ServerVersionError": ".sync",
     "SyncReport": ".sync",
     "PreflightError": ".sync",
     "check_engine": ".sync",
