@@ -130,7 +130,7 @@ def _worker(rank: int, world: int, args) -> dict | None:
         model = _model(args, device)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     src = FSDPSource(model, dtype=torch.bfloat16)
-    delta = DeltaSource(src)
+    delta = DeltaSource(src, **({"group_bytes": args.group_mib << 20} if getattr(args, "group_mib", None) else {}))
     _drain(delta.iter_deltas())  # the anchor (first round): not timed
     _drain(src.iter_full())  # warm-up
     one_process = world == 1 and (device == "cuda" or getattr(args, "part", False))
@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="Qwen3-1.7B's shapes (tests/gpu/hf_side.bench_config) instead of --hidden/--layers/--vocab")
     ap.add_argument("--json", default=None, help="run as a GPU-evidence part: one process, facts into this file")
     ap.add_argument("--dry-run", action="store_true", help="the part's code on CPU, tiny model, never recorded")
+    ap.add_argument("--group-mib", type=int, default=None, help="DeltaSource(group_bytes=) in MiB (default: its own)")
     ap.add_argument("--profile", action="store_true",
                     help="after the timed steps, one more step and round under cProfile and torch.profiler (printed)")
     args = ap.parse_args(argv)

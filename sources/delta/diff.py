@@ -71,7 +71,8 @@ def changed_positions(cur: torch.Tensor, snap: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Changed:
-    """What a piece changed since the snapshot: ``pos`` (int64 row-major positions in the box) and
+    """What a piece changed since the snapshot: ``pos`` (row-major positions in the box, ascending;
+    int64, or int32 from the CUDA kernels) and
     ``values`` (the new wire values there), or ``pos=None`` for every element (``values`` is then the
     whole box in the wire dtype, flattened)."""
 

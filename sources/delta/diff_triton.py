@@ -94,7 +94,7 @@ def _extract_kernel(base_ptr, mask_ptr, count_ptr, excl_ptr, blk_piece_ptr, blk_
         x = tl.load(base_ptr + off + idx, mask=ch, other=0.0)
         tl.store(val_ptr + slot, _wire_bits(x, WIRE, INT, RNE16), mask=ch)
         tl.store(flat_ptr + slot, f + idx, mask=ch)
-        tl.store(local_ptr + slot, idx, mask=ch)
+        tl.store(local_ptr + slot, idx.to(tl.int32), mask=ch)
 
 
 def eligible(pieces: list[torch.Tensor], snap: torch.Tensor, wire: torch.dtype) -> bool:
@@ -128,8 +128,9 @@ class Layout:
 def diff(pieces: list[torch.Tensor], snap: torch.Tensor, wire: torch.dtype, layout: Layout,
          scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """Changes of ``pieces`` (in order, laid end to end as the flat group) against ``snap`` (the flat
-    group in ``wire``): ``(flat positions, positions within each piece, wire values, per-piece
-    counts)``, ascending. ``scratch``: reusable memory for the bitmask and counts (>= ``need(layout)``)."""
+    group in ``wire``): ``(flat positions (int64), positions within each piece (int32: a piece has
+    fewer than 2**31 elements, which ``DeltaSource`` guarantees), wire values, per-piece counts)``,
+    ascending. ``scratch``: reusable memory for the bitmask and counts (>= ``need(layout)``)."""
     dev = snap.device
     esz = pieces[0].element_size()
     base = pieces[0]
@@ -156,7 +157,7 @@ def diff(pieces: list[torch.Tensor], snap: torch.Tensor, wire: torch.dtype, layo
     total = sum(sizes)
     vals = torch.empty(total, dtype=wire, device=dev)
     flat = torch.empty(total, dtype=torch.int64, device=dev)
-    local = torch.empty(total, dtype=torch.int64, device=dev)
+    local = torch.empty(total, dtype=torch.int32, device=dev)
     if total:
         _extract_kernel[grid](base, mask, counts, excl, layout.piece, layout.start, poff, layout.plen,
                               layout.pflat, vals.view(idt), flat, local, BLOCK=BLOCK, WIRE=wtl,

@@ -577,6 +577,8 @@ class DeltaSource:
                 idx.append(ind)
                 vals.append(v)
         dev = vals[0].device
+        if len(vals) == 1:  # one box (a whole tensor on one rank): no copy
+            return Delta(meta.name, idx[0].to(dev), vals[0], shape)
         return Delta(meta.name, torch.cat([i.to(dev) for i in idx]), torch.cat([v.to(dev) for v in vals]), shape)
 
     def __repr__(self) -> str:
