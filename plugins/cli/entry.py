@@ -128,6 +128,9 @@ def _parser() -> argparse.ArgumentParser:
         "max_shard_size; default 5GB)",
     )
     e.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder (at the end, atomically)")
+    from .plan import add_parser as add_plan_parser
+
+    add_plan_parser(sub, presets)  # weightsync plan (plugins/cli/plan.py): no ranks, no torchrun
     return p
 
 
@@ -215,6 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = json.loads(os.environ[_ARGV_ENV]) if _ARGV_ENV in os.environ else sys.argv[1:]
     argv = list(argv)
     args = _parser().parse_args(argv)
+    if args.command == "plan":  # one process on CPU, nothing to launch or validate here
+        from .plan import run_plan
+
+        return run_plan(args)
     from ..presets import UserError
     from .validate import validate_args
 

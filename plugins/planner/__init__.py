@@ -1,0 +1,19 @@
+"""``weightsync plan``: what a refit of a model moves and costs, predicted on CPU in seconds.
+
+* ``refit`` -- ``plan(model, layout=..., backend=...)`` -> ``RefitPlan``: the model on the meta
+  device, the sources' own metadata, per-rank counts, a time split into parts;
+* ``counts`` -- per-rank ``PassStats`` of FSDP2 / HSDP / Megatron passes, from metadata and layout;
+* ``constants`` -- every rate and per-tensor cost the time estimate uses, each with its bench run
+  (or marked as an assumption);
+* ``render`` -- the CLI's table.
+"""
+
+from __future__ import annotations
+
+from .constants import CONSTANTS, Constant
+from .counts import RankCounts
+from .refit import BACKENDS, DEFAULT_WIRE_GBPS, RefitPlan, SourcePlan, plan
+from .render import render
+
+__all__ = ["plan", "RefitPlan", "SourcePlan", "RankCounts", "Constant", "CONSTANTS", "BACKENDS",
+           "DEFAULT_WIRE_GBPS", "render"]

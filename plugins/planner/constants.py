@@ -1,0 +1,96 @@
+"""Every rate and per-tensor cost ``weightsync plan`` multiplies its counts by, each with where it came from.
+
+Invariant: this is the only place the estimate's numbers live. Each ``Constant`` says whether it was
+measured (and by which bench run, with the arithmetic that turns the run's figures into the rate) or
+is an assumption nobody here measured; ``plan`` prints the assumptions it used next to its estimate,
+so a reader always knows which parts of a time are evidence and which are guesses. Counts (tensors,
+bytes, collectives) never come from here: they come from the sources' own metadata and plans.
+
+Figures are from ``bench/results/`` (``gpu-*.md``: absolute times of one H200 host; ``history.jsonl``:
+ratios) and ``docs/evidence.md``. The H200 runs used vLLM 0.33's engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Constant", "CONSTANTS", "constant"]
+
+
+@dataclass(frozen=True)
+class Constant:
+    """One number of the time model: ``value`` in ``unit``; ``measured`` False: an assumption."""
+
+    name: str
+    value: float
+    unit: str
+    device: str  # "gpu" | "cpu"
+    measured: bool
+    source: str  # the bench run and the arithmetic, or why it is an assumption
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "value": self.value, "unit": self.unit, "device": self.device,
+                "measured": self.measured, "source": self.source}
+
+
+_QWEN17 = "Qwen3-1.7B bf16, 310 tensors, 3,441,149,952 bytes, 1 H200"
+
+CONSTANTS: dict[str, Constant] = {c.name: c for c in (
+    # ---- GPU ---------------------------------------------------------------------------------------
+    Constant("d2d_copy_rate", 3_441_149_952 / 1.638e-3, "B/s", "gpu", True,
+             f"bench/results/gpu-2026-12-02-run1.md bench_ipc 'd2d copy of the same bytes best_ms' 1.638 ({_QWEN17})"),
+    Constant("ipc_packed_per_tensor", (18.173e-3 - 1.638e-3) / 310, "s", "gpu", True,
+             "gpu-2026-12-02-run1.md bench_ipc: (ModuleSource(plain) packed best 18.173 ms - d2d copy 1.638 ms) "
+             f"/ 310 tensors: vLLM's IPC trainer + worker engines per tensor ({_QWEN17})"),
+    Constant("ipc_unpacked_per_tensor", (31.975e-3 - 1.638e-3) / 310, "s", "gpu", True,
+             "gpu-2026-12-02-run1.md bench_ipc: (ModuleSource(plain) unpacked best 31.975 ms - d2d copy 1.638 ms) / 310"),
+    Constant("fsdp_source_per_tensor", 17.942e-3 / 310, "s", "gpu", True,
+             "gpu-2026-12-02-run1.md bench_ipc 'FSDPSource last_pass' seconds 0.01794 over 310 tensors "
+             "(world 1: no gather; the source's own host work per tensor)"),
+    Constant("megatron_source_per_tensor", 7.67e-3 / 310, "s", "gpu", True,
+             "gpu-2026-12-02-run1.md bench_megatron 'export best_ms' 7.67 (qwen3-1.7b tp1 bf16, 310 tensors)"),
+    Constant("fp8_quantize_rate", 2.8e9 / 1.934e-3, "B/s", "gpu", True,
+             "docs/evidence.md FP8 session 9 run 5 (gpu-2026-12-04-s9-fp8.md): 196 projections, 2.8 GB of "
+             "bf16 read, quantized in 1.934 ms (256 MiB windows) -- bytes of the unquantized weights per second"),
+    Constant("gather_rate", 150e9, "B/s", "gpu", False,
+             "assumption: NVLink all-gather at 150 GB/s of bytes received per rank (no multi-GPU gather "
+             "bench has run here: bench_gpu_sizes's multi-GPU cases are the real-sizes issue's)"),
+    Constant("collective_latency", 30e-6, "s", "gpu", False,
+             "assumption: 30 us launch + sync per NCCL collective (not measured here)"),
+    Constant("nccl_per_tensor", 30e-6, "s", "gpu", False,
+             "assumption: 30 us of host work per tensor in vLLM's NCCL engine, sender and worker "
+             "(not measured: no multi-GPU NCCL engine run has been recorded)"),
+    Constant("apply_per_tensor", 20e-6, "s", "gpu", False,
+             "assumption: 20 us per tensor in the receiver's load_weights (not measured separately; "
+             "ipc_*_per_tensor already includes the worker's load for IPC)"),
+    Constant("delta_diff_rate", 3_441_149_952 / 1.638e-3 / 2, "B/s", "gpu", False,
+             "assumption: half the D2D copy rate (docs/evidence.md Delta sync: 'Not measured: the H200 figures')"),
+    Constant("sparse_apply_rate", 3_441_149_952 / 1.638e-3 / 3, "B/s", "gpu", False,
+             "assumption: a third of the D2D copy rate over the dense bytes (vLLM's sparse apply stages "
+             "full-shape NaN tensors and copies them: O(N); not measured)"),
+    # ---- CPU ---------------------------------------------------------------------------------------
+    Constant("cpu_gather_rate", 30e6 * 2 / 2 / 50e-3, "B/s", "cpu", True,
+             "docs/evidence.md Delta sync: a dense FSDPSource pass of 30M parameters (hidden 512, vocab "
+             "16384, bf16 wire) on 2 gloo ranks of the 2-core machine takes 50 ms; each rank receives "
+             "half the 60 MB: 30 MB / 50 ms (the whole pass charged to the gather)"),
+    Constant("cpu_source_per_tensor", 40e-6, "s", "cpu", False,
+             "assumption: 40 us of host work per tensor on CPU (bench_check: the stream check alone "
+             "is 1-3 us per tensor; the rest is not broken out by any bench)"),
+    Constant("cpu_collective_latency", 200e-6, "s", "cpu", False,
+             "assumption: 200 us per gloo collective on one host (bench_check: the end-of-pass "
+             "exchange is 0.2-0.7 ms)"),
+    Constant("cpu_diff_rate", 15e6 * 2 / 16e-3, "B/s", "cpu", True,
+             "docs/evidence.md Delta sync: cast + word compare + nonzero of 15M bf16 elements in 16 ms"),
+    Constant("cpu_copy_rate", 5e9, "B/s", "cpu", False,
+             "assumption: 5 GB/s host memcpy for the loopback wire and apply on CPU"),
+    Constant("cpu_quantize_rate", 0.5e9, "B/s", "cpu", False,
+             "assumption: 0.5 GB/s of bf16 quantized by the torch path on CPU (not measured)"),
+)}
+
+
+def constant(name: str) -> Constant:
+    """The constant ``name``; ``KeyError`` naming the known ones."""
+    try:
+        return CONSTANTS[name]
+    except KeyError:
+        raise KeyError(f"no time constant {name!r}; known: {', '.join(sorted(CONSTANTS))}") from None
