@@ -324,6 +324,10 @@ def moe_ep2_case(rank: int, *, tmp: str, device: str = "cpu", worker_device: str
                               num_key_value_heads=2, vocab_size=64, num_experts_per_tok=2,
                               moe_intermediate_size=12, num_experts=4, intermediate_size=40, head_dim=4)
     model = build_gpt(hf, moe_config(hf, ep=2)).to(device)
+    with torch.no_grad():  # a trainer's data-parallel replicas hold the same dense weights (build_gpt draws per rank)
+        for n, p in model.named_parameters():
+            if ".experts." not in n:
+                dist.broadcast(p.data, src=0)
     import os
 
     os.makedirs(f"{tmp}/moe_ckpt", exist_ok=True)
@@ -523,14 +527,15 @@ def hsdp_case(rank: int, mesh, *, tmp: str, kind: str, device: str = "cpu", work
 
 
 def world_4(rank: int, world_size: int, *, tmp: str, device: str = "cpu", worker_device: str = "cpu") -> bytes:
-    """4 trainer ranks: Megatron PP2 x TP2, FSDP2 under HSDP 2 x 2 (plain, LoRA merged, MoE); senders
-    are ranks 0 and 2 in every case, so on GPUs the worker may share rank 1's device."""
+    """4 trainer ranks: Megatron PP2 x TP2, PP2 x DP2 (4 senders: each stage's units split between its
+    two data-parallel replicas), FSDP2 under HSDP 2 x 2 (plain, LoRA merged, MoE)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if device == "cpu":
         install_standins()
     dev = dict(device=device, worker_device=worker_device)
-    facts = {"pp2tp2": megatron_case(rank, tmp=tmp, case="pp2tp2", tp=2, pp=2, vpp=None, **dev)}
+    facts = {"pp2tp2": megatron_case(rank, tmp=tmp, case="pp2tp2", tp=2, pp=2, vpp=None, **dev),
+             "pp2dp2": megatron_case(rank, tmp=tmp, case="pp2dp2", tp=1, pp=2, vpp=None, **dev)}
     mesh = init_device_mesh(torch.device(device).type, (2, 2), mesh_dim_names=("replicate", "shard"))
     for kind in ("plain", "lora", "moe"):
         facts[f"hsdp_{kind}"] = hsdp_case(rank, mesh, tmp=tmp, kind=kind, **dev)

@@ -43,14 +43,19 @@ def test_megatron_ep2_experts_leave_from_their_ep_rank(world2):
     r0 = f[0]
     assert r0["vs_megatron_ckpt"] == []  # experts and routers: Megatron's own checkpoint
     assert r0["vs_rank0"] == []  # everything: what the single sender delivers through the same engines
-    owners = r0["owners"]["owners"]
-    want = {n: (1 if ".experts." in n and int(n.split(".experts.")[1].split(".")[0]) >= 2 else 0) for n in owners}
-    assert {n: o for n, (o,) in owners.items()} == want
-    assert [f[r]["owners"]["sent"] for r in (0, 1)] == [sum(1 for s in want.values() if s == r) for r in (0, 1)]
+    owners = {n: o for n, (o,) in r0["owners"]["owners"].items()}
+    # routed experts leave from the EP rank holding them (experts 0-1: rank 0, 2-3: rank 1) ...
+    experts = {n: int(n.split(".experts.")[1].split(".")[0]) for n in owners if ".experts." in n}
+    assert {n: owners[n] for n in experts} == {n: int(e >= 2) for n, e in experts.items()}
+    # ... and rank 1, a data-parallel replica of the dense weights, sends the later part of the
+    # dense stream (one switch point in stream order), the router with its layer
+    dense = [owners[n] for n in owners if n not in experts and ".mlp.gate." not in n]
+    assert dense == sorted(dense) and set(dense) == {0, 1}, dense
+    assert [f[r]["owners"]["sent"] for r in (0, 1)] == [sum(1 for s in owners.values() if s == r) for r in (0, 1)]
     assert [s for s, _ in r0["owners"]["updates"]] == [0, 1]
     # rank 0 received nothing point to point (it used to receive EP rank 1's experts)
     assert r0["owners"]["stats"]["bytes_received"] == 0 < r0["rank0"]["stats"]["bytes_received"]
-    assert f[1]["owners"]["stats"]["tensors"] == sum(1 for s in want.values() if s == 1)
+    assert f[1]["owners"]["stats"]["tensors"] == sum(1 for s in owners.values() if s == 1)
 
 
 @needs_034
@@ -82,6 +87,25 @@ def world4():
 @needs_034
 def test_megatron_pp2_tp2(world4):
     check_megatron({r: f["pp2tp2"] for r, f in world4.items()}, world=4, tp=2, pp=2)
+
+
+@needs_034
+def test_megatron_pp2_dp2_replicas_share_each_stage(world4):
+    """PP2 x DP2 (ranks: stage 0 = 0, 1; stage 1 = 2, 3; replicas {0, 2} and {1, 3}, Megatron's
+    default order): each stage's tensors leave from both of its data-parallel replicas, in one
+    contiguous run each, so there are 4 senders and nothing moves between ranks."""
+    f = {r: world4[r]["pp2dp2"] for r in range(4)}
+    r0 = f[0]
+    assert r0["mismatch"] == [], r0["mismatch"][:5]
+    first = {n: o[0] for n, o in r0["owners"].items()}
+    stage0 = [first[n] for n in first if first[n] in (0, 1)]
+    assert set(first.values()) == {0, 1, 2, 3}
+    for layer in range(4):  # a layer's tensors come from its stage's ranks
+        assert {first[n] for n in first if n.startswith(f"model.layers.{layer}.")} <= ({0, 1} if layer < 2 else {2, 3})
+    assert stage0 == sorted(stage0)  # one switch point per stage, in stream order
+    assert [f[r]["sent"] for r in range(4)] == [sum(1 for s in first.values() if s == r) for r in range(4)]
+    assert [s for s, _ in r0["updates"]] == [0, 1, 2, 3] and r0["payload_rank_offset"] == 4
+    assert all(f[r]["stats"]["bytes_received"] == 0 for r in range(4))
 
 
 @needs_034

@@ -263,6 +263,8 @@ class MegatronMoEExporter:
         #: fused experts), and (layer, ep rank) -> the rank sending those experts.
         self._layer_dst: dict[int, int] = {}
         self._expert_dst: dict[tuple[int, int], int] = {}
+        #: (layer, ep rank) -> the rank whose experts go to ``_expert_dst`` (expert TP 1, ``plan_owners``)
+        self._expert_src: dict[tuple[int, int], int] = {}
 
     def layout_of(self, spec: Any) -> ExpertLayout:
         return self.layout or default_expert_layout(spec)
@@ -356,34 +358,41 @@ class MegatronMoEExporter:
         return out
 
     # -- who sends what (``senders="owners"``; default: rank 0 sends everything) --------------------
-    def plan_owners(self, stage_of: dict[int, int], stage_sender: Any, helpers: set[int]) -> None:
+    def spreadable(self, layers: list[int]) -> bool:
+        """Whether routed experts can leave from a rank holding them whole (expert TP 1, per-expert
+        wire layout); otherwise they are gathered by replica 0's stage sender, and the dense units
+        stay with replica 0 too, so that no rank serves two senders (``core/senders.py``)."""
+        return self.etp == 1 and all(self.layout_of(self.hf_layer(L).experts) != "fused" for L in layers)
+
+    def plan_owners(self, stage_of: dict[int, int], topo: Any, *, spread: bool) -> None:
         """Choose the sender of every MoE tensor (``core/senders.py`` says why each rule):
 
-        * router, its biases, shared experts and gate: the layer's stage sender
-          (``stage_sender(stage)``, the stage's first rank), gathered from its TP peers as before;
-        * routed experts of EP rank ``k``: with ``expert_tensor_parallel_size`` 1 and a per-expert
-          wire layout, the lowest rank holding them (EP rank ``k``, same stage) unless that rank is a
-          TP peer of a stage sender (``helpers``: it serves that sender's gathers, and a rank can
-          serve one sender only): then the lowest holder outside ``helpers``, so experts leave from
-          where they live; the stage sender when it holds them, or when every holder is a helper
-          (then they travel to it, the one case where an expert crosses ranks to reach a sender).
-          Expert TP > 1 or the fused layout (one tensor for all experts): the stage sender gathers
-          them as before.
+        * router, its biases, shared experts and gate: replica 0's stage sender (the stage's first
+          rank), gathered from its TP peers as before;
+        * routed experts of EP rank ``k`` with ``spread`` (expert TP 1, per-expert layout): the lowest
+          rank holding them that is a stage sender of its own replica (``topo.replicas``: its TP
+          group's first rank), so experts leave from where they live; when every holder is another
+          rank's TP peer, the lowest holder sends them to its own replica's stage sender -- the
+          sender it already serves, so it serves one sender only.
+        * without ``spread`` (expert TP > 1, or the fused layout: one tensor for all experts):
+          replica 0's stage sender gathers them, as with ``senders="rank0"``.
 
         Collective (one cached exchange of coordinates): call on every rank, at construction."""
         self._placement()
         assert self._coords is not None
+        replica_of = {r: i for i, g in enumerate(topo.replicas) for row in g for r in row}
         for layer, stage in stage_of.items():
-            first = stage_sender(stage)
+            first = topo.stage_ranks(stage)[0]
             self._layer_dst[layer] = first
-            fused = self.layout_of(self.hf_layer(layer).experts) == "fused"
             for k in range(self.ep):
-                holders = [c.rank for c in self._coords if c.pp == stage and c.ep == k and c.etp == 0]
-                free = [r for r in holders if r not in helpers]
-                if self.etp > 1 or fused or first in holders or not free:
+                if not spread:
                     self._expert_dst[(layer, k)] = first
-                else:
-                    self._expert_dst[(layer, k)] = free[0]
+                    continue
+                holders = [c.rank for c in self._coords if c.pp == stage and c.ep == k and c.etp == 0]
+                senders = [h for h in holders if topo.stage_ranks(stage, replica_of[h])[0] == h]
+                src = senders[0] if senders else holders[0]
+                self._expert_dst[(layer, k)] = topo.stage_ranks(stage, replica_of[src])[0]
+                self._expert_src[(layer, k)] = src
 
     def _dst(self, layer: int, expert: int = -1) -> int:
         """The rank that sends ``layer``'s tensor (``expert``: a routed expert's; -1: the rest)."""
@@ -483,9 +492,8 @@ class MegatronMoEExporter:
             for e in batch:
                 ep_rank, _ = divmod(e, self.E_local)
                 for r in range(self.etp):
-                    h = self._holder(layer, ep=ep_rank, etp=r)
-                    if self.etp == 1 and dst != self._dst(layer) and self._coords[dst].ep == ep_rank:
-                        h = dst  # the expert sender holds it (plan_owners)
+                    h = self._expert_src.get((layer, ep_rank)) if self.etp == 1 else None
+                    h = self._holder(layer, ep=ep_rank, etp=r) if h is None else h  # (plan_owners)
                     pieces.append(_Piece(h, "fc1", e, r, (2 * F // self.etp, H), wd))
                     pieces.append(_Piece(h, "fc2", e, r, (H, F // self.etp), wd))
                 if spec.bias:  # ETP 1 (hf_layer): one holder

@@ -82,7 +82,7 @@ from ..core import pieces as checkpoint_pieces
 from ..core.experts import DEFAULT_EXPERT_BATCH_BYTES, ExpertLayout
 from ..core.stats import PassStats
 from ..core.dtype_policy import WirePolicy
-from ..core.senders import Senders, check_senders, require_many_senders
+from ..core.senders import Senders, check_senders, require_many_senders, split_contiguous
 
 __all__ = ["MegatronSource"]
 
@@ -318,10 +318,22 @@ class MegatronSource(WeightSource):
         # plan index of each MoE layer's last unit -> that layer: its MoE tensors follow that unit.
         last_unit = {u.key[1]: i for i, u in enumerate(self.plan) if u.key[0] == "layer"}
         self._moe_after: dict[int, int] = {last_unit[L]: L for L in self.moe_layers}
-        if self._moe is not None and self.senders == "owners":
-            stage_of = {L: self.plan[last_unit[L]].stage for L in self.moe_layers}
-            helpers = {r for row in self._topo.grid for r in row[1:]}
-            self._moe.plan_owners(stage_of, lambda s: self._topo.stage_ranks(s)[0], helpers)
+        #: ``senders="owners"``: the model-parallel replica (``Topology.replicas``) whose stage-first
+        #: rank gathers and sends each unit; a unit not listed: replica 0 (rank 0's).
+        self._unit_replica: dict[tuple, int] = {}
+        if self.senders == "owners":
+            # Data-parallel replicas hold the same dense weights: each stage's units are cut into one
+            # contiguous run per replica, balanced by bytes (core.senders.split_contiguous), unless
+            # experts must travel to replica 0 (expert TP > 1, fused layout: moe.spreadable).
+            spread = self._moe is None or self._moe.spreadable(self.moe_layers)
+            if spread and len(self._topo.replicas) > 1:
+                for stage in range(self._topo.pp):
+                    units = [u for u in self.plan if u.stage == stage]
+                    runs = split_contiguous([self._unit_bytes(u) for u in units], len(self._topo.replicas))
+                    self._unit_replica.update({u.key: run for u, run in zip(units, runs)})
+            if self._moe is not None:
+                stage_of = {L: self.plan[last_unit[L]].stage for L in self.moe_layers}
+                self._moe.plan_owners(stage_of, self._topo, spread=spread)
 
     def _attention(
         self, hf_config: Any, bound: dict[tuple, Bound], layer_names: dict[int, list[str]]
@@ -425,7 +437,11 @@ class MegatronSource(WeightSource):
     def _dst(self, unit: Unit) -> int:
         """The global rank that sends ``unit``'s HF tensors (and gathers its TP pieces): rank 0, or
         with ``senders="owners"`` the first rank of its stage in rank 0's replica."""
-        return 0 if self.senders == "rank0" else self._topo.stage_ranks(unit.stage)[0]
+        return 0 if self.senders == "rank0" else self._stage_ranks(unit)[0]
+
+    def _stage_ranks(self, unit: Unit) -> tuple[int, ...]:
+        """The TP ranks (in TP order) that gather ``unit`` for its sender: its stage in its replica."""
+        return self._topo.stage_ranks(unit.stage, self._unit_replica.get(unit.key, 0))
 
     def _unit_metas(self, unit: Unit) -> list[ParamMeta]:
         if self.mode == "full":
@@ -556,7 +572,7 @@ class MegatronSource(WeightSource):
 
     def _senders(self, unit: Unit) -> tuple[int, ...]:
         """Global ranks whose piece of ``unit`` the gatherer needs, in TP order (empty pieces dropped)."""
-        ranks = self._topo.stage_ranks(unit.stage)
+        ranks = self._stage_ranks(unit)
         if unit.kind.dim is None:  # every TP rank holds all of it (norms, duplicated linears)
             return ranks[:1]
         if unit.kind is VOCAB:
@@ -589,7 +605,7 @@ class MegatronSource(WeightSource):
         completed. Every participant walks the plan in the same order, so sends and receives pair up.
         """
         rank = self._topo.rank
-        stage_ranks = self._topo.stage_ranks(unit.stage)
+        stage_ranks = self._stage_ranks(unit)
         wd = self._wd[unit.key]
         pieces = [Piece(src, self._piece_shape(unit, stage_ranks.index(src)), wd) for src in self._senders(unit)]
         got = gather_to(
@@ -606,7 +622,7 @@ class MegatronSource(WeightSource):
     def _post(self, unit: Unit, stats: PassStats) -> PostedGather:
         """``unit``'s gather to rank 0, posted (``p2p.post_gather``); its ``held_bytes`` is the
         memory it holds until finished (receive buffers, pieces cast for sending), already in ``stats``."""
-        stage_ranks = self._topo.stage_ranks(unit.stage)
+        stage_ranks = self._stage_ranks(unit)
         wd = self._wd[unit.key]
         pieces = [Piece(src, self._piece_shape(unit, stage_ranks.index(src)), wd) for src in self._senders(unit)]
         before = stats._extra
@@ -671,7 +687,7 @@ class MegatronSource(WeightSource):
             self._start()
             # Ranks of other data-parallel replicas have no dense unit to send, but with expert
             # parallelism they hold other experts: they still walk every MoE layer's export.
-            dense = self._topo.in_sender_replica
+            dense = self._topo.in_sender_replica or bool(self._unit_replica)
             if not dense and self._moe is None:
                 return
             casts, peak = precast(self._precast, self.dtype) if self._precast else (iter(()), 0)

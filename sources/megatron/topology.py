@@ -36,15 +36,18 @@ class Topology:
     tp_rank: int
     pp_rank: int
     grid: tuple[tuple[int, ...], ...]  # grid[pp_rank][tp_rank] -> global rank, replica of rank 0
+    #: every model-parallel replica's grid (data- / context-parallel copies of the weights), ordered
+    #: by lowest rank: ``replicas[0] == grid``. ``senders="owners"`` spreads dense units over them.
+    replicas: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
     @property
     def in_sender_replica(self) -> bool:
         """True iff this rank holds shards the sender needs (rank 0's model-parallel group)."""
         return any(self.rank in row for row in self.grid)
 
-    def stage_ranks(self, stage: int) -> tuple[int, ...]:
-        """Global ranks of ``stage``'s TP shards in the sender's replica, in TP order."""
-        return self.grid[stage]
+    def stage_ranks(self, stage: int, replica: int = 0) -> tuple[int, ...]:
+        """Global ranks of ``stage``'s TP shards in ``replica`` (0: the sender's), in TP order."""
+        return (self.replicas or (self.grid,))[replica][stage]
 
 
 def _group_ranks(group) -> list[int]:
@@ -84,13 +87,16 @@ def megatron_topology() -> Topology:
             continue
         if my_tp not in tp_groups or my_pp not in pp_groups:
             continue
-        mp0 = next(g for g in mp_groups if 0 in g)
         tp_of = {r: g.index(r) for g in tp_groups for r in g}
         pp_of = {r: g.index(r) for g in pp_groups for r in g}
-        grid = [[-1] * tp for _ in range(pp)]
-        for r in mp0:
-            grid[pp_of[r]][tp_of[r]] = r
-        if grid[0][0] != 0 or any(r < 0 for row in grid for r in row):
+        grids = []
+        for group in sorted(mp_groups, key=min):
+            g = [[-1] * tp for _ in range(pp)]
+            for r in group:
+                g[pp_of[r]][tp_of[r]] = r
+            grids.append(tuple(tuple(row) for row in g))
+        grid = grids[0]
+        if grid[0][0] != 0 or any(r < 0 for g in grids for row in g for r in row):
             continue
         return Topology(
             rank=rank,
@@ -100,7 +106,8 @@ def megatron_topology() -> Topology:
             vpp=vpp,
             tp_rank=ps.get_tensor_model_parallel_rank(),
             pp_rank=ps.get_pipeline_model_parallel_rank(),
-            grid=tuple(tuple(row) for row in grid),
+            grid=grid,
+            replicas=tuple(grids),
         )
     raise RuntimeError(
         f"rank {rank}: could not reproduce Megatron's rank layout (tp={tp}, pp={pp}, cp={cp}, "
