@@ -185,7 +185,9 @@ def plan(
     label, config = _config(model)
     from weightsync.sources import FSDPSource
 
-    meta = _meta_model(config, wd or torch.float32)
+    # fp32, as trainers hold master weights: tensors that keep their own dtype on the wire (MoE routers)
+    # travel in fp32, the rest in ``dtype``
+    meta = _meta_model(config, torch.float32)
     base = FSDPSource(meta, dtype=wd, expert_layout=expert_layout, group_bytes=group_bytes, check=False, agree=False)
     parameters = sum(math.prod(p.shape) for p in meta.parameters())
     notes: list[str] = []
