@@ -144,3 +144,18 @@ def test_many_senders_refused_on_a_single_sender_vllm(monkeypatch):
         from weightsync.sources import FSDPSource
 
         FSDPSource(torch.nn.Linear(2, 2), senders="owners", rank=0)
+
+
+@needs_034
+def test_use_load_plan_refused_for_delta_rounds():
+    """vLLM 0.34's ``use_load_plan`` plans direct writes from the metadata sent at init; a delta round
+    (sparse patches) cannot use it: refused at construction, naming the field."""
+    from many_senders_worlds import NoClient
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    from weightsync.plugins.sync.driver import WeightSync
+    from weightsync.sources import DeltaSource, FSDPSource
+
+    info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=1, world_size=2, rank=0, use_load_plan=True)
+    with pytest.raises(ValueError, match=r"rank 0: init_info.use_load_plan=True .* cannot serve delta rounds"):
+        WeightSync(DeltaSource(FSDPSource(torch.nn.Linear(2, 2), rank=0)), info, NoClient(), pause=None)

@@ -770,6 +770,13 @@ def _check_delta_pairing(source: Any, init_info: TrainerInitInfo, delta: bool) -
     no packed wire options. The same verdict on every rank (arguments only), before any byte."""
     sparse = is_sparse_backend(init_info)
     backend = init_info.backend
+    if delta and getattr(init_info, "use_load_plan", False):
+        raise ValueError(
+            f"WeightSync: rank {init_info.rank}: init_info.use_load_plan=True (vLLM 0.34: the workers plan "
+            "direct writes from the metadata sent at init) cannot serve delta rounds: a DeltaSource sends "
+            "sparse patches through sparse_nccl, which has no load plan; use_load_plan is for dense NCCL "
+            "syncs of a source whose metadata is the same every round (every weightsync source's is)"
+        )
     if delta and not sparse:
         raise TypeError(
             f"WeightSync: rank {init_info.rank}: a DeltaSource sends patches, but backend {backend!r} "
