@@ -314,3 +314,106 @@ def test_disabled_pynccl_raises_on_every_rank_before_any_byte(monkeypatch):
         assert f1["error"].startswith("SilentTransportError") and "preflight failed on rank 0" in f1["error"], f1
     assert f0["calls"] == ["init"] and f1["calls"] == [], (f0, f1)  # the rendezvous, nothing after it
     assert not f0["engine"] and not f1["engine"]
+
+
+# ---- bytes through vLLM 0.34's real NCCL engines into a server that parses like 0.33 --------------
+
+
+def _forwarding_server(worker, **kw) -> DevServer:
+    """A ``DevServer`` (strict 0.33 fields, ``GET /version`` 0.33.0) whose weight-transfer routes drive
+    vLLM's real worker ``NCCLWeightTransferEngine`` (``many_senders_worlds.InProcessWorker``)."""
+
+    class Forwarding(DevServer):
+        def _call(self, fn, *a):
+            try:
+                fn(*a)
+            except Exception as e:  # noqa: BLE001 - answered like vLLM's server: a 500 naming it
+                return 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
+            return 200, {"message": "ok"}
+
+        def _post_init_weight_transfer_engine(self, q, body):
+            info = (body or {})["init_info"]
+            return self._unexpected("init_info", info, self.init_fields) or self._call(
+                worker.init_weight_transfer_engine, info)
+
+        def _post_start_weight_update(self, q, body):
+            return self._call(worker.start_weight_update)
+
+        def _post_update_weights(self, q, body):
+            info = (body or {})["update_info"]
+            return self._unexpected("update_info", info, self.update_fields) or self._call(
+                worker.update_weights, info)
+
+        def _post_finish_weight_update(self, q, body):
+            version = (body or {}).get("weight_version")
+            status = self._call(worker.finish_weight_update, version)
+            self.weight_version = version if status[0] == 200 else self.weight_version
+            return status
+
+    return Forwarding(**kw)
+
+
+def _mixed_world(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+    from many_senders_worlds import InProcessWorker, install_standins, share_port
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    from weightsync.plugins.sync import WeightSync
+
+    install_standins()  # CPU: a gloo stand-in for vLLM's PyNccl communicator, nothing else
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    source = ModuleSource(model)
+    port = share_port()
+    server = None
+    box = [None]
+    if rank == 0:
+        worker = InProcessWorker()
+        worker.expect(source.metadata)
+        server = _forwarding_server(worker, vllm_version="0.33.0", init_fields=V033_NCCL_INIT_FIELDS,
+                                    update_fields=V033_NCCL_UPDATE_FIELDS).__enter__()
+        box[0] = server.url
+    dist.broadcast_object_list(box, src=0)
+    client = VLLMHTTPClient(box[0], timeout=30, transfer_timeout=60)
+    info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=port, world_size=2, rank=rank, packed=False)
+    ws = WeightSync(source, info, client, pause=None)
+    facts: dict = {}
+    try:
+        facts["report"] = ws.sync(step=3).weight_version
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        facts["report2"] = ws.sync(step=4).weight_version
+    except Exception as e:  # noqa: BLE001 - the test asserts on it
+        facts["error"] = f"{type(e).__name__}: {e}"
+    if rank == 0:
+        want = dict(model.named_parameters())
+        facts["equal"] = sorted(n for n, t in worker.model.held.items() if torch.equal(t, want[n].detach()))
+        facts["names"] = sorted(want)
+        facts["init_payload_keys"] = sorted(worker.init_payloads[0]) if worker.init_payloads else None
+        facts["versions"] = worker.versions
+        facts["server_routes"] = server.routes()
+        facts["server_version"] = server.weight_version
+    ws.shutdown()
+    dist.barrier()
+    if server is not None:
+        server.__exit__(None, None, None)
+    return facts
+
+
+@needs_034
+def test_a_034_trainer_syncs_into_a_server_that_parses_like_033():
+    """2 gloo ranks, ``WeightSync`` over vLLM 0.34's real NCCL trainer engine, into vLLM's real worker
+    engine behind an HTTP server that answers ``GET /version`` 0.33.0 and refuses any field 0.33's
+    worker lacks (as vLLM 0.33 does). Two syncs land: the worker's tensors equal the trainer's
+    bitwise after the second, each version is committed, and the init payload the server saw holds
+    only 0.33 fields (vLLM 0.34 built it with ``use_load_plan``)."""
+    out = run_world(_mixed_world, 2, timeout=180)
+    f0, f1 = out[0], out[1]
+    assert "error" not in f0 and "error" not in f1, (f0.get("error"), f1.get("error"))
+    assert f0["report2"] == f1["report2"] == "4"
+    assert f0["equal"] == f0["names"] and len(f0["names"]) == 4
+    assert set(f0["init_payload_keys"]) <= V033_NCCL_INIT_FIELDS and "use_load_plan" not in f0["init_payload_keys"]
+    assert f0["versions"] == ["3", "4"] and f0["server_version"] == "4"
+    assert f0["server_routes"][:2] == ["version", "init_weight_transfer_engine"], f0["server_routes"]
