@@ -2,7 +2,7 @@
 
 One 4-rank gloo world runs every scenario in turn, each the way a trainer would build it (FSDP2
 over each decoder layer then the root, HSDP 2 x 2, ``FP8Source`` over it, ``senders="owners"``,
-Megatron TP2 x PP2, TP2 x EP2 and PP2 x EP2 with MoE, ``DeltaSource`` over HSDP), and returns each
+Megatron TP2 x PP2, PP2 x VPP2 (DP2), TP2 x EP2 and PP2 x EP2 with MoE, ``DeltaSource`` over HSDP), and returns each
 rank's ``PassStats`` of the second pass (steady state: the first pass also runs the cross-rank
 agreement and, for MoE, the placement exchange) plus what the stream actually carried.
 """
@@ -90,14 +90,15 @@ def world_plan(rank: int, world_size: int, *, dense_dir: str, moe_dir: str) -> d
     del src, fp8, owners, model, delta
     dist.barrier()
 
-    # Megatron: dense TP2 x PP2; MoE TP2 x EP2 (ETP 2) and PP2 x EP2
+    # Megatron: dense TP2 x PP2 and PP2 x VPP2 (two data-parallel replicas); MoE TP2 x EP2 (ETP 2), PP2 x EP2
     from megatron.core import parallel_state as ps
 
     for key, cfg, par in (("megatron_tp2_pp2", dense, MegatronParallel(tp=2, pp=2)),
                           ("megatron_tp2_ep2", moe, MegatronParallel(tp=2, ep=2)),
-                          ("megatron_pp2_ep2", moe, MegatronParallel(pp=2, ep=2))):
+                          ("megatron_pp2_ep2", moe, MegatronParallel(pp=2, ep=2)),
+                          ("megatron_pp2_vpp2", dense, MegatronParallel(pp=2, vpp=2))):
         chunks = build_megatron_gpt(cfg, par, seed=0)
-        msrc = MegatronSource(chunks[0], hf_config=cfg, dtype=torch.bfloat16, mode="full")
+        msrc = MegatronSource(chunks if par.vpp else chunks[0], hf_config=cfg, dtype=torch.bfloat16, mode="full")
         _drain(msrc)
         _drain(msrc)
         out[key] = _stats(msrc)

@@ -20,9 +20,10 @@ rules the sources document:
   and shared experts likewise, from their lowest holder (Megatron's rank order ``tp-cp-ep-dp-pp``).
 
 The FSDP unit policy is the one the CLI and most trainers use: each decoder layer (a module path
-ending in ``layers.N``) is a unit, the root holds the rest. ``peak_extra_bytes`` is an estimate (an
-upper bound for FSDP: the group being yielded, the group ahead and one send block more), not a
-count.
+ending in ``layers.N``) is a unit, the root holds the rest. ``peak_extra_bytes`` is an estimate, not a
+count: for FSDP an upper bound (the group being yielded, the group ahead and one send block more);
+for Megatron rank 0 the small tensors cast in one buffer plus the unit being yielded (pieces and
+outputs) and the one posted ahead, or an expert batch and its assembled tensors; a peer one piece.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ __all__ = [
 GATHER_ALIGN = 16
 #: Megatron pads the vocabulary to a multiple of this times TP (``make_vocab_size_divisible_by``).
 VOCAB_DIVISIBLE_BY = 128
+#: ``MegatronSource`` casts rank 0's small whole tensors in one buffer (``megatron/whole_units.py``).
+PRECAST_MAX_NUMEL, PRECAST_CAP_BYTES = 1 << 20, 64 << 20
+#: ``MegatronMoEExporter`` moves routed experts in batches of at most this many bytes (``core/experts.py``).
+EXPERT_BATCH_BYTES = 256 << 20
 _LAYER = re.compile(r"^(.*?\blayers\.(\d+))\.")
 
 
@@ -215,6 +220,7 @@ def megatron_counts(
     ep: int = 1,
     etp: int | None = None,
     world: int | None = None,
+    ahead_bytes: int = 128 << 20,
 ) -> dict[int, RankCounts]:
     """Per global rank: a ``MegatronSource(mode="full")`` pass with one sender (rank 0).
 
@@ -222,7 +228,8 @@ def megatron_counts(
     list ``MegatronSource.metadata`` declares, here taken from ``FSDPSource`` over the meta HF
     model; ``layer_keys``: the family's Megatron layer table (``Family.layer_keys``: Megatron
     suffix -> ``Entry(kind, hf names)``), which says which HF tensors one Megatron parameter holds
-    and how it is split over TP."""
+    and how it is split over TP; ``ahead_bytes``: ``MegatronSource``'s overlap budget (128 MiB where
+    each local rank has 4 cores or more, else 64 MiB: ``megatron/ahead.py``)."""
     world = world or tp * pp * ep
     L = hf_config.num_hidden_layers
     etp = tp if etp is None else etp
@@ -240,30 +247,41 @@ def megatron_counts(
     hidden = hf_config.hidden_size
     vocab = hf_config.vocab_size
 
-    def move(src: int, nbytes: int) -> None:
+    moved: list[tuple[str, int]] = []  # rank 0, in order: ("unit", HF bytes) received / ("moe", expert batch)
+    precast = 0  # rank 0: small tensors it holds whole, cast in one buffer per pass
+
+    def move(src: int, nbytes: int, held: bool = False) -> None:
         if src == 0 or nbytes == 0:
             return
         r0.collectives += 1
         r0.bytes_received += nbytes
         counts[src].collectives += 1
+        if held:  # a dense unit's piece, cast and held until sent (MoE pieces are not counted)
+            counts[src].peak_extra_bytes = max(counts[src].peak_extra_bytes, nbytes)
 
     def stage_rank(stage: int, tp_rank: int) -> int:  # the sender replica's rank (dp rank 0)
         return stage * stage_width + tp_rank
 
     def unit(names: Sequence[str], kind: str, stage: int) -> None:
+        nonlocal precast
         metas = [by_name[n] for n in names if n in by_name]
         if not metas:
             return
         total = sum(output_bytes(m.dtype, m.shape) for m in metas)
+        if stage == 0 and (kind == "replicated" or tp == 1):
+            if all(math.prod(m.shape) <= PRECAST_MAX_NUMEL for m in metas):
+                precast = min(PRECAST_CAP_BYTES, precast + total)
+            return  # rank 0 holds it whole: no transfer
+        moved.append(("unit", total))
         if kind == "replicated":
-            move(stage_rank(stage, 0), total)
+            move(stage_rank(stage, 0), total, True)
         elif kind == "vocab":
             row = total // vocab
             for r in range(tp):
-                move(stage_rank(stage, r), _vocab_rows(vocab, tp, r) * row)
+                move(stage_rank(stage, r), _vocab_rows(vocab, tp, r) * row, True)
         else:
             for r in range(tp):
-                move(stage_rank(stage, r), total // tp)
+                move(stage_rank(stage, r), total // tp, True)
 
     unit(["model.embed_tokens.weight"], "vocab", 0)
     for layer in range(L):
@@ -275,13 +293,28 @@ def megatron_counts(
                 continue
             unit([pre + h for h in entry.hf], entry.kind, stage)
         if moe:
-            _moe_layer(by_name, pre, stage, stage_width, tp, etp, ep, hidden, move)
+            moved.append(("moe", _moe_layer(by_name, pre, stage, stage_width, tp, etp, ep, hidden, move)))
     unit(["model.norm.weight"], "replicated", pp - 1)
     unit(["lm_head.weight"], "vocab", pp - 1)
+    # rank 0: the unit being yielded (its pieces + its outputs) and the units posted ahead (pieces,
+    # while less than ahead_bytes is posted; never past a MoE layer), or an expert batch and the
+    # tensors assembled from it
+    peak = 0
+    for k, (what, nbytes) in enumerate(moved):
+        if what == "moe":
+            peak = max(peak, 2 * nbytes)
+            continue
+        posted = 0
+        for what2, n2 in moved[k + 1:]:
+            if what2 == "moe" or posted >= ahead_bytes:
+                break
+            posted += n2
+        peak = max(peak, 2 * nbytes + posted)
+    r0.peak_extra_bytes = precast + peak
     return counts
 
 
-def _moe_layer(by_name, pre: str, stage: int, width: int, tp: int, etp: int, ep: int, hidden: int, move) -> None:
+def _moe_layer(by_name, pre: str, stage: int, width: int, tp: int, etp: int, ep: int, hidden: int, move) -> int:
     """A MoE layer's export to rank 0 (``MegatronMoEExporter``): router and its biases from the
     stage's lowest rank, each routed expert's ``etp`` fc1/fc2 pieces from its lowest holder, shared
     experts from each TP rank of the stage, the shared gate from the lowest rank."""
@@ -300,6 +333,8 @@ def _moe_layer(by_name, pre: str, stage: int, width: int, tp: int, etp: int, ep:
         gu = by_name[pre + "mlp.experts.gate_up_proj"]
         E, F, dtype = gu.shape[0], gu.shape[1] // 2, gu.dtype
     e_local = E // ep
+    one = 3 * F * hidden * dtype.itemsize  # one expert's gate, up and down
+    batch = min(E * one, max(one, EXPERT_BATCH_BYTES // one * one))
     for e in range(E):
         k = e // e_local
         for r in range(etp):
@@ -314,3 +349,4 @@ def _moe_layer(by_name, pre: str, stage: int, width: int, tp: int, etp: int, ep:
         for r in range(tp):
             move(base + r, 2 * S // tp * hidden * gate.dtype.itemsize)
             move(base + r, hidden * (S // tp) * gate.dtype.itemsize)
+    return batch

@@ -210,7 +210,8 @@ def plan(
         if family.hybrid is not None or family.attention != "dense":
             raise ValueError(f"layout='megatron': plan models fused-QKV families; {family.name} is not modelled yet")
         per_rank = megatron_counts(base.metadata, hf_config=config, layer_keys=family.layer_keys(config),
-                                   tp=tp, pp=pp, vpp=vpp, ep=ep, world=world)
+                                   tp=tp, pp=pp, vpp=vpp, ep=ep, world=world,
+                                   ahead_bytes=(128 if device == "gpu" else 64) << 20)
         inner = "MegatronSource"
         lay = {"kind": "megatron", "world": world, "tp": tp, "pp": pp, "vpp": vpp, "ep": ep,
                "dp": world // (tp * pp)}
