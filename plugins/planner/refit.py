@@ -103,7 +103,8 @@ def _config(model: Any) -> tuple[str, Any]:
     if model in PRESETS:
         return model, load_config(model, None)
     if os.path.exists(model):
-        return model, load_config(None, model)
+        config = load_config(None, model)
+        return f"{model} ({config.model_type})", config
     raise ValueError(f"model={model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing path to a config.json")
 
 

@@ -39,7 +39,7 @@ def render(p: RefitPlan) -> str:
         if s.source.startswith("DeltaSource"):
             continue
         for ranks, c in s.roles():
-            lines.append(f"    ranks {_ranks(ranks)}: yields {c.tensors:,} tensors / {human_bytes(c.bytes)}; "
+            lines.append(f"    rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}: yields {c.tensors:,} tensors / {human_bytes(c.bytes)}; "
                          f"{c.collectives:,} collectives receiving {human_bytes(c.bytes_received)}; "
                          f"peak extra ~{human_bytes(c.peak_extra_bytes)}")
     parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in p.time_s.items())
