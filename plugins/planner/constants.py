@@ -69,18 +69,20 @@ CONSTANTS: dict[str, Constant] = {c.name: c for c in (
              "assumption: a third of the D2D copy rate over the dense bytes (vLLM's sparse apply stages "
              "full-shape NaN tensors and copies them: O(N); not measured)"),
     # ---- CPU ---------------------------------------------------------------------------------------
-    Constant("cpu_gather_rate", 30e6 * 2 / 2 / 50e-3, "B/s", "cpu", True,
-             "docs/evidence.md Delta sync: a dense FSDPSource pass of 30M parameters (hidden 512, vocab "
-             "16384, bf16 wire) on 2 gloo ranks of the 2-core machine takes 50 ms; each rank receives "
-             "half the 60 MB: 30 MB / 50 ms (the whole pass charged to the gather)"),
-    Constant("cpu_source_per_tensor", 40e-6, "s", "cpu", False,
-             "assumption: 40 us of host work per tensor on CPU (bench_check: the stream check alone "
-             "is 1-3 us per tensor; the rest is not broken out by any bench)"),
+    Constant("cpu_gather_rate", 0.513e9, "B/s", "cpu", True,
+             "bench/bench_plan.py --fit --reps 5 (2026-12-06, 2 gloo ranks on the shared 2-core machine): "
+             "least squares over its 4 Qwen3-shaped FSDP2 passes (25-355 tensors, 1.3-35.7 MB received "
+             "per rank); with it every case's estimate is 0.85-1.03x the measured pass (fitted in-sample)"),
+    Constant("cpu_source_per_tensor", 82.8e-6, "s", "cpu", True,
+             "bench/bench_plan.py --fit (same run as cpu_gather_rate): seconds per yielded tensor of an "
+             "FSDPSource pass on CPU, everything but the gathers' bytes and latency"),
     Constant("cpu_collective_latency", 200e-6, "s", "cpu", False,
              "assumption: 200 us per gloo collective on one host (bench_check: the end-of-pass "
              "exchange is 0.2-0.7 ms)"),
     Constant("cpu_diff_rate", 15e6 * 2 / 16e-3, "B/s", "cpu", True,
              "docs/evidence.md Delta sync: cast + word compare + nonzero of 15M bf16 elements in 16 ms"),
+    Constant("cpu_apply_per_tensor", 20e-6, "s", "cpu", False,
+             "assumption: 20 us per tensor in a CPU receiver's load (the loopback server; not measured)"),
     Constant("cpu_copy_rate", 5e9, "B/s", "cpu", False,
              "assumption: 5 GB/s host memcpy for the loopback wire and apply on CPU"),
     Constant("cpu_quantize_rate", 0.5e9, "B/s", "cpu", False,

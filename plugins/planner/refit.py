@@ -306,7 +306,7 @@ def _estimate(sources, per_rank, *, backend, senders, layout, device, fp8, quant
     sender_bytes = max(top.bytes_per_sender.values()) if top.bytes_per_sender else 0
     if backend == "ipc":
         t["wire"] = sender_bytes / copy
-        t["receiver_apply"] = 0.0 if gpu else top.tensors * c("cpu_source_per_tensor")
+        t["receiver_apply"] = 0.0 if gpu else top.tensors * c("cpu_apply_per_tensor")
         if gpu:
             notes.append("ipc: the receiver's apply is inside ipc_packed_per_tensor (measured engine to engine)")
     elif backend == "sparse":
@@ -315,7 +315,7 @@ def _estimate(sources, per_rank, *, backend, senders, layout, device, fp8, quant
         t["receiver_apply"] = dense_bytes / c("sparse_apply_rate" if gpu else "cpu_copy_rate")
     else:
         t["wire"] = sender_bytes / wire_rate
-        t["receiver_apply"] = top.tensors * c("apply_per_tensor" if gpu else "cpu_source_per_tensor") + sender_bytes / copy
+        t["receiver_apply"] = top.tensors * c("apply_per_tensor" if gpu else "cpu_apply_per_tensor") + sender_bytes / copy
     return t, list(used.values())
 
 

@@ -1,0 +1,112 @@
+"""``weightsync plan``'s CPU time estimate beside the measured pass, and the fit behind its CPU constants.
+
+For each case a Qwen3-shaped transformers model (fp32 masters) is FSDP2-sharded over 2 gloo ranks (each
+decoder layer, then the root) and ``FSDPSource(dtype=bfloat16)`` runs one warm-up pass and ``--reps``
+timed passes on every rank (median of rank 0's). ``plan(config, world=2, device="cpu")`` predicts the
+same pass: its ``trainer_gathers`` + ``host_per_tensor`` parts (the CPU estimate has no engine per
+tensor: a source pass is all it models on its own). Printed per case: measured, estimate, ratio, and
+whether the counts (tensors, collectives, bytes received) equal the pass's own ``PassStats``.
+
+``--fit`` solves for the two CPU constants the source pass depends on most -- seconds per tensor and
+bytes received per second -- by least squares over the cases (the per-collective latency stays the
+assumed constant), prints them, and the estimate each case would get with them: the figures
+``plugins/planner/constants.py`` cites for ``cpu_source_per_tensor`` and ``cpu_gather_rate``.
+
+    python bench/bench_plan.py
+    python bench/bench_plan.py --fit --reps 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from worlds import run_world  # noqa: E402
+
+#: (label, hidden, layers, vocab): per-tensor-bound (many small layers) to byte-bound (wide layers)
+CASES = (
+    ("h64 l32 v1024", 64, 32, 1024),
+    ("h256 l8 v8192", 256, 8, 8192),
+    ("h512 l4 v16384", 512, 4, 16384),
+    ("h1024 l2 v8192", 1024, 2, 8192),
+)
+
+
+def _config(hidden: int, layers: int, vocab: int):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, vocab_size=vocab,
+                       tie_word_embeddings=False, max_position_embeddings=128)
+
+
+def _rank(rank: int, world_size: int, *, cfg_dir: str, reps: int) -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from weightsync.plugins.presets import build_model, load_config
+    from weightsync.sources import FSDPSource
+
+    model = build_model(load_config(None, cfg_dir), seed=0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    src = FSDPSource(model, dtype=torch.bfloat16)
+    for _ in src.iter_full():
+        pass
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in src.iter_full():
+            pass
+        times.append(time.perf_counter() - t0)
+    return {"seconds": statistics.median(times), "stats": src.last_pass.as_dict()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--fit", action="store_true", help="fit cpu_source_per_tensor and cpu_gather_rate")
+    args = ap.parse_args()
+    from weightsync.plugins.planner import plan
+    from weightsync.plugins.planner.constants import constant
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-plan-") as tmp:
+        for label, hidden, layers, vocab in CASES:
+            d = os.path.join(tmp, label.replace(" ", "-"))
+            _config(hidden, layers, vocab).save_pretrained(d)
+            real = run_world(_rank, 2, timeout=600, cfg_dir=d, reps=args.reps)[0]
+            p = plan(d, world=2, device="cpu")
+            est = p.time_s["trainer_gathers"] + p.time_s["host_per_tensor"]
+            c, s = p.sources[0].per_rank[0], real["stats"]
+            same = (c.tensors, c.collectives, c.bytes_received) == (s["tensors"], s["collectives"], s["bytes_received"])
+            rows.append((label, real["seconds"], est, c))
+            print(f"{label:16s} measured {real['seconds'] * 1e3:8.1f} ms  estimate {est * 1e3:8.1f} ms  "
+                  f"estimate/measured {est / real['seconds']:5.2f}  {c.tensors} tensors, {c.collectives} gathers, "
+                  f"{c.bytes_received / 1e6:.1f} MB received; counts {'equal' if same else 'DIFFER'}")
+    if not args.fit:
+        return
+    import torch
+
+    lat = constant("cpu_collective_latency").value
+    a = torch.tensor([[float(c.tensors), float(c.bytes_received)] for _, _, _, c in rows], dtype=torch.float64)
+    y = torch.tensor([m - c.collectives * lat for _, m, _, c in rows], dtype=torch.float64)
+    x = torch.linalg.lstsq(a, y.unsqueeze(1)).solution.squeeze(1)
+    per_tensor, per_byte = float(x[0]), float(x[1])
+    print(f"fit: cpu_source_per_tensor {per_tensor * 1e6:.1f} us, cpu_gather_rate {1 / per_byte / 1e9:.3f} GB/s "
+          f"(collective latency held at {lat * 1e6:.0f} us)")
+    for label, m, _, c in rows:
+        e = c.tensors * per_tensor + c.bytes_received * per_byte + c.collectives * lat
+        print(f"  {label:16s} with the fit: estimate/measured {e / m:5.2f}")
+
+
+if __name__ == "__main__":
+    main()
