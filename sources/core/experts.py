@@ -1,4 +1,4 @@
-"""Routed-expert layouts: one layer's experts, in the two wire layouts vLLM 0.33 loads.
+"""Routed-expert layouts: one layer's experts, in the two wire layouts vLLM 0.33 and 0.34 load.
 
 Both sources (FSDP2 over transformers-5 models, Megatron-core) end up here, so the expert layout
 math lives once:
@@ -11,7 +11,7 @@ math lives once:
   ``save_pretrained`` writes (``gate_proj.weight`` ..., Mixtral ``w1/w3/w2.weight``).
 * ``fused`` wire layout: ``{prefix}.gate_up_proj`` ``[E, 2I, H]`` (gate rows first) and
   ``{prefix}.down_proj`` ``[E, H, I]``; Mixtral-named checkpoints use ``w13`` / ``w2``. These are the
-  names vLLM 0.33's routed-expert loader maps for fused checkpoints
+  names the routed-expert loader of vLLM 0.33 and 0.34 maps for fused checkpoints
   (``RoutedExperts.make_expert_params_mapping``: ``gate_proj``+``up_proj`` -> ``gate_up_proj``,
   ``w1``+``w3`` -> ``w13``; the down name is the checkpoint's own), chunked in two along dim 1.
 * Checkpoints that keep the fused tensors (``saved="fused"``: transformers' reversal leaves them as
@@ -20,7 +20,7 @@ math lives once:
   ``[E, I, H]``; ``is_concatenated=False``: gate and up alternate along the ``2I`` dim;
   ``has_bias``: ``gate_up_proj_bias`` ``[E, 2I]`` / ``down_proj_bias`` ``[E, H]``). Their
   ``per_expert`` layout is each fused tensor's slice ``[e]`` as ``{prefix}.{e}.{leaf}`` -- the
-  per-expert names vLLM 0.33's gpt_oss loader streams (``_try_load_streamed_expert``); transformers
+  per-expert names the gpt_oss loader of vLLM 0.33 and 0.34 streams (``_try_load_streamed_expert``); transformers
   itself never writes them.
 
 Memory invariants (the reason this file exists; verl #6691 stacked a whole layer into 8.6 GiB):
@@ -81,7 +81,7 @@ _LEAF: dict[str, str] = {
 }
 _PART: dict[str, str] = {leaf: part for part, leaf in _LEAF.items()}
 
-#: vLLM 0.33's fused gate/up name per checkpoint (gate, up) leaf pair (routed_experts.py).
+#: vLLM's (0.33, 0.34) fused gate/up name per checkpoint (gate, up) leaf pair (routed_experts.py).
 _VLLM_FUSED_GATE_UP = {("gate_proj", "up_proj"): "gate_up_proj", ("w1", "w3"): "w13"}
 
 
@@ -167,7 +167,7 @@ class ExpertLayerSpec:
         pair = (self.gate.removesuffix(".weight"), self.up.removesuffix(".weight"))
         if pair not in _VLLM_FUSED_GATE_UP:
             raise UnmappedParameterError(
-                f"{self.prefix}: vLLM 0.33 has no fused name for gate/up leaves {pair}; "
+                f"{self.prefix}: vLLM (0.33, 0.34) has no fused name for gate/up leaves {pair}; "
                 "use expert_layout='per_expert'"
             )
         return f"{self.prefix}.{_VLLM_FUSED_GATE_UP[pair]}"

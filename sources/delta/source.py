@@ -2,7 +2,7 @@
 
 Between two RL syncs most bf16 weights are bit-identical (an update below half a bf16 step rounds
 away). ``DeltaSource(source)`` turns each sync into a round of patches in checkpoint coordinates --
-vLLM 0.33's ``sparse_nccl`` ``SparseWeightPatch(name, indices, values, full_shape)`` -- holding exactly
+vLLM's (0.33, 0.34) ``sparse_nccl`` ``SparseWeightPatch(name, indices, values, full_shape)`` -- holding exactly
 the elements whose wire bytes changed since the last delivered round.
 
 Invariants:
