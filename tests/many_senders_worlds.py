@@ -248,9 +248,12 @@ def bitwise_mismatches(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
     return sorted(bad)
 
 
-def megatron_case(rank: int, *, tmp: str, case: str, tp: int, pp: int, vpp: int | None, fail: bool = False,
+def megatron_case(rank: int, *, tmp: str, case: str, tp: int, pp: int, vpp: int | None, fail: int | None = None,
                   device: str = "cpu", worker_device: str = "cpu") -> dict:
-    """One Megatron sync (and, with ``fail``, a failed sync then a good one) of a tiny Qwen3."""
+    """One Megatron sync of a tiny Qwen3; with ``fail`` (a rank), a sync in which that rank fails
+    mid-stream -- a sender after 3 tensors (then a good sync), or a TP helper at its 3rd piece: its
+    sender hears it when its point-to-point wait times out, and gloo closes that pair, so the
+    process group must be rebuilt before another sync (no further sync here: run it last)."""
     import torch.distributed as dist
     from megatron_worlds import hf_config, hf_model, import_hf, init_parallel, megatron_model, saved_checkpoint
 
@@ -264,7 +267,9 @@ def megatron_case(rank: int, *, tmp: str, case: str, tp: int, pp: int, vpp: int 
     import_hf(model, dict(hf.state_dict()), cfg)
     model = [c.to(device) for c in model] if isinstance(model, list) else model.to(device)
     oracle = saved_checkpoint(hf, f"{tmp}/{case}") if rank == 0 else None
-    src = MegatronSource(model, hf_config=cfg, senders="owners")
+    # a failing helper is heard by its sender when the point-to-point wait times out (gloo's p2p
+    # waits cannot poll the failure board): keep that bound short here
+    src = MegatronSource(model, hf_config=cfg, senders="owners", **({"timeout_s": 10.0} if fail is not None else {}))
     client = InProcessWorker(worker_device) if rank == 0 else NoClient()
     sync = weight_sync(src, client)
     if rank == 0:
@@ -277,8 +282,8 @@ def megatron_case(rank: int, *, tmp: str, case: str, tp: int, pp: int, vpp: int 
         facts["mismatch"] = bitwise_mismatches(client.model.held, oracle)
         facts["updates"] = [(s, list(n)) for s, n in client.updates]
         facts["payload_rank_offset"] = client.init_payloads[0]["rank_offset"]
-    if fail:
-        orig = src._full_pass
+    if fail is not None:
+        orig, orig_piece, calls = src._full_pass, src._piece, []
 
         def failing():
             for i, pair in enumerate(orig()):
@@ -286,28 +291,41 @@ def megatron_case(rank: int, *, tmp: str, case: str, tp: int, pp: int, vpp: int 
                     raise RuntimeError("injected: this sender fails mid-stream")
                 yield pair
 
-        if rank == 1:
-            src._full_pass = failing
+        def failing_piece(unit, stats):
+            calls.append(unit)
+            if len(calls) == 3:
+                raise RuntimeError("injected: this helper fails mid-stream")
+            return orig_piece(unit, stats)
+
+        helper = not any(m.owners[0] == fail for m in src.metadata)
+        if rank == fail:
+            if helper:
+                src._piece = failing_piece
+            else:
+                src._full_pass = failing
         try:
             sync.sync(2)
             facts["fail_outcome"] = "returned"
         except Exception as e:  # noqa: BLE001 - the fact under test
             facts["fail_outcome"] = f"{type(e).__name__}: {e}"
         facts["sent_in_failed"], _ = sent_by_me(sync)
-        if rank == 1:
-            del src._full_pass
+        if rank == fail:
+            del src.__dict__["_piece" if helper else "_full_pass"]
         if rank == 0:
             facts["after_fail_mismatch"] = len(bitwise_mismatches(client.model.held, oracle))
             client.expect(src.metadata)  # NaN again: the next sync must deliver everything
-        sync.sync(3)
-        facts["resent"], _ = sent_by_me(sync)
+        if not helper:
+            sync.sync(3)
+            facts["resent"], _ = sent_by_me(sync)
+            if rank == 0:
+                facts["next_mismatch"] = bitwise_mismatches(client.model.held, oracle)
         if rank == 0:
-            facts["next_mismatch"] = bitwise_mismatches(client.model.held, oracle)
             facts["versions"] = client.versions
     sync.shutdown()
     if rank == 0:
         client.engine.shutdown()
-    dist.barrier()
+    if fail is None or not helper:
+        dist.barrier()
     return facts
 
 
@@ -425,7 +443,7 @@ def world_2(rank: int, world_size: int, *, tmp: str, device: str = "cpu", worker
     dev = dict(device=device, worker_device=worker_device)
     facts = {
         "fp8": fp8_and_refusals_case(rank, tmp=tmp, **dev),
-        "pp2": megatron_case(rank, tmp=tmp, case="pp2", tp=1, pp=2, vpp=None, fail=True, **dev),
+        "pp2": megatron_case(rank, tmp=tmp, case="pp2", tp=1, pp=2, vpp=None, fail=1, **dev),
         "vpp": megatron_case(rank, tmp=tmp, case="vpp", tp=1, pp=2, vpp=2, **dev),
         "ep2": moe_ep2_case(rank, tmp=tmp, **dev),
     }
@@ -539,6 +557,10 @@ def world_4(rank: int, world_size: int, *, tmp: str, device: str = "cpu", worker
     mesh = init_device_mesh(torch.device(device).type, (2, 2), mesh_dim_names=("replicate", "shard"))
     for kind in ("plain", "lora", "moe"):
         facts[f"hsdp_{kind}"] = hsdp_case(rank, mesh, tmp=tmp, kind=kind, **dev)
+    # last: a failing TP helper leaves a gloo pair closed (see megatron_case); CPU only: over NCCL its
+    # sender's receive waits for the process group's watchdog, not for weightsync's timeout_s
+    if device == "cpu":
+        facts["helper_fails"] = megatron_case(rank, tmp=tmp, case="helper", tp=2, pp=2, vpp=None, fail=3, **dev)
     from fsdp_worlds import pack
 
     return pack(facts)

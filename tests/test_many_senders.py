@@ -85,8 +85,17 @@ def world4():
 
 
 @needs_034
-def test_megatron_pp2_tp2(world4):
-    check_megatron({r: f["pp2tp2"] for r, f in world4.items()}, world=4, tp=2, pp=2)
+def test_megatron_pp2_tp2_and_a_failed_helper(world4):
+    check_megatron({r: world4[r]["pp2tp2"] for r in range(4)}, world=4, tp=2, pp=2)
+    # rank 3 (stage 1's TP peer, not a sender) fails at its 3rd piece: its sender, rank 2, hears it
+    # (its receive times out, naming rank 3) and completes its turn with zeros; every rank raises,
+    # naming rank 3, and nothing is committed
+    f = {r: world4[r]["helper_fails"] for r in range(4)}
+    assert "injected: this helper fails mid-stream" in f[3]["fail_outcome"]
+    for r in (0, 1, 2):
+        assert "rank 3" in f[r]["fail_outcome"], (r, f[r]["fail_outcome"])
+    assert f[0]["versions"] == ["1", None]
+    assert f[2]["sent_in_failed"] == f[2]["sent"]
 
 
 @needs_034
