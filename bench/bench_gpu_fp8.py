@@ -113,19 +113,19 @@ def _numerics(facts: Facts, device: str) -> None:
     try:
         import torch._dynamo
 
-        torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)  # one graph per shape
-        compiled = torch.compile(per_block_cast_to_fp8, dynamic=False)
-        same, diff = 0, []
-        for x, what in cases:
-            cq, cs = compiled(x, [128, 128])
+        same, diff, picked = 0, [], [(x, w) for x, w in cases if x.dtype == torch.bfloat16][1:5]  # edge shapes
+        for x, what in picked:
+            torch._dynamo.reset()  # a fresh graph per shape: no recompile limit, no silent eager fallback
+            cq, cs = torch.compile(per_block_cast_to_fp8, dynamic=False, fullgraph=True)(x, [128, 128])
             q, s = quantize_blocks(x, (128, 128))
             if torch.equal(q.view(torch.uint8), cq.view(torch.uint8)) and torch.equal(s, cs):
                 same += 1
             else:
                 nq = int((q.view(torch.uint8) != cq.view(torch.uint8)).sum())
                 diff.append(f"{what}: {nq} codes, {int((s != cs).sum())} scales")
+        cases_n = len(picked)
         facts.number("FP8Source bytes vs torch.compile(per_block_cast_to_fp8)",
-                     f"{same}/{len(cases)} cases bitwise equal; differing: {diff[:6]}")
+                     f"{same}/{cases_n} cases bitwise equal; differing: {diff[:6]}")
     except Exception as e:  # noqa: BLE001 - Inductor unavailable here: say so, eager stays the reference
         facts.number("FP8Source bytes vs torch.compile(per_block_cast_to_fp8)", f"not run: {type(e).__name__}: {e}"[:300])
     facts.check("CUDA quantize_blocks == vLLM per_block_cast_to_fp8 (bitwise)", not bad_v, f"{n} cases; bad: {bad_v[:4]}")
