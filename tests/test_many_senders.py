@@ -168,3 +168,31 @@ def test_use_load_plan_refused_for_delta_rounds():
     info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=1, world_size=2, rank=0, use_load_plan=True)
     with pytest.raises(ValueError, match=r"rank 0: init_info.use_load_plan=True .* cannot serve delta rounds"):
         WeightSync(DeltaSource(FSDPSource(torch.nn.Linear(2, 2), rank=0)), info, NoClient(), pause=None)
+
+
+def test_preflight_checks_every_sender_and_counts_them():
+    """``check_engine`` with many senders: the group is broadcasters + workers (``nccl_world_size()``
+    counts one sender), and a non-zero broadcaster checks its own communicator. Runs on either vLLM."""
+    from types import SimpleNamespace as NS
+
+    from vllm.distributed.weight_transfer.base import ParamMeta
+
+    from weightsync.plugins.sync.preflight import check_engine
+    from weightsync.sources import PreflightError, SilentTransportError
+
+    meta = [ParamMeta("a", torch.float32, (2,), owners=(0,)), ParamMeta("b", torch.float32, (2,), owners=(1,))]
+    client = NS(nccl_world_size=lambda: 2)  # 1 sender + 1 worker, as VLLMHTTPClient counts
+
+    def engine(trainer_rank, **comm):
+        c = NS(**{"rank": trainer_rank, "world_size": 3, "available": True, "disabled": False, **comm})
+        return NS(is_sender=trainer_rank == 0, rank=trainer_rank, model_update_group=c, source=NS(metadata=meta),
+                  client=client)
+
+    assert "matches" in " ".join(check_engine(engine(0), agree=False).checks)  # 2 senders + 1 worker
+    with pytest.raises(PreflightError, match=r"world_size 4 .* needs 3 \(2 trainer sender\(s\) \[0, 1\] \+ 1 workers\)"):
+        check_engine(engine(0, world_size=4), agree=False)
+    assert check_engine(engine(1, rank=1), agree=False).checks == ["nccl: communicator enabled", "nccl: broadcaster 1 of [0, 1], communicator enabled"]
+    with pytest.raises(PreflightError, match=r"rank 1: this NCCL sender is rank 0 of its transfer group, not 1"):
+        check_engine(engine(1, rank=0), agree=False)
+    with pytest.raises(SilentTransportError, match=r"rank 1: vLLM's NCCL communicator is disabled"):
+        check_engine(engine(1, rank=1, disabled=True), agree=False)
