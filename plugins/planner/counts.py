@@ -262,11 +262,14 @@ def megatron_counts(
     def stage_rank(stage: int, tp_rank: int) -> int:  # the sender replica's rank (dp rank 0)
         return stage * stage_width + tp_rank
 
+    covered: set[str] = set()
+
     def unit(names: Sequence[str], kind: str, stage: int) -> None:
         nonlocal precast
         metas = [by_name[n] for n in names if n in by_name]
         if not metas:
             return
+        covered.update(m.name for m in metas)
         total = sum(output_bytes(m.dtype, m.shape) for m in metas)
         if stage == 0 and (kind == "replicated" or tp == 1):
             if all(math.prod(m.shape) <= PRECAST_MAX_NUMEL for m in metas):
@@ -293,28 +296,36 @@ def megatron_counts(
                 continue
             unit([pre + h for h in entry.hf], entry.kind, stage)
         if moe:
-            moved.append(("moe", _moe_layer(by_name, pre, stage, stage_width, tp, etp, ep, hidden, move)))
+            moved.append(("moe", _moe_layer(by_name, pre, stage, stage_width, tp, etp, ep, hidden, move, covered)))
     unit(["model.norm.weight"], "replicated", pp - 1)
     unit(["lm_head.weight"], "vocab", pp - 1)
-    # rank 0: the unit being yielded (its pieces + its outputs) and the units posted ahead (pieces,
-    # while less than ahead_bytes is posted; never past a MoE layer), or an expert batch and the
-    # tensors assembled from it
+    missing = [m.name for m in metadata if m.name not in covered]
+    if missing:
+        raise ValueError(
+            f"layout='megatron': {len(missing)} checkpoint tensor(s) of this model are not modelled by the "
+            f"planner (e.g. {missing[:3]}); its counts would be wrong, so it refuses"
+        )
+    # rank 0: the unit being yielded (its pieces + its outputs) and the units posted ahead (pieces or
+    # outputs, while less than ahead_bytes is posted; never past a MoE layer), or an expert batch and
+    # the tensors assembled from it
     peak = 0
     for k, (what, nbytes) in enumerate(moved):
         if what == "moe":
             peak = max(peak, 2 * nbytes)
             continue
-        posted = 0
+        posted = largest = 0
         for what2, n2 in moved[k + 1:]:
             if what2 == "moe" or posted >= ahead_bytes:
                 break
-            posted += n2
-        peak = max(peak, 2 * nbytes + posted)
+            posted, largest = posted + n2, max(largest, n2)
+        # + one posted unit being concatenated on the helper thread (CPU): its pieces and outputs at once
+        peak = max(peak, 2 * nbytes + posted + largest)
     r0.peak_extra_bytes = precast + peak
     return counts
 
 
-def _moe_layer(by_name, pre: str, stage: int, width: int, tp: int, etp: int, ep: int, hidden: int, move) -> int:
+def _moe_layer(by_name, pre: str, stage: int, width: int, tp: int, etp: int, ep: int, hidden: int, move,
+               covered: set[str]) -> int:
     """A MoE layer's export to rank 0 (``MegatronMoEExporter``): router and its biases from the
     stage's lowest rank, each routed expert's ``etp`` fc1/fc2 pieces from its lowest holder, shared
     experts from each TP rank of the stage, the shared gate from the lowest rank."""
@@ -323,7 +334,11 @@ def _moe_layer(by_name, pre: str, stage: int, width: int, tp: int, etp: int, ep:
                  pre + "mlp.shared_expert_gate.weight"):
         if name in by_name:
             move(base, output_bytes(by_name[name].dtype, by_name[name].shape))
+            covered.add(name)
     experts = [n for n in by_name if n.startswith(pre + "mlp.experts.")]
+    if any("bias" in n for n in experts):
+        raise ValueError(f"layout='megatron': routed experts with biases ({pre}mlp.experts.*bias*) are not modelled yet")
+    covered.update(experts)
     per_expert = sorted({int(m.group(1)) for n in experts if (m := re.match(re.escape(pre) + r"mlp\.experts\.(\d+)\.", n))})
     if per_expert:
         E = len(per_expert)
@@ -346,6 +361,7 @@ def _moe_layer(by_name, pre: str, stage: int, width: int, tp: int, etp: int, ep:
         if gate is None:
             continue
         S = gate.shape[0]
+        covered.update(pre + shared + f"{w}_proj.weight" for w in ("gate", "up", "down"))
         for r in range(tp):
             move(base + r, 2 * S // tp * hidden * gate.dtype.itemsize)
             move(base + r, hidden * (S // tp) * gate.dtype.itemsize)

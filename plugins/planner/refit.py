@@ -31,8 +31,9 @@ _MEASURED_TENSORS, _MEASURED_BYTES = 310, 3_441_149_952
 
 @dataclass
 class SourcePlan:
-    """One source of the stack (innermost first): what its pass yields on the busiest sender and,
-    per rank, what ``PassStats`` would report."""
+    """One source of the stack (innermost first): the checkpoint tensors and bytes one refit delivers
+    (``tensors``, ``bytes``), what each sending rank sends, and per rank what ``PassStats`` would
+    report."""
 
     source: str
     tensors: int
@@ -224,9 +225,7 @@ def plan(
         per_sender = {r: c.bytes for r, c in per_rank.items()}
     else:
         per_sender = {0: per_rank[0].bytes}
-    busiest = max(per_sender, key=per_sender.get)
-    sources = [SourcePlan(inner, per_rank[busiest].tensors, sum(per_sender.values()) if senders == "owners" else per_rank[busiest].bytes,
-                          per_sender, per_rank)]
+    sources = [_source_plan(inner, per_rank, per_sender, many=senders == "owners")]
     metas = list(base.metadata)
     dense_bytes = sum(output_bytes(m.dtype, m.shape) for m in metas)
     out_metas, quant_in = metas, 0
@@ -243,10 +242,8 @@ def plan(
             outs = [by_name[n] for n in owned[r]] + [by_name[n[: -len(".weight")] + ".weight_scale_inv"] for n in owned[r] if n in scaled]
             fp8_rank[r] = RankCounts(len(outs), sum(output_bytes(m.dtype, m.shape) for m in outs),
                                      c.collectives, c.bytes_received, c.peak_extra_bytes)
-        q_sender = {r: fp8_rank[r].bytes for r in per_sender}
-        sources.append(SourcePlan("FP8Source", fp8_rank[busiest].tensors,
-                                  sum(q_sender.values()) if senders == "owners" else fp8_rank[busiest].bytes,
-                                  q_sender, fp8_rank))
+        sources.append(_source_plan("FP8Source", fp8_rank, {r: fp8_rank[r].bytes for r in per_sender},
+                                    many=senders == "owners"))
     top = sources[-1]
     if backend == "sparse":
         elements = sum(math.prod(m.shape) for m in out_metas)
@@ -298,7 +295,8 @@ def _estimate(sources, per_rank, *, backend, senders, layout, device, fp8, quant
     engine = 0.0
     if gpu:
         engine = c("ipc_packed_per_tensor") if backend == "ipc" else c("nccl_per_tensor")
-    t["host_per_tensor"] = inner.tensors * per_tensor + top.tensors * engine
+    # senders work in parallel: the busiest one's tensors
+    t["host_per_tensor"] = _sender_tensors(inner) * per_tensor + _sender_tensors(top) * engine
     if fp8:
         t["quantize"] = quant_in / len(inner.bytes_per_sender if senders == "owners" else [0]) / c("fp8_quantize_rate" if gpu else "cpu_quantize_rate")
     wire_rate = (wire_gbps or DEFAULT_WIRE_GBPS) * 1e9
@@ -306,7 +304,7 @@ def _estimate(sources, per_rank, *, backend, senders, layout, device, fp8, quant
     sender_bytes = max(top.bytes_per_sender.values()) if top.bytes_per_sender else 0
     if backend == "ipc":
         t["wire"] = sender_bytes / copy
-        t["receiver_apply"] = 0.0 if gpu else top.tensors * c("cpu_apply_per_tensor")
+        t["receiver_apply"] = 0.0 if gpu else _sender_tensors(top) * c("cpu_apply_per_tensor")
         if gpu:
             notes.append("ipc: the receiver's apply is inside ipc_packed_per_tensor (measured engine to engine)")
     elif backend == "sparse":
@@ -315,8 +313,21 @@ def _estimate(sources, per_rank, *, backend, senders, layout, device, fp8, quant
         t["receiver_apply"] = dense_bytes / c("sparse_apply_rate" if gpu else "cpu_copy_rate")
     else:
         t["wire"] = sender_bytes / wire_rate
-        t["receiver_apply"] = top.tensors * c("apply_per_tensor" if gpu else "cpu_apply_per_tensor") + sender_bytes / copy
+        t["receiver_apply"] = _sender_tensors(top) * c("apply_per_tensor" if gpu else "cpu_apply_per_tensor") + sender_bytes / copy
     return t, list(used.values())
+
+
+def _sender_tensors(src: SourcePlan) -> int:
+    return max((src.per_rank[r].tensors for r in src.bytes_per_sender if r in src.per_rank), default=src.tensors)
+
+
+def _source_plan(name: str, per_rank: dict[int, RankCounts], per_sender: dict[int, int], *, many: bool) -> SourcePlan:
+    """The refit's totals: with many senders, the sum of what each sends (each tensor once); with one
+    sender (or IPC, where every rank hands its own engine the whole checkpoint) what one sends."""
+    if many:
+        return SourcePlan(name, sum(per_rank[r].tensors for r in per_sender), sum(per_sender.values()), per_sender, per_rank)
+    first = next(iter(per_sender))
+    return SourcePlan(name, per_rank[first].tensors, per_rank[first].bytes, per_sender, per_rank)
 
 
 def _owned_names(base, meta, metas, per_rank, *, layout, replicas, senders) -> dict[int, list[str]]:
