@@ -9,6 +9,8 @@
   folder, bytes included), print what would be sent.
 * ``weightsync export`` -- the same model and source on CPU ranks, written as a Hugging Face
   safetensors checkpoint folder by ``weightsync.plugins.checkpoint.save_safetensors`` (``--out``).
+* ``weightsync plan``  -- what a refit would move and cost, predicted in this process from the model
+  on the meta device (``weightsync.plugins.cli.plan``); dispatched before validation and launching.
 
 Asked for N > 1 ranks and not already under ``torchrun``, a command re-runs itself under
 ``python -m torch.distributed.run --standalone --nproc-per-node N``. The ranks report their
@@ -43,7 +45,7 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 #: ``weightsync --help``'s description: plain text (the module docstring is RST).
 DESCRIPTION = (
     "weightsync: turn a sharded trainer model (FSDP2, Megatron-core) into Hugging Face checkpoint "
-    "tensors for vLLM's weight transfer. Commands: demo, check, export."
+    "tensors for vLLM's weight transfer. Commands: demo, check, export, plan."
 )
 _RESULT_ENV = "WEIGHTSYNC_RESULT_FILE"
 _ARGV_ENV = "WEIGHTSYNC_ARGV"
