@@ -196,3 +196,18 @@ def test_preflight_checks_every_sender_and_counts_them():
         check_engine(engine(1, rank=0), agree=False)
     with pytest.raises(SilentTransportError, match=r"rank 1: vLLM's NCCL communicator is disabled"):
         check_engine(engine(1, rank=1, disabled=True), agree=False)
+
+
+def test_many_senders_need_the_nccl_backend():
+    """A many-sender source with another engine (IPC, loopback) is refused when ``WeightSync`` is built."""
+    from many_senders_worlds import NoClient
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+    from weightsync.plugins.sync.driver import WeightSync
+
+    from vllm.distributed.weight_transfer import ModuleSource
+
+    src = ModuleSource(torch.nn.Linear(2, 2))
+    src.senders = "owners"  # what a many-sender source declares (a real one needs vLLM 0.34)
+    with pytest.raises(ValueError, match=r"rank 0: the source has senders='owners'.*backend 'ipc'"):
+        WeightSync(src, IPCTrainerInitInfo(rank=0), NoClient(), pause=None, check=False)

@@ -340,6 +340,12 @@ class WeightSync:
             self.source = checked(source, rank=init_info.rank, timeout_s=timeout_s) if check else source
         #: the source sends from many ranks (``senders="owners"``: vLLM 0.34's NCCL engine)
         self.many_senders = getattr(source, "senders", "rank0") == "owners"
+        if self.many_senders and init_info.backend != "nccl":
+            raise ValueError(
+                f"WeightSync: rank {init_info.rank}: the source has senders='owners', which only vLLM's dense "
+                f"NCCL engine (backend 'nccl', vLLM 0.34+) can send; init_info is backend {init_info.backend!r} "
+                f"({type(init_info).__name__}): build the source with senders='rank0' for it"
+            )
         self._tracked = _TrackedSource(self.source)
         self.timeout_s = timeout_s
         self.init_info = init_info
