@@ -49,6 +49,9 @@ Invariants (each is tested multi-rank in ``tests/test_fsdp.py``):
   ``full_tensor()`` fallback and device backends rely on the process group's own timeout.
 * **Checks**: each pass checks its stream against ``metadata`` on every rank (``check=True``), and
   the first pass verifies cross-rank metadata agreement before any gather (``agree=True``).
+* **Many senders** (``senders="owners"``, vLLM 0.34's NCCL engine; HSDP only, ``plan.hsdp_replicas``):
+  each replica's shard group gathers and its first rank sends one contiguous, byte-balanced run of
+  the stream; no gather crosses replicas; plain FSDP is refused (``core/senders.py`` says why).
 * **PEFT LoRA** (``lora.LoraPlan``): a PEFT model exports its base checkpoint, merged. The tensors
   gathered are *items*: every checkpoint entry, each LoRA-merged base weight followed by its
   adapters' ``lora_A``/``lora_B`` (same FSDP unit, hence the same batched gather, in the usual

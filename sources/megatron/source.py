@@ -14,6 +14,12 @@ Invariants:
   (all of its stage at tp=1, replicated norms at any tp) skip all of that: a loop planned at
   construction (``sources/megatron/whole_units.py``) exports them, because such an export is bound by
   host work per tensor, not by bytes.
+* ``senders="owners"`` (vLLM 0.34's NCCL engine, ``core/senders.py``): each unit is gathered by the
+  TP group of one model-parallel replica and sent by that replica's first rank of the unit's stage
+  (owners ``(that rank,)``); each stage's units are split in contiguous, byte-balanced runs over the
+  data-parallel replicas; MoE experts follow ``moe.MegatronMoEExporter.plan_owners``. Rank 0 yields
+  only its own share and receives nothing from another stage. Construction is collective then (the
+  agreement and the MoE placement exchange run there: vLLM pulls each sender's pass on its turn only).
 * ``mode="local"`` (vLLM's ``nccl_m2n`` engine): each TP rank of the sender's replica yields its own
   piece of each HF tensor, no communication. After the local split a TP shard is a plain
   ``torch.chunk`` piece (``Shard(0)`` for q/k/v/gate/up/embedding, ``Shard(1)`` for o/down), owners
