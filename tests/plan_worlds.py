@@ -43,6 +43,7 @@ def _fsdp(config: Any, mesh: Any) -> torch.nn.Module:
 
 
 def world_plan(rank: int, world_size: int, *, dense_dir: str, moe_dir: str) -> dict:
+    from many_senders_worlds import skip_reason
     from torch.distributed.device_mesh import init_device_mesh
 
     from weightsync.plugins.megatron_build import MegatronParallel, build_megatron_gpt
@@ -72,10 +73,12 @@ def world_plan(rank: int, world_size: int, *, dense_dir: str, moe_dir: str) -> d
     _drain(fp8)
     n, b = _drain(fp8)
     out["hsdp_fp8"] = {**_stats(src), "tensors": n, "bytes": b}
-    owners = FSDPSource(model, dtype=torch.bfloat16, senders="owners")
-    _drain(owners)
-    _drain(owners)
-    out["hsdp_owners"] = _stats(owners)
+    if skip_reason() is None:  # many senders: vLLM 0.34+
+        owners = FSDPSource(model, dtype=torch.bfloat16, senders="owners")
+        _drain(owners)
+        _drain(owners)
+        out["hsdp_owners"] = _stats(owners)
+        del owners
     # DeltaSource over it (one wire dtype, bf16): an anchor, then every 7th element of every shard moved by 1.0
     delta = DeltaSource(src)
     list(delta.iter_patches())
@@ -87,7 +90,7 @@ def world_plan(rank: int, world_size: int, *, dense_dir: str, moe_dir: str) -> d
     r = delta.last_round
     out["delta"] = {"anchor": r.anchor, "changed": r.changed, "elements": r.elements, "tensors": r.tensors,
                     "wire_bytes": r.wire_bytes}
-    del src, fp8, owners, model, delta
+    del src, fp8, model, delta
     dist.barrier()
 
     # Megatron: dense TP2 x PP2 and PP2 x VPP2 (two data-parallel replicas); MoE TP2 x EP2 (ETP 2), PP2 x EP2

@@ -21,7 +21,7 @@ rules the sources document:
 
 The FSDP unit policy is the one the CLI and most trainers use: each decoder layer (a module path
 ending in ``layers.N``) is a unit, the root holds the rest. ``peak_extra_bytes`` is an estimate, not a
-count: for FSDP an upper bound (the group being yielded, the group ahead and one send block more);
+count: for FSDP the groups in flight (``fsdp_counts`` says which, per device);
 for Megatron rank 0 the small tensors cast in one buffer plus the unit being yielded (pieces and
 outputs) and the one posted ahead, or an expert batch and its assembled tensors; a peer one piece.
 """
@@ -161,9 +161,12 @@ def fsdp_counts(
     replicas: int = 1,
     senders: str = "rank0",
     group_bytes: int | None = 64 << 20,
+    device: str = "gpu",
 ) -> dict[int, RankCounts]:
     """Per global rank: an FSDP2 (``replicas == 1``) or HSDP (mesh ``replicas x shard``, rank
-    ``r * shard + s``) pass of ``FSDPSource``."""
+    ``r * shard + s``) pass of ``FSDPSource`` (overlap on, its default). ``device`` picks the memory
+    estimate: ``"cpu"`` gathers recycle host buffers through pools that keep idle buffers and a helper
+    thread packs and unpacks ahead (a loose bound), ``"gpu"`` holds one group ahead."""
     if senders not in ("rank0", "owners"):
         raise ValueError(f"senders= must be 'rank0' or 'owners', got {senders!r}")
     if senders == "owners" and replicas < 2:
@@ -178,19 +181,22 @@ def fsdp_counts(
                 c.tensors += len(it.outputs)
                 c.bytes += sum(output_bytes(d, s) for _, d, s in it.outputs)
         groups = _groups(items, owned, group_bytes)
-        held = []
+        held, largest = [], 0
         for g in groups:
             block = _block_bytes(g, shard)
             if shard > 1:
                 c.collectives += 1
                 c.bytes_received += (shard - 1) * block
-            full = max(sum(output_bytes(d, s) for _, d, s in it.outputs) for it in g)
-            held.append(((shard + 1) * block if shard > 1 else 0, block if shard > 1 else 0, full))
-        for k in range(len(held)):
-            now = held[k][0] + held[k][2]
-            ahead = held[k + 1][0] if k + 1 < len(held) else 0
-            after = held[k + 2][1] if k + 2 < len(held) else 0
-            c.peak_extra_bytes = max(c.peak_extra_bytes, now + ahead + after)
+            largest = max([largest] + [sum(output_bytes(d, s) for _, d, s in it.outputs) for it in g])
+            held.append((shard + 1) * block if shard > 1 else 0)
+        if device == "cpu" and shard > 1:
+            # host buffer pools (fsdp/buffers.py): per pool up to 3 buffers in use (the group yielded,
+            # the one ahead, the send block packed after it) and 2 idle, each holding up to the
+            # largest group's size; + the tensor yielded and the one unpacked ahead
+            c.peak_extra_bytes = 5 * max(held, default=0) + 2 * largest
+        else:  # the group yielded and the one posted ahead, + the tensor yielded
+            c.peak_extra_bytes = max((held[k] + (held[k + 1] if k + 1 < len(held) else 0)
+                                      for k in range(len(held))), default=0) + largest
         for s in range(shard):
             out[r * shard + s] = RankCounts(**c.as_dict())
     return out

@@ -200,7 +200,7 @@ def plan(
             raise ValueError(f"world={world} is not a multiple of replicas={replicas} (HSDP: replicas x shard ranks)")
         shard = world // replicas
         per_rank = fsdp_counts(fsdp_items(base, meta), shard=shard, replicas=replicas, senders=senders,
-                               group_bytes=group_bytes)
+                               group_bytes=group_bytes, device=device)
         inner = "FSDPSource" if replicas == 1 else "FSDPSource (HSDP)"
         lay = {"kind": "fsdp", "world": world, "replicas": replicas, "shard": shard,
                "units": "each decoder layer + the root"}
