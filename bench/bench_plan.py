@@ -12,8 +12,12 @@ bytes received per second -- by least squares over the cases (the per-collective
 assumed constant), prints them, and the estimate each case would get with them: the figures
 ``plugins/planner/constants.py`` cites for ``cpu_source_per_tensor`` and ``cpu_gather_rate``.
 
+``--layout megatron`` runs ``MegatronSource(mode="full")`` at TP2 instead (rank 0 receives its
+peer's shards point to point): the FSDP-fitted constants applied to a layout they were not fitted on.
+
     python bench/bench_plan.py
     python bench/bench_plan.py --fit --reps 7
+    python bench/bench_plan.py --layout megatron
 """
 
 from __future__ import annotations
@@ -45,20 +49,30 @@ def _config(hidden: int, layers: int, vocab: int):
                        tie_word_embeddings=False, max_position_embeddings=128)
 
 
-def _rank(rank: int, world_size: int, *, cfg_dir: str, reps: int) -> dict:
+def _rank(rank: int, world_size: int, *, cfg_dir: str, reps: int, layout: str) -> dict:
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from weightsync.plugins.presets import build_model, load_config
-    from weightsync.sources import FSDPSource
 
-    model = build_model(load_config(None, cfg_dir), seed=0)
-    mesh = init_device_mesh("cpu", (world_size,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    src = FSDPSource(model, dtype=torch.bfloat16)
+    config = load_config(None, cfg_dir)
+    if layout == "megatron":  # MegatronSource(mode="full") at TP = world size
+        from weightsync.plugins.megatron_build import MegatronParallel, build_megatron_gpt
+        from weightsync.sources import MegatronSource
+
+        chunks = build_megatron_gpt(config, MegatronParallel(tp=world_size), seed=0)
+        src = MegatronSource(chunks[0], hf_config=config, dtype=torch.bfloat16, mode="full")
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from weightsync.sources import FSDPSource
+
+        model = build_model(config, seed=0)
+        mesh = init_device_mesh("cpu", (world_size,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        src = FSDPSource(model, dtype=torch.bfloat16)
     for _ in src.iter_full():
         pass
     times = []
@@ -74,6 +88,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--fit", action="store_true", help="fit cpu_source_per_tensor and cpu_gather_rate")
+    ap.add_argument("--layout", choices=("fsdp", "megatron"), default="fsdp",
+                    help="megatron: MegatronSource at TP2 instead (the constants fitted on FSDP, not refitted)")
     args = ap.parse_args()
     from weightsync.plugins.planner import plan
     from weightsync.plugins.planner.constants import constant
@@ -83,8 +99,8 @@ def main() -> None:
         for label, hidden, layers, vocab in CASES:
             d = os.path.join(tmp, label.replace(" ", "-"))
             _config(hidden, layers, vocab).save_pretrained(d)
-            real = run_world(_rank, 2, timeout=600, cfg_dir=d, reps=args.reps)[0]
-            p = plan(d, world=2, device="cpu")
+            real = run_world(_rank, 2, timeout=600, cfg_dir=d, reps=args.reps, layout=args.layout)[0]
+            p = plan(d, world=2, device="cpu") if args.layout == "fsdp" else plan(d, layout="megatron", tp=2, device="cpu")
             est = p.time_s["trainer_gathers"] + p.time_s["host_per_tensor"]
             c, s = p.sources[0].per_rank[0], real["stats"]
             same = (c.tensors, c.collectives, c.bytes_received) == (s["tensors"], s["collectives"], s["bytes_received"])

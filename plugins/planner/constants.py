@@ -6,6 +6,11 @@ is an assumption nobody here measured; ``plan`` prints the assumptions it used n
 so a reader always knows which parts of a time are evidence and which are guesses. Counts (tensors,
 bytes, collectives) never come from here: they come from the sources' own metadata and plans.
 
+CPU: ``bench/bench_plan.py --fit`` fitted the two CPU source constants on FSDP2 passes (estimate
+0.85-1.03x measured there); the same constants on ``MegatronSource`` TP2 passes estimated 1.6-2.6x
+the measured time (``--layout megatron``; a refit there gave 0.84-1.38x on a noisy host, not
+adopted), so ``plan`` notes that a Megatron CPU estimate is outside what was fitted.
+
 Figures are from ``bench/results/`` (``gpu-*.md``: absolute times of one H200 host; ``history.jsonl``:
 ratios) and ``docs/evidence.md``. The H200 runs used vLLM 0.33's engines.
 """

@@ -259,6 +259,10 @@ def plan(
     time_s, used = _estimate(sources, per_rank, backend=backend, senders=senders, layout=layout, device=device, fp8=fp8,
                              quant_in=quant_in, dense_bytes=dense_bytes, world=world,
                              wire_gbps=wire_gbps, gather_gbps=gather_gbps, notes=notes)
+    if device == "cpu" and layout == "megatron":
+        notes.append("outside what was fitted: the CPU constants come from FSDP2 passes (bench/bench_plan.py --fit); "
+                     "on MegatronSource TP2 passes (point-to-point pieces) they estimated 1.6-2.6x the measured "
+                     "time (bench/bench_plan.py --layout megatron, 2026-12-06)")
     if wire_gbps is None and backend != "ipc":
         notes.append(f"wire: {DEFAULT_WIRE_GBPS} GB/s per sender assumed (one 200 Gb/s NIC); pass wire_gbps / --wire-gbps")
     if device == "gpu" and (top.tensors > 10 * _MEASURED_TENSORS or top.bytes > 10 * _MEASURED_BYTES):
