@@ -125,7 +125,7 @@ class FSDPSource(WeightSource):
             from their in-memory form (applied after the gather).
         expert_layout: wire layout of transformers-5 fused MoE experts
             (``experts.gate_up_proj`` / ``down_proj``): ``"per_expert"`` (what ``save_pretrained``
-            writes) or ``"fused"`` (vLLM 0.33's fused names). None: the target checkpoint's
+            writes) or ``"fused"`` (the fused names vLLM 0.33 and 0.34 load). None: the target checkpoint's
             layout (``experts.default_expert_layout``: per expert, except GPT-OSS's fused experts),
             applied only when the module has fused experts that ``transforms`` does not already
             handle; models without experts are unaffected. Fused experts transformers cannot map

@@ -174,7 +174,7 @@ class MegatronSource(WeightSource):
             (``iter_local``, vLLM ``nccl_m2n``: owners are each stage's TP ranks; dense models only).
         expert_layout: MoE routed experts on the wire: ``"per_expert"``
             (``...experts.{e}.gate_proj.weight``) or ``"fused"`` (``experts.gate_up_proj``
-            ``[E, 2I, H]`` / ``experts.down_proj`` ``[E, H, I]``), both accepted by vLLM 0.33;
+            ``[E, 2I, H]`` / ``experts.down_proj`` ``[E, H, I]``), both accepted by vLLM 0.33 and 0.34;
             None (default): the checkpoint's (per expert; fused for GPT-OSS, ``core/experts.py``).
         expert_batch_bytes: bound on the expert bytes rank 0 receives at once (MoE only).
         check: check each pass's stream against ``metadata`` on this rank.
