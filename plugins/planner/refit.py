@@ -184,6 +184,14 @@ def plan(
     if dtype is not None and not isinstance(wd, torch.dtype):
         raise ValueError(f"dtype= must name a torch dtype such as 'bfloat16', got {dtype!r}")
 
+    if layout == "fsdp":
+        world = 1 if world is None else _pos("world", world)
+        if world % replicas:
+            raise ValueError(f"world={world} is not a multiple of replicas={replicas} (HSDP: replicas x shard ranks)")
+    else:
+        world = tp * pp * ep if world is None else _pos("world", world)
+        if world % (tp * pp * ep):
+            raise ValueError(f"world={world} is not a multiple of tp*pp*ep={tp * pp * ep}")
     label, config = _config(model)
     from weightsync.sources import FSDPSource
 
@@ -195,9 +203,6 @@ def plan(
     notes: list[str] = []
 
     if layout == "fsdp":
-        world = 1 if world is None else _pos("world", world)
-        if world % replicas:
-            raise ValueError(f"world={world} is not a multiple of replicas={replicas} (HSDP: replicas x shard ranks)")
         shard = world // replicas
         per_rank = fsdp_counts(fsdp_items(base, meta), shard=shard, replicas=replicas, senders=senders,
                                group_bytes=group_bytes, device=device)
@@ -207,7 +212,6 @@ def plan(
     else:
         from weightsync.sources import family_for
 
-        world = tp * pp * ep if world is None else _pos("world", world)
         family = family_for(config)
         if family.hybrid is not None or family.attention != "dense":
             raise ValueError(f"layout='megatron': plan models fused-QKV families; {family.name} is not modelled yet")
