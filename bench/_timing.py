@@ -31,6 +31,22 @@ def timed(fn: Callable[[], object], *, device: str, reps: int, warmup: int) -> l
     return times
 
 
+def interleaved(fns: dict[str, Callable[[], object]], *, device: str, reps: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds of each of ``fns`` per repetition, called in a rotating order (rep ``k`` starts with the
+    ``k``-th): a slow drift of the machine lands on every function alike. ``warmup`` reps dropped."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for rep in range(warmup + reps):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            sync(device)
+            t0 = time.perf_counter()
+            fns[name]()
+            sync(device)
+            if rep >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def copy_floor(nbytes: int, *, device: str, reps: int, warmup: int = 2) -> list[float]:
     """Seconds of a device-to-device copy of ``nbytes`` (one flat buffer), per repetition."""
     import torch

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from _gpu_bench import device_and_reps, guard as bench_guard, parser  # noqa: E402
 from _history import ratio_noise  # noqa: E402
-from _timing import copy_floor, sync  # noqa: E402
+from _timing import copy_floor, interleaved, sync  # noqa: E402
 from facts import Facts, log  # noqa: E402
 
 GOAL_VS_MODULE = 1.0
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from hf_side import bench_config, build_hf, tiny_config
-    from receiver import start_receiver, trainer_engine
+    from receiver import start_receiver, sums_differ, trainer_engine
 
     setup = device_and_reps(args, facts)
     if setup is None:
@@ -102,24 +102,12 @@ def main(argv: list[str] | None = None) -> int:
                                      buffer_bytes=1 << 30)
                 for name, src in sources.items()
             }
-            times: dict[str, list[float]] = {name: [] for name in engines}
-            names = list(engines)
-            for rep in range(warmup + reps):
-                order = names[rep % len(names):] + names[: rep % len(names)]
-                for name in order:
-                    sync(device)
-                    t0 = time.perf_counter()
-                    engines[name].send_weights()
-                    sync(device)
-                    if rep >= warmup:
-                        times[name].append(time.perf_counter() - t0)
+            times = interleaved({name: eng.send_weights for name, eng in engines.items()},
+                                device=device, reps=reps, warmup=warmup)
             for name, eng in engines.items():
-                client.call("reset")
-                eng.send_weights()
-                got = client.call("checksums")
-                bad = [n for n, v in ref_sums.items() if got.get(n) != v]
+                bad = sums_differ(client, eng, ref_sums)
                 facts.check(f"{name} {mode_tag}: receiver holds the trainer's weights (fp64 sums)",
-                            not bad, f"{len(bad)} differ: {bad[:3]}" if bad else f"{len(got)} params")
+                            not bad, f"{len(bad)} differ: {bad[:3]}" if bad else f"{len(ref_sums)} params")
                 eng.shutdown()
             for name, ts in times.items():
                 best, med = min(ts), statistics.median(ts)

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from _gpu_bench import device_and_reps, guard as bench_guard, parser  # noqa: E402
 from _history import ratio_noise  # noqa: E402
-from _timing import copy_floor, sync  # noqa: E402
+from _timing import copy_floor, interleaved, sync  # noqa: E402
 from facts import Facts, log  # noqa: E402
 
 GOAL_VS_MODULE = 1.0
@@ -229,7 +229,7 @@ def _ipc(args, facts, device: str, sources: dict, cfg, plain, nbytes: int, reps:
     into a reset receiver whose per-parameter fp64 sums must equal the trainer's."""
     import torch
 
-    from receiver import start_receiver, trainer_engine
+    from receiver import start_receiver, sums_differ, trainer_engine
 
     mode = "loopback" if args.dry_run else "ipc"
     ref = {n: float(p.double().sum().item()) for n, p in plain.named_parameters()}
@@ -240,21 +240,10 @@ def _ipc(args, facts, device: str, sources: dict, cfg, plain, nbytes: int, reps:
             tag = "packed" if packed else "unpacked"
             engines = {name: trainer_engine(mode, client=client, source=src, packed=packed, buffer_bytes=1 << 30)
                        for name, src in sources.items()}
-            times: dict[str, list[float]] = {name: [] for name in engines}
-            names = list(engines)
-            for rep in range(warmup + reps):
-                for name in names[rep % len(names):] + names[: rep % len(names)]:
-                    sync(device)
-                    t0 = time.perf_counter()
-                    engines[name].send_weights()
-                    sync(device)
-                    if rep >= warmup:
-                        times[name].append(time.perf_counter() - t0)
+            times = interleaved({name: eng.send_weights for name, eng in engines.items()},
+                                device=device, reps=reps, warmup=warmup)
             for name, eng in engines.items():
-                client.call("reset")
-                eng.send_weights()
-                got = client.call("checksums")
-                bad = [n for n, v in ref.items() if got.get(n) != v]
+                bad = sums_differ(client, eng, ref)
                 facts.check(f"ipc {tag} {name}: the receiver's per-parameter sums equal the trainer's", not bad,
                             bad[:5])
             mod = times["ModuleSource(plain)"]

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["start_receiver", "PipeClient", "LoopbackTrainerEngine", "trainer_engine"]
+__all__ = ["start_receiver", "PipeClient", "LoopbackTrainerEngine", "trainer_engine", "sums_differ"]
 
 
 def _stub_mtp_validation() -> None:
@@ -262,6 +262,15 @@ class LoopbackTrainerEngine:
 
     def shutdown(self) -> None:
         pass
+
+
+def sums_differ(client: PipeClient, engine: Any, ref: dict[str, float]) -> list[str]:
+    """One sync through ``engine`` into a reset receiver; the parameters whose fp64 sum there differs
+    from ``ref`` (the trainer's)."""
+    client.call("reset")
+    engine.send_weights()
+    got = client.call("checksums")
+    return [n for n, v in ref.items() if got.get(n) != v]
 
 
 def trainer_engine(mode: str, *, client: Any, source: Any, packed: bool, buffer_bytes: int) -> Any:
