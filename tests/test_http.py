@@ -155,6 +155,9 @@ def test_nccl_init_gets_per_server_rank_offsets(routers):
     _reset(a, b)
     c = VLLMHTTPClient([a.url, b.url])
     assert c.nccl_world_size() == 1 + 2 + 3
+    assert c.nccl_world_size(senders=4) == 4 + 2 + 3  # vLLM 0.34's many senders: broadcasters + workers
+    with pytest.raises(ValueError, match="senders=0"):
+        c.nccl_world_size(senders=0)
     good = build_worker_init_payload(NCCLTrainerInitInfo("10.0.0.1", 29500, 6, rank=0))
     assert good["rank_offset"] == 1
     c.init_weight_transfer_engine(good)

@@ -455,9 +455,12 @@ class VLLMHTTPClient(HTTPVLLMWeightSyncClient):
         """``POST /update_weight_version`` with body ``{"new_version": ...}`` on every server."""
         self._fanout("POST", "update_weight_version", json={"new_version": str(new_version)})
 
-    def nccl_world_size(self) -> int:
-        """The NCCL group size for a single trainer sender: 1 + every server's workers (with DP)."""
-        return 1 + sum(self.get_world_size(include_dp=True).values())
+    def nccl_world_size(self, senders: int = 1) -> int:
+        """The NCCL group size: the trainer's ``senders`` (1, or with vLLM 0.34's many senders
+        ``len(weightsync.sources.broadcast_ranks(source.metadata))``) + every server's workers (with DP)."""
+        if isinstance(senders, bool) or not isinstance(senders, int) or senders < 1:
+            raise ValueError(f"nccl_world_size(senders={senders!r}): a positive int (trainer ranks that broadcast)")
+        return senders + sum(self.get_world_size(include_dp=True).values())
 
     # ---- safety -------------------------------------------------------------------------------
 
