@@ -83,6 +83,9 @@ NOT_RUN: dict[str, str] = {
     "weightsync check --model tiny-gpt-oss --layout megatron --tp 2 --ep 2":
         "4 ranks under torchrun (~32 s); tests/test_gpt_oss.py::test_check_cli_megatron_tp2_ep2 runs the same "
         "check (with --show 1000) on 4 forked ranks and asserts its report",
+    "weightsync check --quantize fp8 --checkpoint ./ckpt-fp8 --layout megatron --tp 2":
+        "2 ranks (~8 s of the suite); tests/test_fp8.py::test_cli_export_and_check_fp8 exports an FP8 "
+        "checkpoint and runs the same check from a Megatron TP2 model",
     "weightsync check --model tiny-llama --layout megatron --pp 2 --vpp 2 --layers 4":
         "2 ranks (~40 s); PP x VPP export is tests/test_megatron.py's pp2xvpp2 reshard test",
     "VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-1.7B --weight-transfer-config {\"backend\": \"nccl\"}":
