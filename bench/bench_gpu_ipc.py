@@ -26,7 +26,6 @@ does every non-dry run under ``.ci/gpu`` (``OUT`` set: the lines also land in ``
 
 from __future__ import annotations
 
-import copy
 import os
 import statistics
 import sys
@@ -49,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     facts = Facts("bench_ipc", dry_run=args.dry_run)
     import torch
 
-    from hf_side import bench_config, build_hf, tiny_config
+    from hf_side import bench_config, build_hf, fsdp2_copy, tiny_config
     from receiver import start_receiver, sums_differ, trainer_engine
 
     setup = device_and_reps(args, facts)
@@ -62,8 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         import datetime
 
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
         from vllm.distributed.weight_transfer import ModuleSource
 
         from weightsync.sources import FSDPSource
@@ -75,11 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         client.call("build", (cfg, torch.bfloat16, 7, False))
         t0 = time.perf_counter()
         plain = build_hf(cfg, device=device, dtype=torch.bfloat16, seed=3)
-        sharded = copy.deepcopy(plain)
-        mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (1,))
-        for layer in sharded.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
+        sharded = fsdp2_copy(plain, device)
         nbytes = sum(p.numel() * p.element_size() for p in plain.parameters())
         nparams = len(list(plain.parameters()))
         log(f"[bench_ipc] models built in {time.perf_counter() - t0:.1f}s: {nparams} params, "

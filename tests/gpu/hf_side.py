@@ -199,6 +199,22 @@ def build_hf(config: Any, *, device: str | torch.device, dtype: torch.dtype, see
     return model.eval()
 
 
+def fsdp2_copy(model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
+    """A deep copy of ``model`` under FSDP2 on a 1-rank mesh of ``device``'s type: ``fully_shard`` per
+    decoder layer and at the root (the layout every GPU bench times against the plain model)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = copy.deepcopy(model)
+    mesh = init_device_mesh("cuda" if str(device).startswith("cuda") else "cpu", (1,))
+    for layer in sharded.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    return sharded
+
+
 def saved_digests(model: torch.nn.Module) -> dict[str, str]:
     """``{name: digest}`` of what transformers' ``save_pretrained`` writes for ``model`` (its own
     dtypes; per-expert names for fused in-memory experts), read back from the files."""

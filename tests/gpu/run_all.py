@@ -52,6 +52,12 @@ PARTS = [
     # vLLM's sparse_nccl engines GPU 0 -> GPU 1 (a skip with fewer than 2 GPUs: nvidia-h200-x2)
     ("delta", "tests/gpu/part_delta.py", [], 240),
     ("bench_delta", "bench/bench_delta.py", ["--device", "cuda", "--preset", "qwen3-1.7b", "--steps", "9"], 300),
+    # real sizes (issue 41): Qwen3-30B-A3B at full width (12 of 48 layers) and Qwen3-8B, every source's
+    # pass and IPC refit against ModuleSource and the copy floor, and delta rounds at 2% changed
+    ("bench_sizes_moe", "bench/bench_gpu_sizes.py", ["--shape", "qwen3-30b-a3b", "--layers", "12", "--ipc",
+                                                     "--delta", "0.02", "--reps", "3", "--warmup", "1"], 300),
+    ("bench_sizes_8b", "bench/bench_gpu_sizes.py", ["--shape", "qwen3-8b", "--ipc", "--delta", "0.02",
+                                                    "--reps", "3", "--warmup", "1"], 300),
     ("sparse_nccl", "tests/gpu/part_sparse_nccl.py", [], 180),
     ("sparse_nccl_oldnccl", "tests/gpu/part_sparse_nccl.py", ["--old-nccl-shim"], 180),
     # many senders (issue 40): vLLM 0.34's NCCL engines, each stage / replica / EP rank sending its own
