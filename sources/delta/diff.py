@@ -117,6 +117,13 @@ class Snapshots:
         return (sum(t.numel() * t.element_size() for t in self._store.values())
                 + sum(t.numel() * t.element_size() for _, t in self._groups.values()))
 
+    def placement(self) -> tuple[frozenset[str], bool]:
+        """Where the snapshot lives: the device types of its tensors, and whether every host tensor
+        among them is pinned (True when none is on the host)."""
+        held = list(self._store.values()) + [t for _, t in self._groups.values()]
+        return (frozenset(t.device.type for t in held),
+                all(t.is_pinned() for t in held if t.device.type == "cpu"))
+
     @property
     def scratch_bytes(self) -> int:
         return sum(t.numel() for t in self._scratch.values())

@@ -237,6 +237,11 @@ class DeltaSource:
 
     # ---- rounds -----------------------------------------------------------------------------------
 
+    @property
+    def snapshot_placement(self) -> tuple[frozenset[str], bool]:
+        """``(device types holding the snapshot, every host part pinned)``: where ``snapshot=`` put it."""
+        return self._snap.placement()
+
     def iter_patches(self) -> Iterator[Any]:
         """One round as vLLM's ``SparseWeightPatch`` es (int32 indices always explicit). Every rank,
         collectively; yields on rank 0 only."""

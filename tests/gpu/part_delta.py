@@ -223,11 +223,10 @@ def run(kind: str, snapshot: str, device: str, facts: Facts) -> None:
             delta.reset()
         before = _round(label, r, what, delta, src, recv, before, facts)
         if r == 1:
-            store = list(delta._snap._store.values())
-            where = {t.device.type for t in store}
+            where, host_pinned = delta.snapshot_placement
             want = "cpu" if snapshot == "cpu" else torch.device(device).type
             wire = sum(math.prod(m.shape) * m.dtype.itemsize for m in delta.metadata)
-            pinned = all(t.is_pinned() for t in store) if (want == "cpu" and device.startswith("cuda")) else True
+            pinned = host_pinned if (want == "cpu" and device.startswith("cuda")) else True
             facts.check(f"{label}: snapshot on {want}{' (pinned)' if want == 'cpu' and device != 'cpu' else ''}, "
                         "one wire-dtype copy of the model", where == {want} and delta.snapshot_bytes == wire
                         and pinned, f"{sorted(where)} {delta.snapshot_bytes}/{wire} bytes pinned={pinned}")
