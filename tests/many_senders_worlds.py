@@ -23,12 +23,12 @@ What is vLLM's own and what stands in:
 
 from __future__ import annotations
 
-import datetime
 import socket
 import types
 from typing import Any
 
 import torch
+from gloo_comm import GlooCommunicator
 
 __all__ = ["world_2", "world_4", "check_megatron", "check_hsdp", "bitwise_mismatches", "skip_reason", "GlooNCCL", "install_standins", "Received", "InProcessWorker", "NoClient",
            "share_port", "weight_sync", "sent_by_me", "stage_of_layer"]
@@ -45,38 +45,9 @@ def skip_reason() -> str | None:
     return f"vLLM {vllm_version()} has a single NCCL sender (many senders need vLLM 0.34+)"
 
 
-class GlooNCCL:
-    """CPU stand-in for ``PyNcclCommunicator`` in a transfer world of ``world_size`` members:
-    ``broadcast(tensor, src, stream)`` moves ``tensor``'s bytes from group rank ``src`` over gloo.
-    ``log`` records ``(src, nbytes)`` of every broadcast this member took part in."""
-
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 60.0) -> None:
-        import torch.distributed as dist
-
-        self.rank, self.world_size = rank, world_size
-        self.device = torch.device("cpu")
-        self.available, self.disabled = True, False
-        self.nccl = None
-        self.log: list[tuple[int, int]] = []
-        store = dist.TCPStore(host, port, world_size, is_master=rank == 0,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-        self._group = dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=timeout_s))
-
-    def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
-        if self.disabled or tensor.numel() == 0:
-            return
-        import torch.distributed as dist
-
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-        self._group.broadcast([buf.view(-1).view(torch.uint8)], opts).wait()
-        if buf is not tensor:
-            tensor.copy_(buf)
-        self.log.append((src, tensor.numel() * tensor.element_size()))
-
-    def destroy(self) -> None:
-        self._group = None
+#: vLLM's ``PyNcclCommunicator`` on CPU (``tests/gloo_comm.py``, shared with the GPU harness's dry
+#: runs); its ``log`` records ``(src, nbytes)`` of every broadcast this member took part in.
+GlooNCCL = GlooCommunicator
 
 
 def install_standins(timeout_s: float = 60.0) -> None:

@@ -19,12 +19,18 @@ Invariants:
 
 from __future__ import annotations
 
-import datetime
+import os
 import socket
+import sys
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _TESTS not in sys.path:  # tests/gloo_comm.py: the communicator stand-in the CPU worlds use too
+    sys.path.insert(0, _TESTS)
+from gloo_comm import GlooCommunicator  # noqa: E402
 
 __all__ = ["CheckpointTensors", "bits", "bitwise_equal", "changed_indices", "GlooCommunicator",
            "install_cpu_standins", "install_old_nccl_shim", "OLD_NCCL_MISSING", "free_port", "start_sparse_worker"]
@@ -98,40 +104,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class GlooCommunicator:
-    """CPU stand-in for vLLM's ``PyNcclCommunicator`` between the trainer (rank 0) and one worker: the
-    attributes vLLM's sparse engines and weightsync's preflight read (``device``, ``rank``,
-    ``world_size``, ``available``, ``disabled``) and ``broadcast(tensor, src, stream)``, which -- like
-    ``PyNcclCommunicator`` -- returns without doing anything when ``disabled`` is set."""
-
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 120.0) -> None:
-        import torch.distributed as dist
-
-        self.rank, self.world_size = rank, world_size
-        self.device = torch.device("cpu")
-        self.available, self.disabled = True, False
-        self.nccl = None
-        store = dist.TCPStore(host, port, world_size, is_master=rank == 0,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-        self._group = dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=timeout_s))
-
-    def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
-        """Broadcast ``tensor``'s bytes from ``src`` (as bytes: gloo has no kernel for every dtype)."""
-        if self.disabled or tensor.numel() == 0:
-            return
-        import torch.distributed as dist
-
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-        self._group.broadcast([buf.view(-1).view(torch.uint8)], opts).wait()
-        if buf is not tensor:
-            tensor.copy_(buf)
-
-    def destroy(self) -> None:
-        self._group = None
 
 
 def install_cpu_standins(side: str) -> None:
@@ -281,7 +253,7 @@ def start_sparse_worker(device: str, dry_run: bool, old_nccl_shim: bool = False,
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:
         sys.path.insert(0, here)
-    os.environ["PYTHONPATH"] = here + os.pathsep + os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join([here, _TESTS, os.environ.get("PYTHONPATH", "")])
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     proc = ctx.Process(target=_worker_main, args=(b, device, dry_run, old_nccl_shim), daemon=True)
