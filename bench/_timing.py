@@ -53,4 +53,10 @@ def copy_floor(nbytes: int, *, device: str, reps: int, warmup: int = 2) -> list[
 
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return timed(lambda: dst.copy_(src), device=device, reps=reps, warmup=warmup)
+    out = timed(lambda: dst.copy_(src), device=device, reps=reps, warmup=warmup)
+    del src, dst
+    if str(device).startswith("cuda"):
+        # hand the two model-sized buffers back to the driver: a receiver process started after
+        # this (bench_gpu_sizes --ipc) cannot use memory held by this process's caching allocator
+        torch.cuda.empty_cache()
+    return out

@@ -227,12 +227,20 @@ def _ipc(args, facts, device: str, sources: dict, cfg, plain, nbytes: int, reps:
 
     mode = "loopback" if args.dry_run else "ipc"
     ref = {n: float(p.double().sum().item()) for n, p in plain.named_parameters()}
+    if device.startswith("cuda"):
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()  # the receiver process needs the memory this one's allocator caches
     client = start_receiver(mode, device, timeout_s=900)
     try:
         client.call("build", (cfg, torch.bfloat16, 7, False))
+        # packed buffers hold the largest tensor (Qwen3-8B's embedding is 1.16 GiB): vLLM refuses a smaller one
+        largest = max(p.numel() * p.element_size() for p in plain.parameters())
+        buffer_bytes = max(1 << 30, -(-largest // (1 << 20)) << 20)
         for packed in (False, True):
             tag = "packed" if packed else "unpacked"
-            engines = {name: trainer_engine(mode, client=client, source=src, packed=packed, buffer_bytes=1 << 30)
+            engines = {name: trainer_engine(mode, client=client, source=src, packed=packed, buffer_bytes=buffer_bytes)
                        for name, src in sources.items()}
             times = interleaved({name: eng.send_weights for name, eng in engines.items()},
                                 device=device, reps=reps, warmup=warmup)
@@ -265,6 +273,9 @@ def _delta(args, facts, device: str, sharded, reps: int, copy_s: float, guard) -
     and one dense pass, interleaved; rounds checked against the dense pass (changed count)."""
     import torch
 
+    from receiver import preload_checkpoint_weight_patch
+
+    preload_checkpoint_weight_patch()  # DeltaSource's patch type: vLLM's file, without the serving stack
     from weightsync.sources import DeltaSource, FSDPSource
 
     dense_src = FSDPSource(sharded)
