@@ -59,7 +59,11 @@ logger = get_logger(__name__)
 
 #: vLLM's sparse indices are int32: a tensor must have fewer elements than this.
 INDEX_LIMIT = 1 << 31
+#: Default group size where the diff runs as torch ops (CPU): one flat scratch of the group per round.
 DEFAULT_GROUP_BYTES = 64 << 20
+#: Default group size on hosts with CUDA, where the diff kernels need no scratch of the group's size: a
+#: round's host work is per group (one count exchange, one size sync, launches), so fewer, larger groups.
+DEFAULT_CUDA_GROUP_BYTES = 512 << 20
 
 
 class DeltaError(WeightSyncError):
@@ -129,12 +133,13 @@ class DeltaSource:
         anchor_every: also make every ``anchor_every``-th round an anchor (None: only when needed).
         snapshot: ``"device"`` (next to the pieces) or ``"cpu"`` (host memory; pinned for GPU pieces).
         group_bytes: tensors exchanged together, in bytes of full wire tensors (one counts exchange
-            and at most one buffer per rank per group).
+            and at most one buffer per rank per group). None (default): ``DEFAULT_CUDA_GROUP_BYTES``
+            where CUDA is available, else ``DEFAULT_GROUP_BYTES``. Every rank must use the same groups.
         timeout_s: bound on each exchange (gloo).
     """
 
     def __init__(self, source: WeightSource, *, anchor_every: int | None = None, snapshot: str = "device",
-                 group_bytes: int = DEFAULT_GROUP_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 group_bytes: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if isinstance(source, DeltaSource):
             raise TypeError("DeltaSource: the source is already a DeltaSource")
         if not isinstance(source, WeightSource):
@@ -142,8 +147,10 @@ class DeltaSource:
         if anchor_every is not None and (isinstance(anchor_every, bool) or not isinstance(anchor_every, int)
                                          or anchor_every < 1):
             raise ValueError(f"DeltaSource(anchor_every={anchor_every!r}): a positive int or None")
+        if group_bytes is None:
+            group_bytes = DEFAULT_CUDA_GROUP_BYTES if torch.cuda.is_available() else DEFAULT_GROUP_BYTES
         if isinstance(group_bytes, bool) or not isinstance(group_bytes, int) or group_bytes <= 0:
-            raise ValueError(f"DeltaSource(group_bytes={group_bytes!r}): a positive int")
+            raise ValueError(f"DeltaSource(group_bytes={group_bytes!r}): a positive int or None")
         if getattr(source, "senders", "rank0") != "rank0":
             raise ValueError(
                 f"rank {current_rank()}: DeltaSource: the wrapped {type(source).__name__} has "
@@ -371,7 +378,9 @@ class DeltaSource:
                 # 1. this rank's pieces of tensors lo..hi-1, diffed against the snapshot
                 changes: dict[int, list[Changed]] = {}
                 mine: list[tuple[int, Piece]] = []
-                rows = torch.zeros(hi - lo, COLS, dtype=torch.int64)
+                # per tensor counts as Python lists (one tensor built per group: indexing a tensor per
+                # tensor cost ~2.5 us a call, a few ms a round at a few hundred tensors)
+                rows_l = [[0] * COLS for _ in range(hi - lo)]
                 problem: str | None = None
                 last = lo
                 while True:
@@ -394,7 +403,7 @@ class DeltaSource:
                     k = i - lo
                     why = _box_problem(p, metas[i])
                     if why is not None:
-                        rows[k, BAD] = 1
+                        rows_l[k][BAD] = 1
                         problem = problem or why
                         continue
                     mine.append((i, p))
@@ -403,28 +412,32 @@ class DeltaSource:
                 nan = has_nan(torch.cat([ch.values for ch in found])) if found and not anchor else (
                     any(has_nan(ch.values) for ch in found))
                 for (i, p), ch in zip(mine, found):
-                    k = i - lo
+                    row = rows_l[i - lo]
                     if nan and has_nan(ch.values):
-                        rows[k, NAN] = 1
+                        row[NAN] = 1
                     changes.setdefault(i, []).append(ch)
-                    rows[k, CHANGED] += ch.count
-                    rows[k, HELD] += p.tensor.numel()
-                    rows[k, BOXES] += 1
+                    row[CHANGED] += ch.count
+                    row[HELD] += p.tensor.numel()
+                    row[BOXES] += 1
                 mine.clear()
                 if problem is not None:
-                    rows[:, BAD] = torch.maximum(rows[:, BAD], torch.ones(1, dtype=torch.int64))
+                    for row in rows_l:
+                        row[BAD] = 1
                     logger.error("rank %d: DeltaSource: %s", rank, problem)
+                rows = torch.tensor(rows_l, dtype=torch.int64).view(hi - lo, COLS)
                 # 2. every rank's counts
                 table = exchange_counts(rows, timeout_s=self.timeout_s, what=f"the delta counts of "
                                         f"{metas[lo].name!r}..") if multi else rows[None]
                 stats.collective_bytes += rows.numel() * 8 * (world - 1) if multi else 0
                 self._raise_for(table, lo, rank, problem, stats.round, self._names)
                 self._check_tiling(table, lo, hi, rank)
+                tab = table.tolist()  # [rank][tensor][column], read per tensor below
+                totals = table[:, :, CHANGED].sum(0).tolist()
                 # 3. the transfer plan: per tensor skip / sparse / whole, the same on every rank
                 plan: list[str | None] = []
                 for k in range(hi - lo):
                     m = metas[lo + k]
-                    total = int(table[:, k, CHANGED].sum())
+                    total = totals[k]
                     n = math.prod(m.shape)
                     if anchor:
                         plan.append("whole")
@@ -435,7 +448,7 @@ class DeltaSource:
                     else:
                         plan.append("sparse")
                 # 4. payloads to rank 0
-                got = self._move(changes, plan, table, lo, hi, rank, world, stats) if multi else {}
+                got = self._move(changes, plan, tab, lo, hi, rank, world, stats) if multi else {}
                 # 5. the snapshot becomes what this round delivers
                 self._snap.commit_group()
                 # 6. rank 0 assembles and yields (unless its consumer closed the round: then it only
@@ -446,9 +459,9 @@ class DeltaSource:
                         if how is None:
                             continue
                         i = lo + k
-                        d = self._assemble(metas[i], how, changes.get(i, []), got, cursors, table, k, whole_ok, world)
+                        d = self._assemble(metas[i], how, changes.get(i, []), got, cursors, tab, k, whole_ok, world)
                         changes.pop(i, None)
-                        stats.changed += int(table[:, k, CHANGED].sum())
+                        stats.changed += totals[k]
                         stats.tensors += 1
                         stats.wire_bytes += d.nbytes
                         try:
@@ -460,7 +473,7 @@ class DeltaSource:
                 elif rank != 0:
                     for k, how in enumerate(plan):
                         if how is not None:
-                            stats.changed += int(table[:, k, CHANGED].sum())
+                            stats.changed += totals[k]
                             stats.tensors += 1
                 changes.clear()
                 got = {}
@@ -494,7 +507,7 @@ class DeltaSource:
                              f"values (seen on rank {r}); vLLM's sparse apply would keep the old values there. "
                              "No value of this group was sent")
 
-    def _move(self, changes: dict[int, list[Changed]], plan: list[str | None], table: torch.Tensor,
+    def _move(self, changes: dict[int, list[Changed]], plan: list[str | None], table: list,
               lo: int, hi: int, rank: int, world: int, stats: DeltaStats) -> dict[int, torch.Tensor]:
         """Send this rank's segments to rank 0 / receive every rank's there: ``{rank: buffer}`` on 0."""
         from ..core.p2p import Piece as Transfer
@@ -508,7 +521,7 @@ class DeltaSource:
             for k, how in enumerate(plan):
                 if how is not None:
                     m = metas[lo + k]
-                    n += segment_sizes(table[r, k].tolist(), whole=how == "whole", ndim=len(m.shape),
+                    n += segment_sizes(table[r][k], whole=how == "whole", ndim=len(m.shape),
                                        itemsize=m.dtype.itemsize)
             sizes.append(n)
         senders = [r for r in range(1, world) if sizes[r]]
@@ -547,7 +560,7 @@ class DeltaSource:
                 )
 
     def _assemble(self, meta: ParamMeta, how: str, own: list[Changed], got: dict[int, torch.Tensor],
-                  cursors: dict[int, int], table: torch.Tensor, k: int, whole_ok: bool, world: int) -> Delta:
+                  cursors: dict[int, int], table: list, k: int, whole_ok: bool, world: int) -> Delta:
         """Rank 0: tensor ``meta``'s delta from its own changes and every sender's segment
         (``cursors``: where each sender's buffer is read next)."""
         shape = tuple(meta.shape)
@@ -557,7 +570,7 @@ class DeltaSource:
             if buf is None:
                 continue
             at = cursors.get(r, 0)
-            at, seg = unpack(buf, at, table[r, k].tolist(), whole=how == "whole", full_shape=shape, dtype=meta.dtype)
+            at, seg = unpack(buf, at, table[r][k], whole=how == "whole", full_shape=shape, dtype=meta.dtype)
             cursors[r] = at
             parts.append((r, seg))
         if how == "whole":
