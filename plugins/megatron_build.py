@@ -476,6 +476,12 @@ def build_chunks(
                 spec = _mla_spec(spec, dsa=getattr(mcfg, "experimental_attention_variant", None) == "dsa")
             if spec_hook is not None:
                 spec = spec_hook(spec)
+            mtp: dict[str, Any] = {}
+            if getattr(mcfg, "mtp_num_layers", None):  # multi-token prediction: megatron's own MTP block spec
+                from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+                mtp_spec = get_gpt_mtp_block_spec(mcfg, spec, use_transformer_engine=False, vp_stage=vp)
+                mtp = {"mtp_block_spec": mtp_spec} if mtp_spec is not None else {}
             chunks.append(
                 GPTModel(
                     mcfg,
@@ -485,6 +491,7 @@ def build_chunks(
                     post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                     **{k: f.value for k, f in _family(hf).gpt_model_fields(hf).items()},
                     vp_stage=vp,
+                    **mtp,
                 )
             )
     logger.info("built megatron GPTModel (%s, %s): %d chunk(s)", hf.model_type, par, len(chunks))

@@ -29,6 +29,7 @@ __all__ = [
     "Field",
     "GLOBAL",
     "HF_LAYER_PREFIX",
+    "MTPNames",
     "MoERoles",
     "TE_ALIASES",
     "canonical_suffix",
@@ -200,6 +201,58 @@ def moe_fields(
     return out
 
 
+@dataclass(frozen=True)
+class MTPNames:
+    """How a family's released checkpoint names its multi-token-prediction (MTP) layers -- data only;
+    every family with MTP layers uses this one class (``MegatronSource(part="mtp")`` reads it).
+
+    megatron-core's ``MultiTokenPredictionLayer`` ``i`` holds ``enorm`` (the next token's embedding
+    norm), ``hnorm`` (the hidden-state norm), ``eh_proj`` (``[h, 2h]``: input ``[enorm(emb);
+    hnorm(hidden)]``, column-parallel), a whole decoder layer (``transformer_layer``) and
+    ``final_layernorm``; it shares the model's embedding and output layer. Names are templates:
+    ``{n}`` is ``num_hidden_layers + i`` (the layer number DeepSeek-V3 and GLM-4.5 give MTP layer
+    ``i``), ``{i}`` is ``i``.
+
+    * ``layer``: prefix of MTP layer ``i``'s decoder block (its tensors are the decoder table's, under
+      this prefix: DeepSeek / GLM ``model.layers.{n}.``, Qwen3-Next / Qwen3.5 ``mtp.layers.{i}.``).
+    * ``enorm`` / ``hnorm`` / ``eh_proj`` / ``final_norm``: the MTP layer's own tensors.
+    * ``embed`` / ``head``: the copies of the shared embedding and output head the checkpoint
+      carries for the draft (None: none); vocabulary padding is trimmed as for the main embedding.
+    * ``per_layer``: the own tensors and the copies exist once per MTP layer; False (Qwen3-Next:
+      one ``mtp.fc`` for all steps) admits one MTP layer only.
+    * ``count``: the ``hf_config`` field holding the number of MTP layers (checked against Megatron's
+      ``mtp_num_layers`` where the config has it).
+    * ``block``: which decoder layer's tables the MTP decoder block shares -- ``"last"`` (megatron's
+      ``get_gpt_mtp_block_spec`` builds it from the decoder's last layer spec: DeepSeek / GLM, a MoE
+      layer) or ``"full_attention"`` (a hybrid family's MTP block is a full-attention layer).
+    """
+
+    layer: str
+    enorm: str
+    hnorm: str
+    eh_proj: str
+    final_norm: str
+    embed: str | None = None
+    head: str | None = None
+    per_layer: bool = True
+    count: str = "num_nextn_predict_layers"
+    block: str = "last"
+
+    def fill(self, template: str, hf_config: Any, i: int) -> str:
+        """``template`` for MTP layer ``i`` of ``hf_config``."""
+        return template.format(n=hf_config.num_hidden_layers + i, i=i)
+
+    def proxy_layer(self, hf_config: Any) -> int:
+        """The decoder layer (0-based) whose attention / MLP tables MTP decoder blocks share."""
+        if self.block == "last":
+            return hf_config.num_hidden_layers - 1
+        types = list(getattr(hf_config, "layer_types", None) or [])
+        full = [j for j, t in enumerate(types) if t == self.block]
+        if not full:
+            raise UnmappedParameterError(f"hf_config.layer_types has no {self.block!r} layer for the MTP block to share")
+        return full[-1]
+
+
 LayerTable = Callable[["Family", Any, bool], dict[str, Entry]]
 
 
@@ -251,6 +304,9 @@ class Family:
     #: MLA families: ``mcfg -> reason or None`` checks of the Megatron MLA variants this checkpoint
     #: cannot express (None: DeepSeek-V3's ``MEGATRON_REFUSALS``; DSA families allow their variant).
     mla_refusals: tuple[Callable[[Any], str | None], ...] | None = None
+    #: the checkpoint's multi-token-prediction layer names (None: the family has no MTP layers
+    #: weightsync exports; ``MegatronSource(part="mtp")`` refuses it, naming the family)
+    mtp: MTPNames | None = None
 
     def layer_keys(self, hf_config: Any, *, fused_down: bool = False, layer: int | None = None) -> dict[str, Entry]:
         """Megatron layer-relative names (local spec) this checkpoint has, in HF order.

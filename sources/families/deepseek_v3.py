@@ -22,9 +22,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ..core.errors import UnmappedParameterError
-from .base import Entry, Family, Field, MoERoles, moe_fields, rope_theta
+from .base import Entry, Family, Field, MoERoles, MTPNames, moe_fields, rope_theta
 
-__all__ = ["FAMILY", "MLA", "MLATensor", "MEGATRON_REFUSALS", "hf_rope", "sigmoid_moe_fields"]
+__all__ = ["FAMILY", "MLA", "MLATensor", "MEGATRON_REFUSALS", "MTP", "hf_rope", "sigmoid_moe_fields"]
 
 
 class MLATensor(NamedTuple):
@@ -216,6 +216,20 @@ def _variant(mcfg: Any) -> str | None:
     )
 
 
+#: DeepSeek-V3's multi-token-prediction layers as the released checkpoint names them (vLLM's
+#: ``deepseek_mtp.DeepSeekMTP.load_weights`` reads them: MTP layer ``i`` is ``model.layers.{n}``,
+#: ``n = num_hidden_layers + i``, a full decoder layer plus its own norms, projection and copies of
+#: the embedding and output head). GLM-4.5, DeepSeek-V3.2 and GLM-5 name theirs the same way.
+MTP = MTPNames(
+    layer="model.layers.{n}.",
+    enorm="model.layers.{n}.enorm.weight",
+    hnorm="model.layers.{n}.hnorm.weight",
+    eh_proj="model.layers.{n}.eh_proj.weight",
+    final_norm="model.layers.{n}.shared_head.norm.weight",
+    embed="model.layers.{n}.embed_tokens.weight",
+    head="model.layers.{n}.shared_head.head.weight",
+)
+
 #: Megatron-side MLA variants with no DeepseekV3 counterpart: ``mcfg -> reason or None``.
 MEGATRON_REFUSALS: tuple[Callable[[Any], str | None], ...] = (_no_latent_norms, _interleaved, _variant)
 
@@ -228,4 +242,5 @@ FAMILY = Family(
     layer_table=layer_table,
     unsupported=unsupported,
     unbuildable=unbuildable,
+    mtp=MTP,
 )

@@ -139,6 +139,7 @@ def dsa_family(name: str, architectures: tuple[str, ...], *, pairing: str,
             hf.index_head_dim, hf.qk_rope_head_dim, indexer_megatron_rope(mcfg))},
         megatron_mismatch=_mismatch,
         mla_refusals=(v3._no_latent_norms, v3._interleaved, _no_variant_check),
+        mtp=v3.MTP,  # vLLM's DeepseekV32MTP loads DeepSeek-V3's MTP names
     )
 
 

@@ -19,8 +19,8 @@ transformers (the weights are the same): ``norm_topk_prob=False`` (megatron's si
 renormalises the top-k weights) and group-limited routing where transformers' score of a group (its
 top 2 experts) is not megatron's (its top ``num_experts_per_tok // topk_group``); real GLM-4.5 /
 4.6 configs have neither (``norm_topk_prob=True``, ``n_group=1``). The multi-token-prediction layer
-of real checkpoints (``num_nextn_predict_layers``) is not part of transformers' model, so not of
-the export either.
+of real checkpoints (``num_nextn_predict_layers``) is not part of transformers' model: the policy
+export leaves it out, ``MegatronSource(part="mtp")`` exports it under DeepSeek-V3's MTP names.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Family, Field, MoERoles, flag
-from .deepseek_v3 import sigmoid_moe_fields
+from .deepseek_v3 import MTP, sigmoid_moe_fields
 
 __all__ = ["FAMILY", "partial_rotary_factor"]
 
@@ -59,4 +59,5 @@ FAMILY = Family(
     moe=MoERoles(router_bias="mlp.gate.e_score_correction_bias", shared="mlp.shared_experts"),
     megatron=megatron,
     gpt_model=gpt_model,
+    mtp=MTP,  # vLLM's glm4_moe_mtp loads DeepSeek-V3's MTP names
 )

@@ -32,4 +32,5 @@ FAMILY = gdn_family(
     ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"),
     lambda qk, v, nv: (2 * qk + v, v, nv, nv),
     megatron_fields=megatron,
+    mtp_count="mtp_num_hidden_layers",
 )

@@ -17,4 +17,5 @@ FAMILY = gdn_family(
     "gdn_qkv_z_b_a",
     ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"),
     lambda qk, v, nv: (2 * qk + v, v, nv, nv),
+    mtp_count="mtp_num_hidden_layers",
 )

@@ -27,8 +27,9 @@ fields, ``attention_output_gate=True``, ``qk_layernorm=True``, ``rotary_percent`
 
 Refused: HF ``attention_bias=True`` (megatron's gated ``linear_qkv`` bias layout is not built here);
 Megatron models with ``layernorm_zero_centered_gamma=False`` or other gated-delta-net settings than
-``hf_config`` (``megatron_mismatch``). Not part of transformers' model, so not exported: the
-multi-token-prediction weights (``mtp.*``) of released checkpoints.
+``hf_config`` (``megatron_mismatch``). Not part of transformers' model, so not in the policy export:
+the multi-token-prediction weights (``mtp.*``) of released checkpoints; ``MegatronSource(part="mtp")``
+exports them (``qwen_mtp``).
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from __future__ import annotations
 from typing import Any
 
 from . import qwen2_moe
-from .base import ATTENTION, Entry, Family, Field, MoERoles
+from .base import ATTENTION, Entry, Family, Field, MoERoles, MTPNames
 
-__all__ = ["FAMILY", "gdn_family", "linear_pattern"]
+__all__ = ["FAMILY", "gdn_family", "linear_pattern", "qwen_mtp"]
 
 _LA = "linear_attn."
 
@@ -154,8 +155,29 @@ def unsupported(hf: Any) -> str | None:
     return None
 
 
+def qwen_mtp(count: str) -> MTPNames:
+    """Qwen3-Next / Qwen3.5 multi-token prediction as released (vLLM's ``qwen3_next_mtp`` /
+    ``qwen3_5_mtp`` ``load_weights``): ``mtp.fc`` (``[h, 2h]`` over ``[embedding; hidden]``), the two
+    pre-fc norms, ``mtp.norm`` and ``mtp.layers.{i}.*`` -- a gated full-attention decoder layer with
+    the model's MLP; one fc and one set of norms for every step (one MTP layer exportable). The draft
+    also loads the model's ``model.embed_tokens.weight`` / ``lm_head.weight``. Every MTP norm is
+    zero-centered (``x * (1 + w)``) like Megatron's, so the same bytes."""
+    return MTPNames(
+        layer="mtp.layers.{i}.",
+        enorm="mtp.pre_fc_norm_embedding.weight",
+        hnorm="mtp.pre_fc_norm_hidden.weight",
+        eh_proj="mtp.fc.weight",
+        final_norm="mtp.norm.weight",
+        embed="model.embed_tokens.weight",
+        head="lm_head.weight",
+        per_layer=False,
+        count=count,
+        block="full_attention",
+    )
+
+
 def gdn_family(name: str, architectures: tuple[str, ...], in_proj_kind: str, in_proj_names: tuple[str, ...],
-               in_proj_rows: Any, megatron_fields: Any = None) -> Family:
+               in_proj_rows: Any, megatron_fields: Any = None, mtp_count: str = "num_nextn_predict_layers") -> Family:
     """A hybrid gated-delta-net family: Qwen3-Next's tables with its own in-projection cut."""
     linear = _gdn_table(in_proj_kind, in_proj_names)
 
@@ -174,6 +196,7 @@ def gdn_family(name: str, architectures: tuple[str, ...], in_proj_kind: str, in_
         tensor_shapes=_shapes(in_proj_rows),
         layout_kw=lambda hf, mcfg=None: {"gdn_heads": _heads(hf)},
         megatron_mismatch=megatron_mismatch,
+        mtp=qwen_mtp(mtp_count),
     )
 
 

@@ -188,14 +188,46 @@ class Coords:
 
 
 def _moe_modules(chunks: list[torch.nn.Module]) -> dict[int, torch.nn.Module]:
-    """global layer (0-based, from ``layer_number``) -> local MoE MLP module (has ``.router``)."""
+    """global layer (0-based, from ``layer_number``) -> local MoE MLP module (has ``.router``); the
+    decoder layers of multi-token-prediction layers count too (megatron numbers them after the
+    decoder's: ``num_layers + i``)."""
     out: dict[int, torch.nn.Module] = {}
     for chunk in chunks:
-        for layer in getattr(chunk.decoder, "layers", []):
+        mtp = getattr(getattr(chunk, "mtp", None), "layers", None) or []
+        blocks = [getattr(m, "transformer_layer", None) for m in mtp]
+        for layer in [*getattr(chunk.decoder, "layers", []), *[b for b in blocks if b is not None]]:
             mlp = getattr(layer, "mlp", None)
             if mlp is not None and hasattr(mlp, "router") and hasattr(mlp, "experts"):
                 out[int(layer.layer_number) - 1] = mlp
     return out
+
+
+def _renamed(hf: HFMoELayer, layer: int, prefix: str) -> HFMoELayer:
+    """``hf`` (decoder layer ``hf.layer``'s names) with ``model.layers.{hf.layer}.`` replaced by
+    ``prefix``: a multi-token-prediction layer's MoE tensors, which transformers does not model."""
+    import dataclasses
+
+    old = f"model.layers.{hf.layer}."
+
+    def one(entry: tuple[str, tuple[int, ...]] | None) -> tuple[str, tuple[int, ...]] | None:
+        if entry is None:
+            return None
+        if not entry[0].startswith(old):
+            raise UnmappedParameterError(f"MoE tensor {entry[0]!r} is not under {old!r}; cannot rename it to {prefix!r}")
+        return prefix + entry[0][len(old):], entry[1]
+
+    if not hf.experts.prefix.startswith(old):
+        raise UnmappedParameterError(f"experts {hf.experts.prefix!r} are not under {old!r}; cannot rename them to {prefix!r}")
+    return dataclasses.replace(
+        hf,
+        layer=layer,
+        router=one(hf.router),
+        router_bias=one(hf.router_bias),
+        router_linear_bias=one(hf.router_linear_bias),
+        experts=dataclasses.replace(hf.experts, prefix=prefix + hf.experts.prefix[len(old):]),
+        shared=None if hf.shared is None else tuple(one(s) for s in hf.shared),
+        shared_gate=one(hf.shared_gate),
+    )
 
 
 # ---- the exporter -------------------------------------------------------------------------------
@@ -265,12 +297,17 @@ class MegatronMoEExporter:
         self._expert_dst: dict[tuple[int, int], int] = {}
         #: (layer, ep rank) -> the rank whose experts go to ``_expert_dst`` (expert TP 1, ``plan_owners``)
         self._expert_src: dict[tuple[int, int], int] = {}
+        #: layers with no transformers counterpart (multi-token prediction): layer -> (the decoder
+        #: layer whose names and shapes it shares, the HF prefix its tensors carry instead)
+        self.aliases: dict[int, tuple[int, str]] = {}
 
     def layout_of(self, spec: Any) -> ExpertLayout:
         return self.layout or default_expert_layout(spec)
 
     # -- metadata (no collective) ----------------------------------------------------------------
     def hf_layer(self, layer: int) -> HFMoELayer:
+        if layer in self.aliases:
+            return _renamed(self.hf_layer(self.aliases[layer][0]), layer, self.aliases[layer][1])
         hf = self.names.layer(layer)
         c = self.mcfg
         spec = hf.experts

@@ -15,6 +15,15 @@ MLA attention shapes come from ``megatron.mla`` and its kinds from the modules (
 The MLP half of each layer depends on ``mlp_kind``: a dense layer's plan holds its MLP; a MoE
 layer's plan holds only its pre-MLP norm, and the MoE MLP itself is streamed by
 ``MegatronMoEExporter`` after the layer's units.
+
+Multi-token prediction (``build_mtp_plan``, ``MegatronSource(part="mtp")``): the draft's own plan, in
+the checkpoint names of the family's ``MTPNames``. Per MTP layer ``i`` (megatron-core puts every MTP
+layer on the last pipeline stage's last virtual chunk): the embedding copy, ``enorm``, ``hnorm``,
+``eh_proj`` (column-parallel, ``[h, 2h]``), the decoder block -- decoder layer ``num_layers + i`` with
+the tables of the layer it is built like (``MTPNames.proxy_layer``), its MoE MLP streamed after it
+like a decoder layer's --, the final norm and the output head copy. The embedding and head copies are
+the model's own shared tensors (keys ``("mtp_embed", i)`` / ``("mtp_head", i)``), vocabulary padding
+trimmed.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from .mla import MLAGeometry, mla_full_shapes
 __all__ = [
     "Geometry",
     "Unit",
+    "build_mtp_plan",
     "build_plan",
     "layer_placement",
     "mlp_kind",
@@ -214,4 +224,90 @@ def build_plan(
     units.append(global_unit("decoder.final_layernorm.weight", *last))
     if not g.tied:
         units.append(global_unit("output_layer.weight", *last))
+    return units
+
+
+def mtp_layers(family: Family, hf_config: Any, mcfg: Any) -> int:
+    """The number of MTP layers to export; raises naming what stands in the way (no MTP naming
+    for the family, a model without ``mtp_num_layers``, a disagreeing ``hf_config`` count)."""
+    names = family.mtp
+    if names is None:
+        raise UnmappedParameterError(
+            f"MegatronSource(part='mtp'): the {family.name} family has no multi-token-prediction names "
+            "(families with MTP: deepseek_v3, deepseek_v32, glm4_moe, glm_moe_dsa, qwen3_next, qwen3_5_text, "
+            "qwen3_5_moe_text)"
+        )
+    d = getattr(mcfg, "mtp_num_layers", None) or 0
+    if d < 1:
+        raise ValueError(
+            "MegatronSource(part='mtp'): the Megatron model has no MTP layers (TransformerConfig.mtp_num_layers="
+            f"{getattr(mcfg, 'mtp_num_layers', None)!r}); build GPTModel with mtp_block_spec and mtp_num_layers"
+        )
+    want = getattr(hf_config, names.count, None)
+    if want is not None and int(want) != d:
+        raise ValueError(
+            f"MegatronSource(part='mtp'): hf_config.{names.count}={want} but Megatron mtp_num_layers={d}"
+        )
+    if not names.per_layer and d != 1:
+        raise UnmappedParameterError(
+            f"MegatronSource(part='mtp'): the {family.name} checkpoint has one set of MTP projection and norms "
+            f"({names.eh_proj}) for every step, Megatron mtp_num_layers={d} has one per layer; export one MTP layer"
+        )
+    return d
+
+
+def build_mtp_plan(
+    *,
+    family: Family,
+    hf_config: Any,
+    mcfg: Any,
+    geometry: Geometry,
+    pp: int,
+    vpp: int,
+    attention: dict[str, Entry] | None = None,
+) -> list[Unit]:
+    """Every unit of the MTP export, in checkpoint order (module docstring). Pure, like ``build_plan``."""
+    g = geometry
+    names = family.mtp
+    d = mtp_layers(family, hf_config, mcfg)
+    assert names is not None
+    _check_fields(family, hf_config, mcfg)
+    if getattr(mcfg, "pipeline_model_parallel_layout", None) is not None:
+        raise NotImplementedError(
+            "MegatronSource(part='mtp') does not support pipeline_model_parallel_layout (MTP placement)"
+        )
+    stage, chunk = pp - 1, vpp - 1
+    proxy = names.proxy_layer(hf_config)
+    kind_of_mlp = mlp_kind(mcfg, proxy)
+    if attention is None or family.hybrid is not None:
+        attention = {k: e for k, e in family.layer_keys(
+            hf_config, layer=proxy if family.hybrid is not None else None).items() if k not in DENSE_MLP}
+    mlp = _mlp_entries(family, hf_config, kind_of_mlp)
+    vocab_full, vocab_shard = (g.vocab, g.hidden), (g.padded_vocab // g.tp, g.hidden)
+    units: list[Unit] = []
+
+    def own(i: int, suffix: str, kind_name: str, hf_name: str, full: tuple[int, ...]) -> Unit:
+        kind = layout(kind_name)
+        return Unit(("mtp", i, suffix), stage, chunk, kind, (names.fill(hf_name, hf_config, i),), (full,),
+                    kind.shard_shape((full,), g.tp))
+
+    for i in range(d):
+        L = mcfg.num_layers + i
+        copies = names.per_layer or i == 0
+        if names.embed and copies:
+            units.append(Unit(("mtp_embed", i), stage, chunk, VOCAB, (names.fill(names.embed, hf_config, i),),
+                              (vocab_full,), vocab_shard))
+        units.append(own(i, "enorm.weight", "replicated", names.enorm, (g.hidden,)))
+        units.append(own(i, "hnorm.weight", "replicated", names.hnorm, (g.hidden,)))
+        units.append(own(i, "eh_proj.weight", "column", names.eh_proj, (g.hidden, 2 * g.hidden)))
+        prefix = names.fill(names.layer, hf_config, i)
+        for suffix, entry in {**attention, **mlp}.items():
+            full = family.tensor_shapes(suffix, hf_config) or _shapes(suffix, g)
+            kind = layout(entry.kind)
+            units.append(Unit(("layer", L, suffix), stage, chunk, kind, tuple(prefix + h for h in entry.hf), full,
+                              kind.shard_shape(full, g.tp)))
+        units.append(own(i, "final_layernorm.weight", "replicated", names.final_norm, (g.hidden,)))
+        if names.head and copies:
+            units.append(Unit(("mtp_head", i), stage, chunk, VOCAB, (names.fill(names.head, hf_config, i),),
+                              (vocab_full,), vocab_shard))
     return units

@@ -57,6 +57,14 @@ Invariants:
 * ``iter_pieces()`` (delta sync; ``megatron/pieces.py``, protocol ``core/pieces.py``): every rank
   yields its own shards as boxes of the checkpoint tensors, in the wire dtype -- the replica
   ``iter_full`` reads answers, one element once -- with no collective after the first pass.
+* Parts (``part=``): ``"policy"`` (default) streams the model as transformers holds it and ignores a
+  multi-token-prediction block (``mtp.layers.*``, and the embedding copy megatron keeps on the MTP
+  stage under PP) -- the MTP block is never a reason to refuse a model. ``"mtp"`` streams the
+  speculative draft only, in the checkpoint names of the family's ``MTPNames``
+  (``plan.build_mtp_plan``): what vLLM's ``start_draft_weight_update`` is followed by. Both parts
+  move bytes the same way (same units, same gathers, same checks); a family without MTP names, a
+  model without ``mtp_num_layers`` or an ``hf_config`` count that disagrees raise at construction
+  on every rank.
 """
 
 from __future__ import annotations
@@ -78,7 +86,7 @@ from .whole_units import LocalStep, local_step, mark_precast, nbytes, precast
 from .ahead import SplitAhead, default_ahead_bytes
 from .moe import MegatronMoEExporter, expert_format, megatron_moe_suffixes
 from .mla import mla_geometry, resolve_kinds
-from .plan import Geometry, Unit, build_plan, mlp_kind
+from .plan import Geometry, Unit, build_mtp_plan, build_plan, mlp_kind, mtp_layers
 from .pieces import megatron_pieces
 from .topology import Topology, megatron_topology
 from .walk import Bound, model_chunks, walk_chunks
@@ -95,6 +103,7 @@ __all__ = ["MegatronSource"]
 logger = get_logger(__name__)
 
 Mode = Literal["full", "local"]
+Part = Literal["policy", "mtp"]
 
 
 def _hf_geometry(
@@ -192,6 +201,9 @@ class MegatronSource(WeightSource):
         ahead_bytes: with overlap, rank 0 keeps posting receives while what it posted ahead holds less
             than this many bytes of HF tensors (``megatron/ahead.py``). None: 128 MiB where each local
             rank has 4 or more cores, else 64 MiB (``default_ahead_bytes``).
+        part: ``"policy"`` (default: the model, ignoring any multi-token-prediction block) or
+            ``"mtp"`` (the speculative draft's tensors only, for ``start_draft_weight_update``;
+            module docstring).
 
     Raises at construction (on every rank, before any byte moves): ``UnmappedParameterError`` for an
     unknown architecture, an MLA variant DeepseekV3 cannot express (``megatron.mla``), a Megatron
@@ -215,9 +227,14 @@ class MegatronSource(WeightSource):
         overlap: bool | None = None,
         ahead_bytes: int | None = None,
         senders: Senders = "rank0",
+        part: Part = "policy",
     ) -> None:
         if mode not in ("full", "local"):
             raise ValueError(f"MegatronSource mode must be 'full' or 'local', got {mode!r}")
+        if part not in ("policy", "mtp"):
+            raise ValueError(f"MegatronSource part must be 'policy' or 'mtp', got {part!r}")
+        #: ``"policy"`` or ``"mtp"`` (the speculative draft; module docstring)
+        self.part: Part = part
         _rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         #: who sends each tensor (``core/senders.py``): ``"rank0"`` or ``"owners"``
         self.senders: Senders = check_senders(senders, rank=_rank, who="MegatronSource")
@@ -260,14 +277,27 @@ class MegatronSource(WeightSource):
             raise UnmappedParameterError(f"rank {rank}: {e}") from e
         #: keyword arguments the family's layout kinds need (e.g. the gated delta net's heads).
         self._layout_kw: dict[str, Any] = self.family.layout_kw(hf_config, mcfg)
-        #: global layers (0-based) whose MLP is MoE, from Megatron's config.
+        #: global layers (0-based) whose MLP is MoE, from Megatron's config (part "mtp": the MTP
+        #: layers' decoder blocks, numbered after the decoder's, that are MoE).
         self.moe_layers: list[int] = [i for i in range(mcfg.num_layers) if mlp_kind(mcfg, i) == "moe"]
+        has_dense = len(self.moe_layers) < mcfg.num_layers
+        self._mtp_alias: dict[int, tuple[int, str]] = {}
+        if part == "mtp":
+            try:
+                depth = mtp_layers(self.family, hf_config, mcfg)
+                names = self.family.mtp
+                assert names is not None
+                proxy = names.proxy_layer(hf_config)
+            except (UnmappedParameterError, ValueError) as e:
+                raise type(e)(f"rank {rank}: {e}") from e
+            moe = mlp_kind(mcfg, proxy) == "moe"
+            self.moe_layers = [mcfg.num_layers + i for i in range(depth)] if moe else []
+            self._mtp_alias = {mcfg.num_layers + i: (proxy, names.fill(names.layer, hf_config, i)) for i in range(depth)}
         if self.moe_layers and mode == "local":
             raise NotImplementedError(
                 f"rank {rank}: MegatronSource(mode='local') does not support MoE layers "
                 f"{self.moe_layers} (num_moe_experts={mcfg.num_moe_experts}); use mode='full'"
             )
-        has_dense = len(self.moe_layers) < mcfg.num_layers
         self.geometry = _hf_geometry(hf_config, mcfg, chunks[0], self._topo.tp, rank, has_dense, self.family)
         self.dtype: torch.dtype = dtype or mcfg.params_dtype
         #: the wire-dtype policy every source shares (``wire.WirePolicy``).
@@ -281,10 +311,11 @@ class MegatronSource(WeightSource):
                     chunks, hf_config, mcfg, expert_layout=expert_layout, wire=self.wire,
                     expert_batch_bytes=expert_batch_bytes, stats=self.last_pass, timeout_s=timeout_s,
                 )
+                self._moe.aliases.update(self._mtp_alias)
             except UnmappedParameterError as e:
                 raise self._moe_error(e, layer_names) from e
         self._plan(hf_config, mcfg, layer_names, attention)
-        self._bound = self._bind(bound, unmapped)
+        self._bound = self._bind(self._part_of(bound, mcfg.num_layers), unmapped)
         if self._moe is not None:
             try:
                 self.metadata  # noqa: B018  (validates hf_config's MoE layers on every rank, no collective)
@@ -308,16 +339,22 @@ class MegatronSource(WeightSource):
     ) -> None:
         """The export plan (``plan.build_plan``), each unit's wire dtype and where MoE layers follow."""
         try:
-            self.plan: list[Unit] = build_plan(
-                family=self.family,
-                hf_config=hf_config,
-                mcfg=mcfg,
-                geometry=self.geometry,
-                pp=self._topo.pp,
-                vpp=self._topo.vpp,
-                local_layer_names=layer_names,
-                attention=attention,
-            )
+            if self.part == "mtp":
+                self.plan: list[Unit] = build_mtp_plan(
+                    family=self.family, hf_config=hf_config, mcfg=mcfg, geometry=self.geometry,
+                    pp=self._topo.pp, vpp=self._topo.vpp, attention=attention,
+                )
+            else:
+                self.plan = build_plan(
+                    family=self.family,
+                    hf_config=hf_config,
+                    mcfg=mcfg,
+                    geometry=self.geometry,
+                    pp=self._topo.pp,
+                    vpp=self._topo.vpp,
+                    local_layer_names=layer_names,
+                    attention=attention,
+                )
         except UnmappedParameterError as e:
             raise UnmappedParameterError(f"rank {self._topo.rank}: {e}") from e
         self._wd: dict[tuple, torch.dtype] = {u.key: self._unit_dtype(u, mcfg.params_dtype) for u in self.plan}
@@ -365,6 +402,29 @@ class MegatronSource(WeightSource):
             raise UnmappedParameterError(f"rank {rank}: {e}") from e
         entries = {k: e for k, e in keys.items() if k not in DENSE_MLP}
         return resolve_kinds(entries, {k: next(iter(v)) for k, v in dims.items()}, rank=rank)
+
+    def _part_of(self, bound: dict[tuple, Bound], num_layers: int) -> dict[tuple, Bound]:
+        """The walked parameters this part exports (``_bind`` then requires every one of them to be
+        in the plan): ``"policy"`` drops the MTP block (``("mtp", ...)`` and decoder layers numbered
+        past ``num_layers``) and, off the first stage, the embedding copy megatron keeps for MTP;
+        ``"mtp"`` keeps only the MTP block, plus the shared embedding / output head under the plan's
+        copy keys (``("mtp_embed", i)`` / ``("mtp_head", i)``; tied: the embedding for both)."""
+        def is_mtp(key: tuple) -> bool:
+            return key[0] == "mtp" or (key[0] == "layer" and key[1] >= num_layers)
+
+        if self.part == "policy":
+            out = {k: b for k, b in bound.items() if not is_mtp(k)}
+            if self._topo.pp_rank != 0:
+                out.pop(("embed",), None)
+            return out
+        out = {k: b for k, b in bound.items() if is_mtp(k)}
+        embed = bound.get(("embed",))
+        head = embed if self.geometry.tied else bound.get(("lm_head",))
+        for unit in self.plan:
+            shared = {"mtp_embed": embed, "mtp_head": head}.get(unit.key[0])
+            if shared is not None and unit.stage == self._topo.pp_rank:
+                out[unit.key] = shared
+        return out
 
     def _bind(self, bound: dict[tuple, Bound], unmapped: list[str]) -> dict[tuple, Bound]:
         """Every plan unit of this stage gets its local parameter; anything left over is an error."""

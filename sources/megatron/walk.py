@@ -6,6 +6,14 @@ reported as unmapped -- nothing is dropped silently. The global layer is read fr
 module's own 1-based ``layer_number`` (Megatron already applied the PP/VPP offset), not recomputed.
 TE fused-norm names bind to the same key as their local-spec names.
 
+Multi-token prediction (``GPTModel(mtp_block_spec=...)``, megatron-core's ``MultiTokenPredictionBlock``
+at ``mtp.layers.{j}``): the decoder layer inside MTP layer ``i`` (``transformer_layer``) binds like a
+decoder layer, under its own ``layer_number`` (megatron numbers it ``num_layers + i + 1``); the MTP
+layer's own tensors bind to ``("mtp", i, suffix)`` (``enorm.weight``, ``hnorm.weight``,
+``eh_proj.weight``, ``final_layernorm.weight``), ``i`` from the MTP layer's ``layer_number``. The
+embedding copy a last pipeline stage holds for MTP binds to ``("embed",)`` like the first stage's;
+``MegatronSource`` decides which part each key belongs to.
+
 Each bound parameter also carries the dim along which Megatron's own module splits it over TP
 (``tp_split_dim``): megatron-core's ``ColumnParallelLinear`` / ``RowParallelLinear`` tag their
 weights ``tensor_model_parallel`` + ``partition_dim`` (what ``sharded_state_dict`` shards by);
@@ -113,6 +121,16 @@ def walk_chunks(
                     suffix = ".".join(parts[3:])
                     layer_names.setdefault(layer, []).append(suffix)
                     key = ("layer", layer, canonical_suffix(suffix))
+                elif len(parts) > 3 and parts[:2] == ["mtp", "layers"] and parts[2].isdigit():
+                    mtp_layer = chunk.mtp.layers[int(parts[2])]
+                    suffix = ".".join(parts[3:])
+                    if parts[3] == "transformer_layer" and len(parts) > 4:
+                        layer = int(mtp_layer.transformer_layer.layer_number) - 1
+                        suffix = ".".join(parts[4:])
+                        layer_names.setdefault(layer, []).append(suffix)
+                        key = ("layer", layer, canonical_suffix(suffix))
+                    else:
+                        key = ("mtp", int(mtp_layer.layer_number) - 1, suffix)
             if key is None or key in bound:
                 unmapped.append(f"chunk{v}:{name}")
                 continue
