@@ -10,6 +10,7 @@
   and the worker engine a real vLLM server runs (``vllm_engine``);
 * ``vllm_plugin``      -- weightsync's ``vllm.general_plugins`` entry point: registers that engine as
   ``"loopback"`` in the vLLM it is installed next to;
+* ``lora_adapter/``    -- ``LoRAAdapterSync``: only a PEFT model's LoRA adapter, loaded by vLLM's LoRA serving;
 * ``checkpoint/``      -- ``save_safetensors``: a Hugging Face checkpoint folder from any source;
   ``save_delta`` / ``apply_delta``: delta patch files;
 * ``cli/``             -- the ``weightsync`` command (demo, check, export);
@@ -51,6 +52,10 @@ _LAZY: dict[str, str] = {
     "ReceiverClient": ".loopback_server",
     "ReceiverHandle": ".loopback_server",
     "start_receiver_process": ".loopback_server",
+    # adapter-only LoRA syncs into vLLM's LoRA serving (plugins/lora_adapter/)
+    "LoRAAdapterSync": ".lora_adapter",
+    "AdapterRefusedError": ".lora_adapter",
+    "AdapterSyncReport": ".lora_adapter",
     # delta patch files (one DeltaSource round as a sparse safetensors file; a chain applied to a folder)
     "save_delta": ".checkpoint",
     "apply_delta": ".checkpoint",

@@ -9,6 +9,7 @@ lockstep on every rank, and checks its own stream against its metadata on every 
 * ``FP8Source``       -- wrap any source: block-FP8 weights + ``weight_scale_inv`` (FP8 rollouts).
 * ``DeltaSource``     -- wrap any source: rounds of only the elements that changed (vLLM ``sparse_nccl``).
 * ``checked``         -- wrap any ``WeightSource`` with the per-rank stream check.
+* ``LoRAAdapterSource`` -- a sharded PEFT model's LoRA adapter only, in PEFT's saved names.
 
 Heavy imports (vLLM, megatron-core) happen only when a name that needs them is first used.
 """
@@ -82,6 +83,8 @@ _LAZY = {
     "tp_split_dim": ".megatron.walk",
     # many senders (vLLM 0.34's NCCL engine): who is in the transfer group
     "broadcast_ranks": ".core.senders",
+    # LoRA adapter only (PEFT's saved names), gathered from a sharded PEFT model (sources/fsdp/adapter.py)
+    "LoRAAdapterSource": ".fsdp.adapter",
 }
 
 __all__ = [
@@ -124,6 +127,7 @@ __all__ = [
     "model_types",
     "tp_split_dim",
     "broadcast_ranks",
+    "LoRAAdapterSource",
 ]
 
 

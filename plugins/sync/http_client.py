@@ -324,6 +324,14 @@ class VLLMHTTPClient(HTTPVLLMWeightSyncClient):
             bodies[u] = {"update_info": info}
         self._fanout("POST", "update_weights", json_for=lambda i, u: bodies[u], long=True)
 
+    def start_draft_weight_update(self) -> None:
+        """``POST /start_draft_weight_update`` on every server (vLLM 0.33+): the update rounds that
+        follow, until ``finish_weight_update``, load into the speculative draft model. A server
+        without a draft model, or whose weight-transfer engine cannot retarget (vLLM's
+        ``sparse_nccl``, ``nccl_m2n``, ``sharded_rdt``: ``supports_draft_weight_update = False``),
+        answers an error, raised here naming it."""
+        self._fanout("POST", "start_draft_weight_update", long=True)
+
     # ---- versions -----------------------------------------------------------------------------
 
     def server_versions(self, *, refresh: bool = False) -> dict[str, str | None]:
@@ -461,6 +469,32 @@ class VLLMHTTPClient(HTTPVLLMWeightSyncClient):
         if isinstance(senders, bool) or not isinstance(senders, int) or senders < 1:
             raise ValueError(f"nccl_world_size(senders={senders!r}): a positive int (trainer ranks that broadcast)")
         return senders + sum(self.get_world_size(include_dp=True).values())
+
+    # ---- LoRA adapters (vLLM's runtime LoRA routes: --enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) ----
+
+    def server_info(self) -> dict[str, Any]:
+        """``GET /server_info?config_format=json`` (dev mode): ``{base_url: {"vllm_config": ..., ...}}``
+        (each server's whole ``VllmConfig`` as JSON; ``LoRAAdapterSync`` reads its ``lora_config``)."""
+        return self._fanout("GET", "server_info", params={"config_format": "json"})
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, *, load_inplace: bool = False) -> None:
+        """``POST /v1/load_lora_adapter`` on every server. vLLM loads and validates the adapter before
+        it replaces one of the same name (``load_inplace``), so a refused load (HTTP 4xx/5xx, vLLM's
+        reason in the error) leaves the previous adapter serving."""
+        body = {"lora_name": str(lora_name), "lora_path": str(lora_path), "load_inplace": bool(load_inplace)}
+        self._fanout("POST", "v1/load_lora_adapter", json=body, long=True)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """``POST /v1/unload_lora_adapter`` on every server."""
+        self._fanout("POST", "v1/unload_lora_adapter", json={"lora_name": str(lora_name)})
+
+    def lora_adapters(self) -> dict[str, dict[str, str]]:
+        """``GET /v1/models``: ``{base_url: {adapter name: path it was loaded from}}`` (cards with a parent)."""
+        out: dict[str, dict[str, str]] = {}
+        for u, r in self._fanout("GET", "v1/models").items():
+            cards = _field(r, "data", u)
+            out[u] = {c["id"]: c.get("root") for c in cards if isinstance(c, dict) and c.get("parent")}
+        return out
 
     # ---- safety -------------------------------------------------------------------------------
 
