@@ -337,6 +337,10 @@ class LoRAAdapterSync:
         self.version_fn = version_fn
         self.precheck = precheck
         self.timeout_s = timeout_s
+        transfer = getattr(client, "transfer_timeout", None)
+        transfer = float(transfer) if isinstance(transfer, (int, float)) and not isinstance(transfer, bool) else 900.0
+        #: how long ranks wait for rank 0's write + pause + load + commit + resume
+        self.load_timeout_s = timeout_s + 3 * transfer
         self.facts: dict[str, dict[str, Any]] | None = None
         #: rank 0: ``[(served name, folder)]`` loaded now, oldest first
         self.served: list[tuple[str, str]] = []
@@ -418,8 +422,7 @@ class LoRAAdapterSync:
             _, err, status = self._attempt(lambda: self._publish(tensors, version, timings, result))
         else:
             err, status = None, "ok"
-        long = float(getattr(self.client, "transfer_timeout", 900.0)) * 3 + self.timeout_s
-        self._raise_if_failed("load", self._agree(board, "load", status, timeout_s=long), err)
+        self._raise_if_failed("load", self._agree(board, "load", status, timeout_s=self.load_timeout_s), err)
 
         meta = self.source.metadata
         report = AdapterSyncReport(

@@ -186,7 +186,7 @@ class LoRAAdapterSource(WeightSource):
                 continue
             if not isinstance(m, LoraLayer):
                 raise self._err(rel, f"PEFT layer {type(m).__name__} is not a LoRA layer")
-            holds = adapter in getattr(m, "lora_A", {})
+            holds = adapter in getattr(m, "r", {})  # lora_A, or lora_embedding_A for embeddings
             if getattr(m, "merged_adapters", None):
                 raise self._err(rel, f"adapter(s) {list(m.merged_adapters)} are merged into the base weight "
                                 "(merge_adapter()): serving the base + the adapter would apply it twice; "
