@@ -162,7 +162,11 @@ def raw_config(preset: str | None = None, path: str | None = None) -> dict[str, 
     name = preset or "tiny-qwen3"
     key = name if name in PRESETS else f"tiny-{name}"
     if key not in PRESETS:
-        raise UserError(f"unknown model preset {name!r}; choose one of {', '.join(preset_names())}")
+        raise UserError(
+            f"unknown model preset {name!r}; choose one of {', '.join(preset_names())}, or pass a model's "
+            "config.json with --config PATH (the file, or a folder holding it: e.g. a downloaded Hugging "
+            "Face snapshot; weightsync downloads nothing)"
+        )
     return dict(PRESETS[key])
 
 

@@ -215,6 +215,10 @@ def test_demo_vllm_server_environment_errors_say_how_to_get_one(monkeypatch):
         (["check", "--hidden", "30"], "--hidden 30 must be a positive multiple of the 4 attention heads"),
         (["check", "--model", "tiny-deepseek-v3", "--layout", "megatron", "--ep", "3"], "--ep 3 must divide the number of experts (4)"),
         (["export", "--model", "tiny-qwen3", "--out", os.path.dirname(__file__)], "folder exists and is not empty"),
+        # issue 45: a hub name gets the way to use it; -v after the command; --names-only needs a folder
+        (["check", "--model", "Qwen/Qwen3-1.7B"], "pass a model's config.json with --config PATH"),
+        (["demo", "-v", "--steps", "0"], "--steps must be >= 1"),
+        (["check", "--names-only"], "--names-only applies to check --checkpoint PATH"),
     ],
 )
 def test_user_mistakes_exit_2_in_one_line(args, words):
@@ -257,6 +261,19 @@ def _heavy_imports(stderr: str) -> list[str]:
     lines = [line for line in stderr.splitlines() if line.startswith("HEAVY-IMPORTS")]
     assert len(lines) == 1, f"the child did not report its imports: {stderr[-2000:]}"
     return [m for m in lines[0].split(" ", 1)[1].split(",") if m]
+
+
+def test_fp8_check_of_a_folder_that_is_not_fp8_is_a_usage_error(tmp_path):
+    """``check --quantize fp8 --checkpoint`` on a plain (bf16/fp32) folder: exit 2 at once, the cause
+    (what the folder's config declares) in one line, before any rank or heavy import."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}))
+    r = _run_watching_imports("check", "--quantize", "fp8", "--checkpoint", str(tmp_path), timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    err = [line for line in r.stderr.splitlines() if line.startswith("weightsync")]
+    assert len(err) == 1 and "is not an FP8 checkpoint" in err[0] and "quant_method=None" in err[0], r.stderr
+    assert r.stdout == "" and _heavy_imports(r.stderr) == []
 
 
 def test_import_watch_sees_a_heavy_import():
@@ -310,3 +327,82 @@ def test_check_report_fails_on_unmapped_names_and_shapes(capsys):
     bad_rank = [(0, 3, len(meta), ["rank 1: pass failed: MetadataMismatchError: ..."])]
     assert _report(args, config, None, meta, oracle, bad_rank, 2, None) == 1
     assert "FAIL: rank 1: pass failed" in capsys.readouterr().out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_ctrl_c_stops_every_process_and_says_how_far(tmp_path):
+    """Ctrl-C (SIGINT to the CLI, as a terminal sends it) in the middle of ``weightsync demo --nproc
+    2``: exit 130 within the grace period, one line saying how many syncs were done, no traceback,
+    no process of the tree (torchrun, both ranks, the receiver) left, nothing of ours in TMPDIR
+    (torch's own inductor cache folder aside)."""
+    import queue
+    import signal
+    import threading
+    import time
+
+    from weightsync.plugins.cli.entry import STOP_GRACE_S, _descendants
+
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmpdir))
+    p = subprocess.Popen([*_cli(), "demo", "--nproc", "2", "--steps", "500"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in p.stdout], daemon=True).start()
+    out, deadline = [], time.monotonic() + 300
+    try:
+        while not any(x.strip().startswith("sync 2/500") for x in out):
+            assert time.monotonic() < deadline and p.poll() is None, (out, p.poll())
+            try:
+                out.append(lines.get(timeout=1))
+            except queue.Empty:
+                pass
+        tree = _descendants(p.pid)
+        assert len(tree) >= 4, tree  # torchrun, 2 ranks, the receiver
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        err = p.communicate(timeout=STOP_GRACE_S + 30)[1]
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, (p.returncode, err[-3000:])
+    m = re.search(r"^weightsync demo: interrupted after (\d+) of 500 syncs; nothing half-written$", err, re.M)
+    assert m and int(m.group(1)) >= 2, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert took < STOP_GRACE_S, took  # the ranks unwound by themselves: no kill was needed
+    time.sleep(0.5)
+    assert [pid for pid in tree if _alive(pid)] == []
+    assert [f.name for f in tmpdir.iterdir() if not f.name.startswith("torchinductor_")] == []
+
+
+def test_check_a_save_pretrained_folder_of_other_weights(tmp_path):
+    """``check --checkpoint`` on what a user has: transformers' ``save_pretrained`` of a model with
+    its own (trained, here seed-5) weights, in bf16. The trainer model is loaded from the folder, so
+    a 2-rank FSDP2 sync of it equals the folder byte for byte; ``--names-only`` compares names,
+    shapes and dtypes without loading; a folder whose tensors do not fit the config is a usage error
+    (exit 2) naming the cause."""
+    import torch
+
+    from weightsync.plugins.presets import build_model, load_config
+
+    model = build_model(load_config("tiny-llama"), seed=5).to(torch.bfloat16)
+    folder = tmp_path / "ckpt"
+    model.save_pretrained(folder)
+    n = len(model.state_dict())
+    r = run_cli("check", "--checkpoint", str(folder), "--nproc", "2", nproc=2)
+    assert r.returncode == 0, (r.stdout, r.stderr[-3000:])
+    assert f"bytes: {n} of {n} tensors compared equal the checkpoint's" in r.stdout, r.stdout
+    assert r.stdout.strip().endswith("PASS")
+    r = run_cli("check", "--checkpoint", str(folder), "--names-only")
+    assert r.returncode == 0 and "bytes: not compared (--names-only)" in r.stdout, (r.stdout, r.stderr[-3000:])
+    r = run_cli("check", "--checkpoint", str(folder), "--model", "tiny-qwen3")
+    assert r.returncode == 2, (r.stdout, r.stderr[-3000:])
+    assert "the folder's weights do not load into the model of tiny-qwen3" in r.stderr, r.stderr[-3000:]

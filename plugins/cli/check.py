@@ -146,9 +146,51 @@ def _owners(m: Any, world: int) -> str:
     return ",".join(str(r) for r in m.owners)
 
 
+def _folder_dtype(path: str) -> torch.dtype:
+    """The floating dtype most of a checkpoint folder's tensors have (headers only)."""
+    from weightsync.sources import read_checkpoint
+
+    counts = Counter(e.dtype for _, e in read_checkpoint(path).entries() if e.dtype.is_floating_point)
+    return counts.most_common(1)[0][0] if counts else torch.float32
+
+
+def trainer_model(args: argparse.Namespace, config: Any) -> torch.nn.Module:
+    """The transformers model check builds from: with ``--checkpoint PATH`` (and no ``--quantize``)
+    the folder's own weights (``from_pretrained``, in the dtype most of its tensors have, eager
+    attention), so a sync of them must equal the folder byte for byte; else ``build_model(config,
+    seed=0)`` (``--names-only``: in the folder's dtype). Raises ``FolderLoadError`` when the folder's tensors do not load into the config's model."""
+    path = getattr(args, "checkpoint", None)
+    if not path or getattr(args, "quantize", None):
+        return build_model(config, seed=0)
+    if getattr(args, "names_only", False):  # no weights loaded: seed 0, in the folder's dtype
+        return build_model(config, seed=0, dtype=_folder_dtype(path))
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    what = f"the folder's weights do not load into the model of {args.config or args.model}"
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, config=config, dtype=_folder_dtype(path), attn_implementation="eager", output_loading_info=True,
+        )
+    except Exception as e:  # noqa: BLE001 - said in the verdict, with the folder and the config
+        raise FolderLoadError(f"{what}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}") from e
+    # transformers loads what fits and initializes the rest at random: any of these is a wrong folder
+    for key, said in (("missing_keys", "missing from the folder"), ("unexpected_keys", "not in the model"),
+                      ("mismatched_keys", "of another shape")):
+        names = sorted(str(k if isinstance(k, str) else k[0]) for k in info.get(key) or ())
+        if names:
+            raise FolderLoadError(f"{what}: {len(names)} tensor(s) {said}, e.g. {names[:3]}")
+    return model
+
+
+class FolderLoadError(RuntimeError):
+    """``check --checkpoint``: the folder's tensors do not load into the config's model."""
+
+
 def _fsdp_source(args: argparse.Namespace, config: Any, dtype: torch.dtype | None, rank: int):
     """The model sharded with FSDP2 over every rank and its ``FSDPSource``; the oracle on rank 0."""
-    model = build_model(config, seed=0)
+    model = trainer_model(args, config)
     oracle = checkpoint_index(model) if rank == 0 and not getattr(args, "checkpoint", None) else None
     return (lambda: build_source(args, config, dtype, hf_model=model)), oracle
 
@@ -157,7 +199,7 @@ def _megatron_source(args: argparse.Namespace, config: Any, dtype: torch.dtype |
     """This rank's megatron-core ``GPTModel`` chunk(s) for the config, loaded with the seed-0
     transformers model's tensors (built on rank 0 only), and their ``MegatronSource``
     (``mode="full"``: rank 0 sends); the oracle (``save_pretrained`` of the HF model) on rank 0."""
-    model = build_model(config, seed=0) if rank == 0 else None
+    model = trainer_model(args, config) if rank == 0 else None
     want_oracle = rank == 0 and not getattr(args, "checkpoint", None)
     oracle = checkpoint_index(model) if want_oracle else None
     return (lambda: build_source(args, config, dtype, hf_model=model)), oracle
@@ -178,8 +220,20 @@ def run_check(args: argparse.Namespace) -> int:
     build = _megatron_source if args.layout == "megatron" else _fsdp_source
     problems: list[str] = []
     meta, source, oracle = [], None, None
-    try:
+    names_only = bool(getattr(args, "names_only", False))
+    try:  # no collective inside: a rank that cannot load the folder must not leave the others waiting
         make, oracle = build(args, config, dtype, rank)
+        load_error = None
+    except FolderLoadError as e:
+        make, load_error = None, str(e)
+    errors: list[Any] = [None] * world
+    dist.all_gather_object(errors, load_error)
+    if any(errors):  # a configuration error, on every rank alike: the cause, exit 2
+        from ..presets import UserError
+
+        raise UserError(f"check --checkpoint {args.checkpoint}: {next(e for e in errors if e)} "
+                        "(--names-only compares names, shapes and dtypes without loading the weights)")
+    try:
         source = make()
         meta = source.metadata
     except Exception as e:  # noqa: BLE001 - reported as the verdict
@@ -196,7 +250,7 @@ def run_check(args: argparse.Namespace) -> int:
         try:
             for name, t in check_stream(source.iter_full(), mine, rank=rank, what="iter_full"):
                 seen += 1
-                if folder is not None:
+                if folder is not None and not names_only:
                     folder.compare(name, t)
                 bar.update()
         except Exception as e:  # noqa: BLE001 - reported as the verdict
@@ -221,6 +275,7 @@ def run_check(args: argparse.Namespace) -> int:
         code = _report(
             args, config, dtype, meta, oracle, verdicts, world, source,
             checkpoint=args.checkpoint, content=folder.bytes_differ if folder is not None else None,
+            names_only=names_only,
         )
     box = [code]
     dist.broadcast_object_list(box, src=0)
@@ -239,6 +294,7 @@ def _report(
     *,
     checkpoint: str | None = None,
     content: tuple[int, dict[str, str]] | None = None,
+    names_only: bool = False,
 ) -> int:
     """Print the table and the verdict; 0 pass, 1 fail. ``oracle`` is save_pretrained's index, or
     with ``checkpoint`` that folder's (dtypes then always compared), and ``content`` is rank 0's
@@ -282,7 +338,10 @@ def _report(
         print(f"  unmapped: checkpoint tensors not sent: {_some(not_sent)}")
         print(f"  unmapped: sent names not in the checkpoint: {_some(not_in_ckpt)}")
     if checkpoint and content is not None:
-        print(f"  bytes: {content[0] - len(differ)} of {content[0]} tensors compared equal the checkpoint's")
+        if names_only:
+            print("  bytes: not compared (--names-only)")
+        else:
+            print(f"  bytes: {content[0] - len(differ)} of {content[0]} tensors compared equal the checkpoint's")
         diffs = _differences(meta, oracle, differ)
         if diffs:
             print(f"  first differences ({len(diffs)} in all, metadata order):")

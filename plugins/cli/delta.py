@@ -70,12 +70,12 @@ def run_delta_demo(
     config = load_config(preset, config_path, hidden=hidden, layers=layers)
     model = shard_fsdp2(build_model(config, seed=0))
     n_params = sum(p.numel() for p in model.parameters())
+    result = DemoResult(steps=steps)
     handle, url = None, None
     if rank == 0:
         _, handle = start_receiver_process(functools.partial(_receiver_model, config, 1))
         url = handle.url
     url = _share(url)
-    result = DemoResult()
     try:
         delta = DeltaSource(FSDPSource(model, dtype=torch.bfloat16, expert_layout="fused"))
         info = LoopbackSparseTrainerInitInfo("127.0.0.1", 0, 2, rank=rank, checksums=checksums)
@@ -99,14 +99,17 @@ def run_delta_demo(
             rep = ws.sync(step, weight_version=f"step-{step}")
             seconds = time.perf_counter() - t0
             verified = checksums and ws.engine.verified_rounds == step + 1
-            result.syncs += 1
-            result.verified += int(verified)
+            if step:  # the syncs counted are the steps' (--steps N: sync 1/N ... N/N)
+                result.syncs += 1
+                result.verified += int(verified)
+            else:  # the cold start (anchor) is checked alike; a failure fails the demo
+                result.failed_extra += int(checksums and not verified)
             sent = rep.delta_wire_bytes or 0
             result.bytes += sent
             result.seconds += seconds
             frac = rep.changed_fraction or 0.0
             line = (
-                f"  sync {step}/{steps}: " + ("cold start" if loss is None else f"loss {loss.item():.4f}")
+                ("  cold start (sync 0): " if loss is None else f"  sync {step}/{steps}: loss {loss.item():.4f}")
                 + f" | {'anchor' if rep.delta_anchor else 'delta'}: {frac:.4%} changed "
                 f"({rep.delta_changed:,}/{rep.delta_elements:,} elements, {rep.delta_tensors} tensors), "
                 f"{format_bytes(sent)} sent vs {format_bytes(rep.delta_dense_bytes)} dense "

@@ -31,7 +31,7 @@ from weightsync.sources import get_logger
 from ..presets import build_model, load_config
 from .build import shard_fsdp2
 
-__all__ = ["DemoResult", "run_demo", "FP8_LOGITS_TOL"]
+__all__ = ["DemoResult", "run_demo", "progress", "FP8_LOGITS_TOL"]
 
 #: ``--quantize fp8``: the receiver's logits (FP8 weights, dequantized) may differ from the trainer's
 #: by this much relative to the largest |logit|. e4m3 keeps 3 mantissa bits (relative rounding error
@@ -41,18 +41,32 @@ FP8_LOGITS_TOL = 0.08
 logger = get_logger(__name__)
 
 
+#: The demo running in this process (``progress``: what Ctrl-C reports).
+_CURRENT: "DemoResult | None" = None
+
+
 @dataclass
 class DemoResult:
+    """One demo's tally. ``steps``: the syncs asked for (one per training step); creating a result
+    makes it this process's current demo, which ``progress`` reads. ``failed_extra``: checks outside
+    the counted syncs that failed (the delta demo's cold-start anchor)."""
+
+    steps: int = 0
     syncs: int = 0
     verified: int = 0
     bytes: int = 0
     seconds: float = 0.0
     lines: list[str] = field(default_factory=list)
     summary: str = ""
+    failed_extra: int = 0
+
+    def __post_init__(self) -> None:
+        global _CURRENT
+        _CURRENT = self
 
     @property
     def ok(self) -> bool:
-        return self.syncs > 0 and self.verified == self.syncs
+        return self.syncs > 0 and self.verified == self.syncs and not self.failed_extra
 
     def finish(self, demo: str, world: int, model: str, n_params: int, target: str = "") -> str:
         """Set and return the one summary line every demo ends with (``target``: what it synced into)."""
@@ -62,6 +76,11 @@ class DemoResult:
             f"({world} ranks, {model}, {n_params:,} params) -> {target}" + ("PASS" if self.ok else "FAIL")
         )
         return self.summary
+
+
+def progress() -> tuple[int, int]:
+    """``(syncs done, syncs asked for)`` of the demo running in this process ((0, 0) before one starts)."""
+    return (_CURRENT.syncs, _CURRENT.steps) if _CURRENT is not None else (0, 0)
 
 
 @torch.no_grad()
@@ -128,8 +147,8 @@ def run_demo(
     elif quantize is not None:
         raise ValueError(f"quantize={quantize!r}: 'fp8' or None")
     qcfg = getattr(source, "quantization_config", None)
+    result = DemoResult(steps=steps)
     handle, url, port = _start_receiver(config, rank, qcfg)
-    result = DemoResult()
     try:
         client = ReceiverClient(url)
         info = LoopbackTrainerInitInfo(

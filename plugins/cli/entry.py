@@ -25,9 +25,11 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from typing import Sequence
 
@@ -41,7 +43,11 @@ for _noisy in ("torch._opaque_base", "torch._library.opaque_object", "torch.util
 # true of every CPU dry run and nothing a CLI user can act on.
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+#: After Ctrl-C, how long the ranks get to unwind (stop their receiver / server, write the verdict)
+#: before they, their helpers and torchrun are killed. A rank blocked in a gloo collective whose peer
+#: already unwound does not see the signal until the collective times out: this bounds that wait.
+STOP_GRACE_S = 15.0
 #: ``weightsync --help``'s description: plain text (the module docstring is RST).
 DESCRIPTION = (
     "weightsync: turn a sharded trainer model (FSDP2, Megatron-core) into Hugging Face checkpoint "
@@ -49,6 +55,8 @@ DESCRIPTION = (
 )
 _RESULT_ENV = "WEIGHTSYNC_RESULT_FILE"
 _ARGV_ENV = "WEIGHTSYNC_ARGV"
+_T0_ENV = "WEIGHTSYNC_LAUNCH_T0"
+_UP_FILE = "ranks-up"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -109,9 +117,12 @@ def _parser() -> argparse.ArgumentParser:
         "--checkpoint", metavar="PATH", default=None,
         help="compare this safetensors checkpoint folder (instead of save_pretrained) with what the "
         "source would send: names, dtypes, shapes and bytes, listing the first differences; the config "
-        "defaults to PATH/config.json. Bytes match only for weights built as check builds them "
-        "(seed 0), e.g. a folder written by save_pretrained or weightsync export of such a model",
+        "defaults to PATH/config.json. The trainer model is loaded from the folder itself "
+        "(from_pretrained), so a sync of its weights must equal the folder byte for byte (with --quantize "
+        "fp8: the seed-0 weights export writes, as the folder's FP8 tensors are not loaded)",
     )
+    c.add_argument("--names-only", action="store_true",
+                   help="with --checkpoint: compare names, shapes and dtypes only (no weights loaded, no bytes)")
 
     e = sub.add_parser(
         "export",
@@ -133,6 +144,9 @@ def _parser() -> argparse.ArgumentParser:
     from .plan import add_parser as add_plan_parser
 
     add_plan_parser(sub, presets)  # weightsync plan (plugins/cli/plan.py): no ranks, no torchrun
+    for command in sub.choices.values():  # `weightsync demo -v` as well as `weightsync -v demo`
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="log weightsync INFO messages")
     return p
 
 
@@ -180,39 +194,186 @@ def _under_torchrun() -> bool:
     )
 
 
-def _launch(nproc: int, argv: Sequence[str]) -> int:
-    """Re-run ``weightsync argv`` under torchrun with ``nproc`` ranks; return the verdict."""
+def _launch(nproc: int, argv: Sequence[str], command: str) -> int:
+    """Re-run ``weightsync argv`` under torchrun with ``nproc`` ranks; return the verdict.
+
+    Ctrl-C (or SIGTERM) here: torchrun runs in its own session, so the terminal's SIGINT reaches
+    this process only; it forwards SIGINT to every rank (each unwinds: stops its receiver or vLLM
+    server, rank 0 writes the verdict with the syncs done), waits up to ``STOP_GRACE_S`` for torchrun
+    to end (a second Ctrl-C cuts the wait), then kills whatever of the tree is left (torchrun, each
+    rank's process group, any helper's group) and prints one line. Exit 130."""
     with tempfile.TemporaryDirectory(prefix="weightsync-") as tmp:
         result = os.path.join(tmp, "result.json")
         # The ranks get their arguments through the environment: torchrun's own parser would
         # otherwise read options such as --nproc as abbreviations of its own.
         env = dict(os.environ, **{_RESULT_ENV: result, _ARGV_ENV: json.dumps(list(argv))})
         env.setdefault("OMP_NUM_THREADS", "1")
+        env["PYTHONUNBUFFERED"] = "1"  # each rank's lines as they happen, in order with the launcher's
+        env[_T0_ENV] = repr(time.time())
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--log-dir", os.path.join(tmp, "torchrun"),  # else torchrun leaves a torchelastic_* folder in /tmp
             "--nproc-per-node", str(nproc), "-m", "weightsync.plugins.cli",
         ]
-        proc = subprocess.run(cmd, env=env)
-        if not os.path.exists(result):
+        print(f"weightsync {command}: starting {nproc} ranks (torchrun) ...", file=sys.stderr, flush=True)
+        interrupted = False
+        with _interrupts_as_keyboard_interrupt():
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+            try:
+                _wait_for_ranks(proc, os.path.join(tmp, _UP_FILE), command)
+                proc.wait()
+            except KeyboardInterrupt:
+                interrupted = True
+                _stop_tree(proc, nproc)
+        verdict = None
+        if os.path.exists(result):
+            with open(result) as f:
+                verdict = json.load(f)
+        if interrupted:
+            line = (verdict or {}).get("interrupted") or f"weightsync {command}: interrupted"
+            print(line, file=sys.stderr, flush=True)
+            return EXIT_INTERRUPTED
+        if verdict is None:
             print(
                 f"weightsync: the {nproc} ranks ended without a verdict (torchrun exit code "
                 f"{proc.returncode}); see the output above",
                 file=sys.stderr,
             )
             return EXIT_FAIL
-        with open(result) as f:
-            return int(json.load(f)["exit"])
+        return int(verdict["exit"])
 
 
-def _finish(code: int) -> int:
-    """In a launched rank: rank 0 writes the verdict; every rank exits 0 so torchrun stays quiet."""
+def _wait_for_ranks(proc: subprocess.Popen, up_file: str, command: str, every_s: float = 5.0) -> None:
+    """Until rank 0 says the ranks are up (``up_file``) or torchrun ends: a line every ``every_s``
+    saying what is awaited and for how long (each rank imports torch, then they rendezvous)."""
+    t0 = time.monotonic()
+    next_note = t0 + every_s
+    while proc.poll() is None and not os.path.exists(up_file):
+        if time.monotonic() >= next_note:
+            print(f"  ... waiting for the ranks to start (imports, rendezvous): {time.monotonic() - t0:.0f} s",
+                  file=sys.stderr, flush=True)
+            next_note += every_s
+        time.sleep(0.1)
+
+
+def ranks_up(what: str) -> None:
+    """In a launched rank, once the process group is up: rank 0 tells the launcher (which stops its
+    waiting lines) and prints how long the start took."""
+    path = os.environ.get(_RESULT_ENV)
+    if not path or int(os.environ.get("RANK", "0")) != 0:
+        return
+    open(os.path.join(os.path.dirname(path), _UP_FILE), "w").close()
+    t0 = float(os.environ.get(_T0_ENV, "0") or 0)
+    took = f" in {time.time() - t0:.1f} s" if t0 else ""
+    print(f"weightsync {what}: {os.environ.get('WORLD_SIZE', '?')} ranks up{took}", file=sys.stderr, flush=True)
+
+
+class _interrupts_as_keyboard_interrupt:
+    """SIGINT and SIGTERM raise ``KeyboardInterrupt`` inside the block (the launcher's and each rank's
+    way of unwinding through ``finally``); the previous handlers come back at the end."""
+
+    def __enter__(self) -> "_interrupts_as_keyboard_interrupt":
+        self._old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, _raise_interrupt)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), ()):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _stop_tree(proc: subprocess.Popen, nproc: int) -> None:
+    """Ctrl-C in the launcher: SIGINT to each rank, a bounded wait, then SIGKILL to what is left."""
+    tree = _descendants(proc.pid)
+    groups = {g for g in (_pgid(p) for p in tree) if g is not None and g != os.getpgrp()}
+    ranks = [p for p in tree if p in groups]  # torchrun starts each rank as its own group leader
+    print(f"weightsync: Ctrl-C: stopping the {nproc} ranks (up to {STOP_GRACE_S:.0f} s; Ctrl-C again to kill now)",
+          file=sys.stderr, flush=True)
+    for pid in ranks:
+        try:
+            os.kill(pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + STOP_GRACE_S
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        pass
+    # whatever is left: torchrun first (so it restarts nothing), then every group of the tree,
+    # including helpers (a vLLM server) that started after the snapshot or were orphaned
+    tree = set(tree) | set(_descendants(proc.pid))
+    groups |= {g for g in (_pgid(p) for p in tree) if g is not None and g != os.getpgrp()}
+    if proc.poll() is None:
+        proc.kill()
+    for g in groups:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
+
+
+def _finish(code: int, interrupted: str | None = None) -> int:
+    """In a launched rank: rank 0 writes the verdict (and, after Ctrl-C, the line the launcher
+    prints); every rank exits 0 so torchrun stays quiet."""
     path = os.environ.get(_RESULT_ENV)
     if not path:
+        if interrupted:
+            print(interrupted, file=sys.stderr, flush=True)
         return code
     if int(os.environ.get("RANK", "0")) == 0:
         with open(path, "w") as f:
-            json.dump({"exit": code}, f)
+            json.dump({"exit": code, "interrupted": interrupted}, f)
     return EXIT_OK
+
+
+def _interrupted_line(args: argparse.Namespace) -> str:
+    """What Ctrl-C left: for a demo, the syncs done of those asked (a receiver or server is
+    discarded with its weights, so nothing is half-written anywhere the user keeps)."""
+    if args.command == "demo":
+        from .demo import progress
+
+        done, total = progress()
+        return f"weightsync demo: interrupted after {done} of {total} syncs; nothing half-written"
+    if args.command == "export":
+        return f"weightsync export: interrupted; nothing written at {args.out}"
+    return f"weightsync {args.command}: interrupted"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -220,6 +381,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = json.loads(os.environ[_ARGV_ENV]) if _ARGV_ENV in os.environ else sys.argv[1:]
     argv = list(argv)
     args = _parser().parse_args(argv)
+    try:
+        return _main(args, argv)
+    except KeyboardInterrupt:  # before any rank started (validation, environment build, imports)
+        print(f"weightsync {args.command}: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+def _main(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "plan":  # one process on CPU, nothing to launch or validate here
         from .plan import run_plan
 
@@ -240,16 +409,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"weightsync demo: FAIL: {e}", file=sys.stderr)
             return EXIT_FAIL
     if not _under_torchrun() and args.nproc > 1:
-        return _launch(args.nproc, argv)
+        return _launch(args.nproc, argv, args.command)
     from weightsync.sources import configure_logging
 
     configure_logging(logging.INFO if args.verbose else logging.WARNING)
     try:
-        code = _run(args)
-    except UserError as e:
-        return _finish(_usage(str(e)))
+        with _interrupts_as_keyboard_interrupt():  # torchrun stops a rank with SIGTERM: unwind too
+            code = _run(args)
+    except UserError as e:  # raised alike on every rank: rank 0 says it
+        return _finish(_usage(str(e)) if int(os.environ.get("RANK", "0")) == 0 else EXIT_USAGE)
     except KeyboardInterrupt:
-        return 130
+        return _finish(EXIT_INTERRUPTED, _interrupted_line(args))
     return _finish(code)
 
 
@@ -259,6 +429,7 @@ def _run(args: argparse.Namespace) -> int:
     from .demo import init_cpu_process_group
 
     init_cpu_process_group()
+    ranks_up(args.command)
     try:
         if args.command == "demo":
             from .demo import run_demo

@@ -62,7 +62,13 @@ def validate_args(args: argparse.Namespace) -> Any:
         if given:
             raise UserError(f"demo --server vllm serves its own tiny Qwen3 (fp32, random weights): {given[0]} "
                             "does not apply")
+    if getattr(args, "names_only", False) and not getattr(args, "checkpoint", None):
+        raise UserError("--names-only applies to check --checkpoint PATH")
     checkpoint_config(args)
+    if getattr(args, "quantize", None) == "fp8" and getattr(args, "checkpoint", None) and (
+        os.path.isfile(os.path.join(args.checkpoint, "config.json")) or not getattr(args, "quantize_config", None)
+    ):
+        _fp8_folder(args.checkpoint)
     facts = config_facts(args.model, args.config, hidden=args.hidden, layers=args.layers)
     if getattr(args, "dtype", None) and args.dtype not in TORCH_DTYPES:
         raise UserError(f"--dtype {args.dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
@@ -114,6 +120,27 @@ def checkpoint_config(args: argparse.Namespace) -> None:
                 "model the folder should hold"
             )
         args.config = path
+
+
+def _fp8_folder(path: str) -> None:
+    """``check --quantize fp8 --checkpoint PATH``: PATH's config.json must declare an FP8 checkpoint
+    (``quantization_config.quant_method == "fp8"``), else the comparison could only list every
+    tensor as different: a usage error naming what the folder declares."""
+    import json
+
+    from ..presets import UserError
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            qc = json.load(f).get("quantization_config")
+    except (OSError, ValueError):
+        qc = None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method != "fp8":
+        raise UserError(
+            f"--quantize fp8 --checkpoint {path}: the folder is not an FP8 checkpoint (its config.json has "
+            f"quantization_config.quant_method={method!r}, not 'fp8'); drop --quantize to check it as it is"
+        )
 
 
 def _validate_megatron(args: argparse.Namespace, facts: Any) -> None:

