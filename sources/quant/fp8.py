@@ -111,8 +111,6 @@ def quantize_blocks(
     if x3.numel() == 0:
         return q.view(x.shape), torch.empty(scale_shape(tuple(x.shape), (bn, bk)), dtype=torch.float32, device=x.device)
     kernels = _triton_kernels() if x.is_cuda else None
-    if kernels is not None and kernels.scalar_division(x.device) is None:
-        kernels = None  # torch's scale formula here is one the kernels do not reproduce: the torch path
     if kernels is not None and scale_fmt is None:
         scale_inv = kernels.fused(x3, q, bn, bk, transformers=rule == "transformers")
     elif kernels is not None:
@@ -139,8 +137,6 @@ def quantize_many(
     their results are then views of two shared buffers). Everything else -- CPU, UE8M0 scales, 3-D
     stacks, strided or odd-width tensors -- one by one."""
     kernels = _triton_kernels() if xs and xs[0].is_cuda else None
-    if kernels is not None and kernels.scalar_division(xs[0].device) is None:
-        kernels = None
     if kernels is None or scale_fmt is not None or rule not in RULES:
         return [quantize_blocks(x, block, scale_fmt=scale_fmt, rule=rule) for x in xs]
     groups: dict[tuple, list[int]] = {}

@@ -1,10 +1,10 @@
 """Block FP8 quantization as Triton kernels (CUDA only).
 
 ``fused`` (float32 scales): one launch per tensor, one program per ``(bN, bK)`` block: it reads the
-block once, computes its amax and float32 scale with the references' formulas evaluated the way torch
-evaluates them on this device (reciprocals IEEE-rounded; a division of a tensor by a Python float is,
-depending on the torch build, a multiplication by its fp32 reciprocal or a true division --
-``scalar_division`` asks the installed torch once per device) and writes the codes and the scale.
+block once, computes its amax and float32 scale with the references' formulas evaluated the way they
+run on CUDA (a division by a Python float is a multiplication by its fp32 reciprocal; vLLM's
+``per_block_cast_to_fp8`` is ``torch.compile``d, so its ``1 / sf`` is Inductor's Triton division;
+transformers' reciprocals are eager, IEEE-rounded) and writes the codes and the scale.
 ``batched``: the same for many 2-D tensors in one launch (a descriptor table of addresses and
 shapes; per-tensor host work is one row of it), which is what makes a model's worth of small
 projections cost about a copy instead of one Python launch each.
@@ -20,14 +20,13 @@ its torch path.
 
 from __future__ import annotations
 
-import functools
 from array import array
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["amax", "batchable", "batched", "cast", "fused", "scalar_division"]
+__all__ = ["amax", "batchable", "batched", "cast", "fused"]
 
 
 @triton.jit
@@ -59,12 +58,12 @@ def _clamp(y, FMAX: tl.constexpr):
 
 
 @triton.jit
-def _quantize_block(x, TRANSFORMERS: tl.constexpr, FMAX: tl.constexpr, RCP_FMAX: tl.constexpr,
-                    TRUE_DIV: tl.constexpr):
+def _quantize_block(x, TRANSFORMERS: tl.constexpr, FMAX: tl.constexpr, RCP_FMAX: tl.constexpr):
     """A block's scaled values (to be cast to FP8) and its float32 ``scale_inv``, with the references'
-    formulas as torch evaluates them on the device: ``t / c`` (c a Python float) is ``t * fp32(1 / c)``
-    or, where ``TRUE_DIV`` (``scalar_division``), the IEEE quotient; ``c / t`` is ``reciprocal(t) * c``
-    (``Tensor.__rtruediv__``); the reciprocals are IEEE-rounded (div_rn)."""
+    formulas as torch evaluates them on CUDA: ``t / c`` (c a Python float) is ``t * fp32(1 / c)``
+    (PyTorch's div-by-CPU-scalar kernel, and Inductor's code for vLLM's compiled quantizer), ``c / t`` is
+    ``reciprocal(t) * c`` (``Tensor.__rtruediv__``). The transformers rule's reciprocals are IEEE-rounded
+    (div_rn: eager torch); the vLLM rule's ``1 / sf`` is Triton's own division, as Inductor emits it."""
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     if TRANSFORMERS:  # s = 448 / amax (1 for an all-zero block), stores 1 / s, codes of clamp(x * s)
         pos = amax > 0
@@ -72,11 +71,11 @@ def _quantize_block(x, TRANSFORMERS: tl.constexpr, FMAX: tl.constexpr, RCP_FMAX:
         stored = tl.math.div_rn(1.0, mult)
         y = _clamp(x * mult, FMAX)
     else:  # vLLM: sf = max(amax, 1e-4) / 448, stores sf, codes of x * (1 / sf)
-        if TRUE_DIV:
-            stored = tl.math.div_rn(tl.maximum(amax, 1e-4), FMAX)
-        else:
-            stored = tl.maximum(amax, 1e-4) * RCP_FMAX
-        y = x * tl.math.div_rn(1.0, stored)
+        stored = tl.maximum(amax, 1e-4) * RCP_FMAX
+        # ``1.0 / sf`` as vLLM computes it on CUDA: ``per_block_cast_to_fp8`` is ``torch.compile``d
+        # there, and Inductor's Triton code takes the reciprocal with Triton's ``/`` (div.full.f32, not
+        # IEEE). With the IEEE reciprocal (div_rn) 1-3 codes per tensor differed, at FP8-subnormal ties.
+        y = x * (1.0 / stored)
     return y, stored
 
 
@@ -101,45 +100,16 @@ def _cast_kernel(x_ptr, mult_ptr, q_ptr, n, k, sxb, sxn, sxk, nb, kb, BN: tl.con
 @triton.jit
 def _fused_kernel(x_ptr, q_ptr, s_ptr, n, k, sxb, sxn, sxk, nb, kb, BN: tl.constexpr, BK: tl.constexpr,
                   PN: tl.constexpr, PK: tl.constexpr, TRANSFORMERS: tl.constexpr, FMAX: tl.constexpr,
-                  RCP_FMAX: tl.constexpr, TRUE_DIV: tl.constexpr):
+                  RCP_FMAX: tl.constexpr):
     """One block: amax, its float32 scale (``_quantize_block``), codes."""
     x, mask, b, i, j, rows, cols = _block(x_ptr, n, k, sxb, sxn, sxk, BN, BK, PN, PK)
-    y, stored = _quantize_block(x, TRANSFORMERS, FMAX, RCP_FMAX, TRUE_DIV)
+    y, stored = _quantize_block(x, TRANSFORMERS, FMAX, RCP_FMAX)
     tl.store(_codes_at(q_ptr, b, rows, cols, n, k), y.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + (b * nb + i) * kb + j, stored)
 
 
-#: fp32(1 / 448): what torch multiplies by when its division of a tensor by the Python float 448 is a
-#: multiplication by the reciprocal (``scalar_division``).
+#: fp32(1 / 448): what torch multiplies by when it divides a CUDA tensor by the Python float 448.
 _RCP_FMAX = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(448.0, dtype=torch.float32))
-
-
-def scalar_division(device: torch.device | str) -> bool | None:
-    """Whether the installed torch computes ``t / 448.0`` (a float32 tensor on ``device`` over a Python
-    float: vLLM's ``amax / 448.0``) as the IEEE quotient (True) or as ``t * fp32(1 / 448)`` (False);
-    None if neither (the kernels cannot reproduce it: ``fp8`` then takes its torch path).
-
-    Builds differ: PyTorch's CUDA div-by-CPU-scalar kernel long multiplied by the reciprocal (one bit
-    off the quotient for some amax), newer builds divide. A scale one bit off moves the codes of the
-    block's values that sit on a rounding boundary, so the kernels must use the formula torch uses
-    here. Asked once per device, on values whose two results differ."""
-    dev = torch.device(device)
-    return _scalar_division(dev.type, dev.index if dev.index is not None else
-                            (torch.cuda.current_device() if dev.type == "cuda" else 0))
-
-
-@functools.lru_cache(maxsize=None)
-def _scalar_division(kind: str, index: int) -> bool | None:
-    a = torch.linspace(1e-4, 1e3, 1 << 16, dtype=torch.float64).float()
-    mul = a * torch.tensor(_RCP_FMAX, dtype=torch.float32)
-    quo = (a.double() / 448.0).float()  # IEEE fp32 quotient (fp64 division then one rounding is exact here)
-    probe = (mul != quo).nonzero().view(-1)[:256]
-    got = (a[probe].to(torch.device(kind, index)) / 448.0).cpu()
-    if torch.equal(got, quo[probe]):
-        return True
-    if torch.equal(got, mul[probe]):
-        return False
-    return None
 
 
 def fused(x3: torch.Tensor, q: torch.Tensor, bn: int, bk: int, *, transformers: bool) -> torch.Tensor:
@@ -150,8 +120,7 @@ def fused(x3: torch.Tensor, q: torch.Tensor, bn: int, bk: int, *, transformers: 
     _fused_kernel[(kb, nb, b)](
         x3, q, scales, n, k, *x3.stride(), nb, kb, BN=bn, BK=bk,
         PN=triton.next_power_of_2(bn), PK=triton.next_power_of_2(bk),
-        TRANSFORMERS=transformers, FMAX=448.0, RCP_FMAX=_RCP_FMAX,
-        TRUE_DIV=bool(scalar_division(x3.device)), num_warps=8,
+        TRANSFORMERS=transformers, FMAX=448.0, RCP_FMAX=_RCP_FMAX, num_warps=8,
     )
     return scales
 
@@ -159,7 +128,7 @@ def fused(x3: torch.Tensor, q: torch.Tensor, bn: int, bk: int, *, transformers: 
 @triton.jit
 def _batched_kernel(x_base, q_base, s_base, desc_ptr, m, BN: tl.constexpr, BK: tl.constexpr, PN: tl.constexpr,
                     PK: tl.constexpr, MAXM: tl.constexpr, TRANSFORMERS: tl.constexpr, FMAX: tl.constexpr,
-                    RCP_FMAX: tl.constexpr, TRUE_DIV: tl.constexpr, EVEN: tl.constexpr, VX: tl.constexpr, VQ: tl.constexpr):
+                    RCP_FMAX: tl.constexpr, EVEN: tl.constexpr, VX: tl.constexpr, VQ: tl.constexpr):
     """Many contiguous 2-D tensors in one launch: program ``pid`` is global block ``pid``; the descriptor
     row of its tensor -- ``(x offset from x_base, q offset from q_base, first block, n, k)``, offsets in
     elements -- is the last one whose first block is <= pid. The block's math is ``_fused_kernel``'s.
@@ -193,7 +162,7 @@ def _batched_kernel(x_base, q_base, s_base, desc_ptr, m, BN: tl.constexpr, BK: t
         mask = (tl.arange(0, PN)[:, None] < BN) & (tl.arange(0, PK)[None, :] < BK)
         mask = mask & (rows[:, None] < n) & (cols[None, :] < k)
         x = tl.load(x_base + xo + offs, mask=mask, other=0.0).to(tl.float32)
-    y, stored = _quantize_block(x, TRANSFORMERS, FMAX, RCP_FMAX, TRUE_DIV)
+    y, stored = _quantize_block(x, TRANSFORMERS, FMAX, RCP_FMAX)
     if EVEN:
         tl.store(q_base + qo + offs, y.to(tl.float8e4nv))
     else:
@@ -247,7 +216,7 @@ def batched(xs: list[torch.Tensor], bn: int, bk: int, *, transformers: bool) -> 
     _batched_kernel[(soff,)](
         x0, q_all, s_all, table, len(xs), BN=bn, BK=bk, PN=triton.next_power_of_2(bn),
         PK=triton.next_power_of_2(bk), MAXM=triton.next_power_of_2(len(xs)), TRANSFORMERS=transformers,
-        FMAX=448.0, RCP_FMAX=_RCP_FMAX, TRUE_DIV=bool(scalar_division(dev)), EVEN=even, VX=16 // esz, VQ=16, num_warps=_BATCHED_WARPS,
+        FMAX=448.0, RCP_FMAX=_RCP_FMAX, EVEN=even, VX=16 // esz, VQ=16, num_warps=_BATCHED_WARPS,
     )
     qv, sv = q_all.as_strided, s_all.as_strided
     return [(qv(qs, qst, qo), sv(ss, sst, so)) for qs, qst, qo, ss, sst, so in shapes]
