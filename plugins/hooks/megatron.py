@@ -41,6 +41,10 @@ class MegatronWeightSync:
         init_info, client: as for ``WeightSync`` (``init_info.rank`` = this global rank).
         hf_config: the transformers config of the checkpoint vLLM serves (names, vocab trim).
         dtype: wire dtype (default: the parameters' dtype).
+        draft: also sync the speculative-decoding draft -- the model's multi-token-prediction block,
+            ``MegatronSource(part="mtp")`` -- in the same pause, same ``weight_version``
+            (``WeightSync(draft=...)``; vLLM's ``start_draft_weight_update``). Default False: the
+            policy only (an MTP block never stops the policy from syncing).
         sync_kwargs: ``every``, ``pause``, ``clear_cache``, ``version_fn``... for ``WeightSync``.
     """
 
@@ -52,11 +56,14 @@ class MegatronWeightSync:
         *,
         hf_config: Any,
         dtype: torch.dtype | None = None,
+        draft: bool = False,
         **sync_kwargs: Any,
     ) -> None:
         from weightsync.sources import MegatronSource
 
         source = MegatronSource(model, hf_config=hf_config, dtype=dtype)
+        if draft:
+            sync_kwargs["draft"] = MegatronSource(model, hf_config=hf_config, dtype=dtype, part="mtp")
         # MegatronSource checks its own stream; the driver still runs the cross-rank checks.
         self.sync = WeightSync(source, init_info, client, **sync_kwargs)
 

@@ -60,6 +60,15 @@ rank 0, seeing the posted failure, finishes the update without committing the ne
 where the failed turn's tensors should be until the next sync, which sends every tensor again.
 The cross-rank metadata agreement runs when ``WeightSync`` is built (``CheckedSource``), since no
 exchange can run inside a pass.
+
+**Draft sync** (``draft=``: a second source, e.g. ``MegatronSource(part="mtp")``, the speculative
+decoding draft's tensors). In the same pause, right after the policy's update went through on every
+rank, the same trainer engine runs one more round with the draft as its source and a client whose
+``start_weight_update`` is ``start_draft_weight_update`` (vLLM 0.33+: that round loads into the
+draft model), finished with the same ``weight_version``. Refused at construction, on every rank, for
+engines that cannot retarget (``DRAFTLESS_BACKENDS``: vLLM's ``supports_draft_weight_update = False``),
+delta rounds, many senders and ``use_load_plan`` (the NCCL trainer checks every round against the
+policy's load plan), and for a client without ``start_draft_weight_update``.
 """
 
 from __future__ import annotations
@@ -97,7 +106,10 @@ from weightsync.sources import (
 from .preflight import check_engine
 from .report import SyncReport
 
-__all__ = ["WeightSync", "PAUSE_MODES", "LateSync", "DEFAULT_CHUNK_BYTES", "is_delta_source", "is_sparse_backend"]
+__all__ = [
+    "WeightSync", "PAUSE_MODES", "LateSync", "DEFAULT_CHUNK_BYTES", "DRAFTLESS_BACKENDS", "is_delta_source",
+    "is_sparse_backend",
+]
 
 logger = get_logger(__name__)
 
@@ -227,6 +239,27 @@ class _TrackedSource(WeightSource):
         return getattr(self.source, name)
 
 
+#: Backends whose vLLM worker engine declares ``supports_draft_weight_update = False`` (vLLM 0.33 and
+#: 0.34: ``nccl_m2n``, ``sharded_rdt``; 0.34: ``sparse_nccl``): ``WeightSync(draft=...)`` refuses them.
+DRAFTLESS_BACKENDS = frozenset({"sparse_nccl", "nccl_m2n", "sharded_rdt"})
+
+
+class _DraftClient:
+    """The draft round's client: ``start_weight_update`` is ``start_draft_weight_update``; the rest
+    (and the version the committing client adds at finish) as the policy round's."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def start_weight_update(self) -> None:
+        self.client.start_draft_weight_update()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "client":
+            raise AttributeError(name)
+        return getattr(self.client, name)
+
+
 #: Bytes of indices + values per ``send_weight_chunk`` in a delta round (a larger patch goes alone).
 DEFAULT_CHUNK_BYTES = 256 << 20
 
@@ -283,6 +316,9 @@ class WeightSync:
         check: check the source's stream and cross-rank metadata on every rank.
         timeout_s: bound on weightsync's own metadata agreement collective.
         chunk_bytes: delta rounds only: indices + values bytes per ``send_weight_chunk``.
+        draft: the speculative-decoding draft's source (``MegatronSource(part="mtp")``), synced in
+            the same pause right after the policy, same ``weight_version`` (module docstring); checked
+            like ``source``. None: the draft stays as vLLM loaded it.
     """
 
     def __init__(
@@ -298,6 +334,7 @@ class WeightSync:
         check: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        draft: WeightSource | None = None,
     ) -> None:
         delta = is_delta_source(source)
         if not delta and not isinstance(source, WeightSource):
@@ -327,10 +364,15 @@ class WeightSync:
             )
         if not callable(version_fn):
             raise TypeError(f"WeightSync: version_fn must be callable (step -> str), got {version_fn!r}")
+        _check_draft(draft, source, init_info, client, delta)
         _check_delta_pairing(source, init_info, delta)
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ValueError(f"WeightSync: chunk_bytes must be a positive int, got {chunk_bytes!r}")
         self.chunk_bytes = chunk_bytes
+        #: the draft's source, checked (None: no draft sync)
+        self.draft: WeightSource | None = None
+        if draft is not None:
+            self.draft = checked(draft, rank=init_info.rank, timeout_s=timeout_s) if check else draft
         #: The ``DeltaSource`` of a delta sync (None: dense syncs, unchanged).
         self.delta: Any = source if delta else None
         self.last_delta_send: dict[str, int] = {}
@@ -446,6 +488,8 @@ class WeightSync:
                 self._send_delta(delta_round, board)
             else:
                 self._engine.send_weights()
+                if self.draft is not None and self._tracked.failure is None:
+                    self._send_draft()
                 if self._tracked.failure is not None:  # this broadcaster's turn was completed with zeros
                     raise self._tracked.failure
                 failed = turns.failure() if turns is not None else None
@@ -530,6 +574,28 @@ class WeightSync:
             if "PyNccl communicator is disabled" in str(e):  # vLLM >= 0.34, at trainer_init
                 e.add_note(f"weightsync: rank {self.rank}: {_pynccl_disabled_cause()}")
             raise
+
+    def _send_draft(self) -> None:
+        """The draft round (module docstring): the engine's source and client swapped for the
+        round, restored after it whatever happens. Every rank runs it (the draft source's gathers)."""
+        engine = self._engine
+        assert engine is not None
+        saved = engine.source, engine.client
+        draft = _TrackedSource(self.draft)
+        engine.source, engine.client = draft, _DraftClient(self._commit_client)
+        try:
+            engine.send_weights()
+        except BaseException as e:
+            # peers may be blocked in the draft's gathers: finish its pass here, as for the policy's
+            finishable = getattr(engine, "weightsync_finishable_pass", self.backend in FINISHABLE_PASS_BACKENDS)
+            if finishable and _multi_rank():
+                try:
+                    draft.finish_pass(0)
+                except BaseException as e2:  # noqa: BLE001 - the draft round's own failure is raised
+                    logger.error("rank %d: finishing the draft pass after %s failed: %s", self.rank, _describe(e), _describe(e2))
+            raise
+        finally:
+            engine.source, engine.client = saved
 
     def _delta_round(self) -> Iterator[Any]:
         """The round's iterator: vLLM's ``SparseWeightPatch`` es (indices always explicit), or, for
@@ -803,6 +869,37 @@ def _check_delta_pairing(source: Any, init_info: TrainerInitInfo, delta: bool) -
                 f"WeightSync: rank {init_info.rank}: backend {backend!r} takes no packed wire options "
                 f"(sparse transfers are never packed); init_info sets {bad}"
             )
+
+
+def _check_draft(draft: Any, source: Any, init_info: TrainerInitInfo, client: Any, delta: bool) -> None:
+    """``WeightSync(draft=...)``'s refusals (module docstring): arguments only, so the same verdict on
+    every rank, before any byte moves."""
+    if draft is None:
+        return
+    rank, backend = init_info.rank, init_info.backend
+    where = f"WeightSync: rank {rank}: draft="
+    if not isinstance(draft, WeightSource):
+        raise TypeError(f"{where} must be a vLLM WeightSource (e.g. MegatronSource(part='mtp')), got {type(draft).__name__}")
+    if backend in DRAFTLESS_BACKENDS or getattr(type(init_info), "weightsync_draftless", False):
+        raise ValueError(
+            f"{where} backend {backend!r} ({type(init_info).__name__}) cannot update a draft model: its vLLM "
+            "engine reports supports_draft_weight_update = False (sparse_nccl, nccl_m2n, sharded_rdt); "
+            "sync the draft through vLLM's 'nccl' or 'ipc' engine, or leave draft=None"
+        )
+    if delta:
+        raise ValueError(f"{where} cannot ride a delta round (sparse patches go to the target model only)")
+    if getattr(source, "senders", "rank0") == "owners" or getattr(draft, "senders", "rank0") == "owners":
+        raise ValueError(f"{where} is not supported with senders='owners' (many senders); use senders='rank0'")
+    if getattr(init_info, "use_load_plan", False):
+        raise ValueError(
+            f"{where} needs use_load_plan=False: vLLM's NCCL trainer checks every round against the policy's "
+            "load plan, which the draft's tensors are not part of"
+        )
+    if not callable(getattr(client, "start_draft_weight_update", None)):
+        raise TypeError(
+            f"{where} needs a client with start_draft_weight_update() (VLLMHTTPClient; vLLM 0.33+ serves "
+            f"POST /start_draft_weight_update); {type(client).__name__} has none"
+        )
 
 
 class LateSync:
