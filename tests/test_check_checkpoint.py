@@ -86,24 +86,43 @@ def test_two_ranks_bf16_sharded_folder_passes(folders):
     assert "Traceback" not in r.stderr
 
 
-def test_other_weights_fail_with_the_first_differing_tensors(folders):
-    from weightsync.plugins.presets import build_model, load_config
+def test_other_weights_pass_and_differing_bytes_are_listed(folders, capsys):
+    """A folder of other weights (seed 3): check loads the trainer model from the folder itself
+    (issue 45), so it PASSes. The byte comparison's listing, which a wrong sync would show, is
+    checked on rank 0's own pieces: the seed-0 tensors compared with that folder."""
+    import argparse
 
-    ours = build_model(load_config("tiny-llama"), seed=0).state_dict()  # what check builds
+    from weightsync.plugins.cli.check import _Folder, _report
+    from weightsync.plugins.presets import build_model, load_config
+    from weightsync.sources import read_checkpoint
+
+    ours = build_model(load_config("tiny-llama"), seed=0).state_dict()  # other weights than the folder's
     theirs = _tensors(folders["seed3"])
     differ = [k for k, v in ours.items() if not torch.equal(v, theirs[k])]
     assert 0 < len(differ) < len(ours)  # norms are ones in both: they must not be listed
     r = run_cli("check", "--checkpoint", folders["seed3"])
-    out = r.stdout
-    assert r.returncode == 1, (out, r.stderr[-3000:])
-    assert out.strip().endswith("FAIL")
+    assert r.returncode == 0 and r.stdout.strip().endswith("PASS"), (r.stdout, r.stderr[-3000:])
+    assert f"bytes: {len(ours)} of {len(ours)} tensors compared equal" in r.stdout
+
+    class Meta:  # what the source's metadata holds per tensor
+        def __init__(self, name, t):
+            self.name, self.dtype, self.shape, self.owners = name, t.dtype, tuple(t.shape), None
+
+    folder = _Folder(read_checkpoint(folders["seed3"]))
+    for name, t in ours.items():
+        folder.compare(name, t)
+    meta = [Meta(n, t) for n, t in ours.items()]
+    args = argparse.Namespace(config=folders["seed3"], model=None, layout="fsdp", show=0)
+    code = _report(args, load_config("tiny-llama"), None, meta, folder.index, [(0, len(meta), len(meta), [])], 1,
+                   None, checkpoint=folders["seed3"], content=folder.bytes_differ)
+    out = capsys.readouterr().out
+    assert code == 1 and out.strip().endswith("FAIL")
     assert f"bytes: {len(ours) - len(differ)} of {len(ours)} tensors compared equal" in out
     assert f"first differences ({len(differ)} in all, metadata order):" in out
     pattern = r"(\S+): bytes differ in (\d+) of (\d+) elements; .*"
     listed = [re.fullmatch(pattern, x).groups() for x in _differences(out)]
     assert [n for n, _, _ in listed] == differ[:10]
     assert all(int(a) == int(b) == ours[n].numel() for n, a, b in listed)
-    assert "Traceback" not in r.stderr
 
 
 def test_missing_extra_and_dtype_differences_are_listed(folders):
