@@ -36,13 +36,20 @@ _ws_step() {
     "$@" >> "$_ws_log" 2>&1 &
     pid=$!
     trap 'kill "$pid" 2>/dev/null; exit 130' INT TERM  # a background job ignores Ctrl-C: stop it here
-    n=0
+    n=0; seen=""
     while kill -0 "$pid" 2>/dev/null; do
       sleep 1
       n=$((n + 1))
       if [ $((n % 20)) -eq 0 ]; then
+        # pip's newest step, only when it is new: a long silent step (resolving, unpacking a big wheel)
+        # says how long it has been silent instead of repeating a line that is no longer true
         last=$(grep -E '^ *(Collecting|Downloading|Building|Installing|Successfully)' "$_ws_log" | tail -n 1 | sed 's/^ *//' | cut -c1-110 || true)
-        _ws_say "  ... still ${label%% *}${last:+: $last}"
+        if [ -n "$last" ] && [ "$last" != "$seen" ]; then
+          seen=$last; quiet=$n
+          _ws_say "  ... still ${label%% *}: $last"
+        else
+          _ws_say "  ... still ${label%% *} (${n} s in this stage; pip silent for $(( n - ${quiet:-0} )) s; log: $_ws_log)"
+        fi
       fi
     done
     wait "$pid"
