@@ -18,6 +18,11 @@ peer's shards point to point): the FSDP-fitted constants applied to a layout the
     python bench/bench_plan.py
     python bench/bench_plan.py --fit --reps 7
     python bench/bench_plan.py --layout megatron
+    python bench/bench_plan.py --gpu-results
+
+``--gpu-results`` runs nothing: it prints ``plan``'s GPU estimate beside each real-size IPC case the
+H100 measured in session 12 (``GPU_CASES``, copied from ``bench/results/gpu-2026-12-06-s12.md``), for
+the same configs (Qwen3-1.7B / 8B / 30B-A3B at 12 layers, FSDP2 world 1, packed and unpacked).
 """
 
 from __future__ import annotations
@@ -84,13 +89,54 @@ def _rank(rank: int, world_size: int, *, cfg_dir: str, reps: int, layout: str) -
     return {"seconds": statistics.median(times), "stats": src.last_pass.as_dict()}
 
 
+#: (label, bench_gpu_sizes shape or "qwen3-1.7b", layers, expert_layout, packed, measured best seconds):
+#: FSDPSource through vLLM 0.34's IPC engines, one H100 (bench/results/gpu-2026-12-06-s12.md)
+GPU_CASES = (
+    ("qwen3-1.7b unpacked", "qwen3-1.7b", None, None, False, 40.047e-3),
+    ("qwen3-1.7b packed", "qwen3-1.7b", None, None, True, 23.133e-3),
+    ("qwen3-8b unpacked", "qwen3-8b", None, None, False, 61.1e-3),
+    ("qwen3-8b packed", "qwen3-8b", None, None, True, 56.1e-3),
+    ("30b-a3b l12 per-expert unpacked", "qwen3-30b-a3b", 12, "per_expert", False, 334.2e-3),
+    ("30b-a3b l12 per-expert packed", "qwen3-30b-a3b", 12, "per_expert", True, 289.8e-3),
+    ("30b-a3b l12 fused unpacked", "qwen3-30b-a3b", 12, "fused", False, 26.5e-3),
+    ("30b-a3b l12 fused packed", "qwen3-30b-a3b", 12, "fused", True, 55.3e-3),
+)
+
+
+def gpu_results() -> None:
+    """Print plan's GPU estimate beside each measured case; exit 1 if any is off by more than 30%."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
+    import bench_gpu_sizes
+    from hf_side import bench_config
+
+    from weightsync.plugins.planner import plan
+
+    worst = 0.0
+    with tempfile.TemporaryDirectory(prefix="bench-plan-gpu-") as tmp:
+        for label, shape, layers, lay, packed, measured in GPU_CASES:
+            cfg = bench_config() if shape == "qwen3-1.7b" else bench_gpu_sizes.config(shape, layers, False)
+            d = os.path.join(tmp, label.replace(" ", "-"))
+            cfg.save_pretrained(d)
+            p = plan(d, backend="ipc", device="gpu", expert_layout=lay, ipc_packed=packed)
+            r = p.total_s / measured
+            worst = max(worst, abs(r - 1))
+            print(f"{label:34s} measured {measured * 1e3:7.1f} ms  estimate {p.total_s * 1e3:7.1f} ms  "
+                  f"estimate/measured {r:5.2f}  ({p.sources[-1].tensors} tensors)")
+    print(f"worst |estimate/measured - 1| = {worst:.2f} (target <= 0.30)")
+    sys.exit(0 if worst <= 0.30 else 1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--fit", action="store_true", help="fit cpu_source_per_tensor and cpu_gather_rate")
     ap.add_argument("--layout", choices=("fsdp", "megatron"), default="fsdp",
                     help="megatron: MegatronSource at TP2 instead (the constants fitted on FSDP, not refitted)")
+    ap.add_argument("--gpu-results", action="store_true",
+                    help="print the GPU estimate beside the recorded H100 IPC cases (runs no pass)")
     args = ap.parse_args()
+    if args.gpu_results:
+        return gpu_results()
     from weightsync.plugins.planner import plan
     from weightsync.plugins.planner.constants import constant
 

@@ -44,6 +44,8 @@ def add_parser(sub: argparse._SubParsersAction, presets: str) -> argparse.Argume
     p.add_argument("--quantize", choices=("fp8",), default=None, help="FP8Source: block-FP8 weights + scales")
     p.add_argument("--dtype", default="bfloat16", help="wire dtype (default bfloat16)")
     p.add_argument("--expert-layout", choices=("per_expert", "fused"), default=None)
+    p.add_argument("--ipc-packed", action="store_true",
+                   help="--backend ipc with vLLM's packed buffers (default: one IPC handle per tensor, vLLM's default)")
     p.add_argument("--device", choices=("gpu", "cpu"), default="gpu", help="which measured constants to use")
     p.add_argument("--wire-gbps", type=float, default=None, help="GB/s of one sender's link to the inference engines")
     p.add_argument("--gather-gbps", type=float, default=None, help="GB/s of the trainer's gathers per rank")
@@ -63,7 +65,7 @@ def run_plan(args: argparse.Namespace) -> int:
             args.config or args.model or "tiny-qwen3", layout=args.layout, world=args.world, replicas=args.replicas,
             tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, backend=args.backend, senders=args.senders,
             changed=args.changed, fp8=args.quantize == "fp8", dtype=args.dtype, expert_layout=args.expert_layout,
-            device=args.device, wire_gbps=args.wire_gbps, gather_gbps=args.gather_gbps,
+            device=args.device, wire_gbps=args.wire_gbps, gather_gbps=args.gather_gbps, ipc_packed=args.ipc_packed,
         )
     except (ValueError, TypeError) as e:
         print(f"weightsync: error: {e}", file=sys.stderr)

@@ -11,8 +11,9 @@ CPU: ``bench/bench_plan.py --fit`` fitted the two CPU source constants on FSDP2 
 the measured time (``--layout megatron``; a refit there gave 0.84-1.38x on a noisy host, not
 adopted), so ``plan`` notes that a Megatron CPU estimate is outside what was fitted.
 
-Figures are from ``bench/results/`` (``gpu-*.md``: absolute times of one H200 host; ``history.jsonl``:
-ratios) and ``docs/evidence.md``. The H200 runs used vLLM 0.33's engines.
+Figures are from ``bench/results/`` (``gpu-*.md``: absolute times of one host; ``history.jsonl``:
+ratios) and ``docs/evidence.md``. The H200 runs used vLLM 0.33's engines, the session-12 H100 runs
+(the IPC constants) vLLM 0.34's.
 """
 
 from __future__ import annotations
@@ -39,16 +40,26 @@ class Constant:
 
 
 _QWEN17 = "Qwen3-1.7B bf16, 310 tensors, 3,441,149,952 bytes, 1 H200"
+_S12 = "bench/results/gpu-2026-12-06-s12.md (one H100 per run, vLLM 0.34)"
 
 CONSTANTS: dict[str, Constant] = {c.name: c for c in (
     # ---- GPU ---------------------------------------------------------------------------------------
     Constant("d2d_copy_rate", 3_441_149_952 / 1.638e-3, "B/s", "gpu", True,
              f"bench/results/gpu-2026-12-02-run1.md bench_ipc 'd2d copy of the same bytes best_ms' 1.638 ({_QWEN17})"),
-    Constant("ipc_packed_per_tensor", (18.173e-3 - 1.638e-3) / 310, "s", "gpu", True,
-             "gpu-2026-12-02-run1.md bench_ipc: (ModuleSource(plain) packed best 18.173 ms - d2d copy 1.638 ms) "
-             f"/ 310 tensors: vLLM's IPC trainer + worker engines per tensor ({_QWEN17})"),
-    Constant("ipc_unpacked_per_tensor", (31.975e-3 - 1.638e-3) / 310, "s", "gpu", True,
-             "gpu-2026-12-02-run1.md bench_ipc: (ModuleSource(plain) unpacked best 31.975 ms - d2d copy 1.638 ms) / 310"),
+    # IPC, engine to engine with FSDPSource (FSDP2 world 1) as the source: least squares of
+    # t = tensors * per_tensor + bytes / rate over four H100 cases of session 12 (vLLM 0.34's engines):
+    # Qwen3-1.7B (310 tensors, 3.44 GB), Qwen3-8B (399, 16.4 GB), Qwen3-30B-A3B at 12 layers with fused
+    # (135, 16.2 GB) and per-expert (4,719) experts -- bench/results/gpu-2026-12-06-s12.md. Each fitted
+    # estimate: packed 0.88-1.11x measured, unpacked 0.72-1.20x (bench/bench_plan.py --gpu-results).
+    Constant("ipc_packed_per_tensor", 48.6e-6, "s", "gpu", True,
+             f"{_S12}: packed (1 GiB+ buffers) FSDPSource best 23.1 / 56.1 / 55.3 / 289.8 ms, fitted"),
+    Constant("ipc_packed_rate", 383e9, "B/s", "gpu", True,
+             f"{_S12}: packed, bytes per second beyond the per-tensor part (pack copy, IPC, the worker's load)"),
+    Constant("ipc_unpacked_per_tensor", 80.8e-6, "s", "gpu", True,
+             f"{_S12}: unpacked (vLLM's default: one IPC handle per tensor) FSDPSource best 40.0 / 61.1 / 26.5 / "
+             "334.2 ms, fitted"),
+    Constant("ipc_unpacked_rate", 890e9, "B/s", "gpu", True,
+             f"{_S12}: unpacked, bytes per second beyond the per-tensor part (the worker's copy out of the handle)"),
     Constant("fsdp_source_per_tensor", 17.942e-3 / 310, "s", "gpu", True,
              "gpu-2026-12-02-run1.md bench_ipc 'FSDPSource last_pass' seconds 0.01794 over 310 tensors "
              "(world 1: no gather; the source's own host work per tensor)"),

@@ -26,7 +26,10 @@ BACKENDS = ("ipc", "nccl", "sparse")
 #: The trainer -> inference link of one sender when the caller gives none: one 200 Gb/s NIC.
 DEFAULT_WIRE_GBPS = 25.0
 #: The measured GPU runs behind constants.py: Qwen3-1.7B, 310 tensors, 3.44 GB, one GPU.
-_MEASURED_TENSORS, _MEASURED_BYTES = 310, 3_441_149_952
+#: the largest GPU refit behind the constants, per backend (tensors, bytes per sender): IPC from the
+#: session-12 real-size runs, the rest from the Qwen3-1.7B runs
+_MEASURED = {"ipc": (4_719, 16_384_000_000)}
+_MEASURED_DEFAULT = (310, 3_441_149_952)
 
 
 @dataclass
@@ -137,6 +140,7 @@ def plan(
     wire_gbps: float | None = None,
     gather_gbps: float | None = None,
     group_bytes: int | None = 64 << 20,
+    ipc_packed: bool = False,
 ) -> RefitPlan:
     """Predict one refit of ``model`` (a preset name, a config.json file or folder, or a transformers
     config) from a trainer in ``layout`` into vLLM over ``backend``.
@@ -154,6 +158,8 @@ def plan(
         device: ``"gpu"`` or ``"cpu"``: which constants the time estimate uses.
         wire_gbps: GB/s of one sender's link to the inference engines (default ``DEFAULT_WIRE_GBPS``,
             an assumption the plan says it made); ``gather_gbps``: the trainer's gather bandwidth.
+        ipc_packed: ``backend="ipc"`` with vLLM's packed buffers (default False, vLLM's default: one
+            IPC handle per tensor).
     Raises ``ValueError`` naming the argument for a layout or backend it cannot plan.
     """
     import torch
@@ -262,16 +268,17 @@ def plan(
 
     time_s, used = _estimate(sources, per_rank, backend=backend, senders=senders, layout=layout, device=device, fp8=fp8,
                              quant_in=quant_in, dense_bytes=dense_bytes, world=world,
-                             wire_gbps=wire_gbps, gather_gbps=gather_gbps, notes=notes)
+                             wire_gbps=wire_gbps, gather_gbps=gather_gbps, notes=notes, ipc_packed=ipc_packed)
     if device == "cpu" and layout == "megatron":
         notes.append("outside what was fitted: the CPU constants come from FSDP2 passes (bench/bench_plan.py --fit); "
                      "on MegatronSource TP2 passes (point-to-point pieces) they estimated 1.6-2.6x the measured "
                      "time (bench/bench_plan.py --layout megatron, 2026-12-06)")
     if wire_gbps is None and backend != "ipc":
         notes.append(f"wire: {DEFAULT_WIRE_GBPS} GB/s per sender assumed (one 200 Gb/s NIC); pass wire_gbps / --wire-gbps")
-    if device == "gpu" and (top.tensors > 10 * _MEASURED_TENSORS or top.bytes > 10 * _MEASURED_BYTES):
+    mt, mb = _MEASURED.get(backend, _MEASURED_DEFAULT)
+    if device == "gpu" and (top.tensors > 10 * mt or top.bytes > 10 * mb):
         notes.append(f"outside what was measured: the GPU per-tensor and copy constants come from one GPU, "
-                     f"{_MEASURED_TENSORS} tensors, {_MEASURED_BYTES / 1e9:.1f} GB; this refit is {top.tensors:,} tensors, "
+                     f"up to {mt:,} tensors, {mb / 1e9:.1f} GB; this refit is {top.tensors:,} tensors, "
                      f"{top.bytes / 1e9:.1f} GB per sender (extrapolated linearly)")
     bk = {"kind": backend, "senders": senders, "fp8": fp8, "changed": changed, "wire_dtype": str(wd).removeprefix("torch."),
           "device": device, "wire_gbps": wire_gbps or DEFAULT_WIRE_GBPS, "expert_layout": expert_layout}
@@ -280,7 +287,7 @@ def plan(
 
 
 def _estimate(sources, per_rank, *, backend, senders, layout, device, fp8, quant_in, dense_bytes, world, wire_gbps,
-              gather_gbps, notes) -> tuple[dict[str, float], list[Constant]]:
+              gather_gbps, notes, ipc_packed=False) -> tuple[dict[str, float], list[Constant]]:
     """Seconds per part: a serial sum (the sources overlap gathers with the consumer by default,
     so the total is an upper estimate)."""
     used: dict[str, Constant] = {}
@@ -298,11 +305,14 @@ def _estimate(sources, per_rank, *, backend, senders, layout, device, fp8, quant
     t: dict[str, float] = {}
     t["trainer_gathers"] = worst.bytes_received / gather_rate + worst.collectives * c(
         "collective_latency" if gpu else "cpu_collective_latency")
-    per_tensor = c(("megatron_source_per_tensor" if layout == "megatron" else "fsdp_source_per_tensor")
-                   if gpu else "cpu_source_per_tensor")
-    engine = 0.0
-    if gpu:
-        engine = c("ipc_packed_per_tensor") if backend == "ipc" else c("nccl_per_tensor")
+    ipc_kind = "ipc_packed" if ipc_packed else "ipc_unpacked"
+    if gpu and backend == "ipc":
+        # fitted engine to engine with FSDPSource as the source: its own per-tensor work is inside
+        per_tensor, engine = 0.0, c(f"{ipc_kind}_per_tensor")
+    else:
+        per_tensor = c(("megatron_source_per_tensor" if layout == "megatron" else "fsdp_source_per_tensor")
+                       if gpu else "cpu_source_per_tensor")
+        engine = c("nccl_per_tensor") if gpu else 0.0
     # senders work in parallel: the busiest one's tensors
     t["host_per_tensor"] = _sender_tensors(inner) * per_tensor + _sender_tensors(top) * engine
     if fp8:
@@ -311,10 +321,11 @@ def _estimate(sources, per_rank, *, backend, senders, layout, device, fp8, quant
     copy = c("d2d_copy_rate" if gpu else "cpu_copy_rate")
     sender_bytes = max(top.bytes_per_sender.values()) if top.bytes_per_sender else 0
     if backend == "ipc":
-        t["wire"] = sender_bytes / copy
+        t["wire"] = sender_bytes / (c(f"{ipc_kind}_rate") if gpu else copy)
         t["receiver_apply"] = 0.0 if gpu else _sender_tensors(top) * c("cpu_apply_per_tensor")
         if gpu:
-            notes.append("ipc: the receiver's apply is inside ipc_packed_per_tensor (measured engine to engine)")
+            notes.append(f"ipc ({'packed' if ipc_packed else 'unpacked'}): the source's and the receiver's work are "
+                         f"inside {ipc_kind}_per_tensor and {ipc_kind}_rate (fitted engine to engine with FSDPSource)")
     elif backend == "sparse":
         t["diff"] = dense_bytes / world / c("delta_diff_rate" if gpu else "cpu_diff_rate")
         t["wire"] = sender_bytes / wire_rate
