@@ -471,6 +471,80 @@ def test_rejected_updates_leave_the_server_serving(server):
     _check_serves(server, 10)
 
 
+def world_trl_grpo(rank: int, world_size: int, *, url: str, model_dir: str, work: str) -> dict:
+    """TRL's ``GRPOTrainer`` in ``vllm_mode="server"`` (rollouts from the real server) with its sync
+    replaced by weightsync (``WeightSyncGRPOTrainer``; loopback backend, ``FSDPSource`` through
+    ``source_from_accelerator``). After each sync the test's subclass asks the server for greedy
+    tokens of ``PROMPTS`` and runs transformers' greedy on the trainer's own (unwrapped) model."""
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerFast
+    from trl import GRPOConfig
+
+    from weightsync.plugins.accelerate import source_from_accelerator
+    from weightsync.plugins.loopback import LoopbackTrainerInitInfo
+    from weightsync.plugins.sync import VLLMHTTPClient, WeightSync
+    from weightsync.plugins.trl import WeightSyncGRPOTrainer
+
+    mine = os.path.join(work, "trainer")
+    _save_served_model(mine, seed=7)  # the trainer starts from other weights than the server's
+    srv = Server(url, None, os.path.join(work, "none.log"), model_dir)
+    checks: list[dict] = []
+    holder: list = []
+
+    class Checked(WeightSyncGRPOTrainer):
+        def _weightsync_sync(self):
+            super()._weightsync_sync()
+            model = self.accelerator.unwrap_model(self.model)
+            was = model.training
+            model.eval()
+            want = [_greedy(model, p) for p in PROMPTS]
+            model.train(was)
+            checks.append({"step": self.state.global_step, "want": want, "got": [srv.generate(p) for p in PROMPTS],
+                           "version": srv.weight_version()})
+
+    def build(model):
+        source = source_from_accelerator(holder[0].accelerator, model)
+        info = LoopbackTrainerInitInfo("127.0.0.1", 0, 2, rank=rank, timeout_s=60)
+        return WeightSync(source, info, VLLMHTTPClient(url, timeout=30), pause="keep")
+
+    args = GRPOConfig(
+        output_dir=os.path.join(work, "out"), use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=6, max_steps=2,
+        learning_rate=5e-2, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+        dataloader_num_workers=0, vllm_importance_sampling_correction=False, bf16=False,  # fp32 server
+    )
+    prompts = Dataset.from_dict({"prompt": [" ".join(f"w{t}" for t in p) for p in PROMPTS] * 4})
+    trainer = Checked(
+        sync=build, model=mine, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=args, train_dataset=prompts, processing_class=PreTrainedTokenizerFast.from_pretrained(mine),
+    )
+    holder.append(trainer)
+    trainer.train()
+    return {"checks": checks, "history": list(trainer.state.log_history)}
+
+
+def test_trl_grpo_generates_from_the_server_weightsync_syncs(server, tmp_path):
+    """TRL's GRPO, ``use_vllm=True, vllm_mode="server"``, generating from the real vLLM server with
+    ``WeightSyncGRPOTrainer`` doing the sync: TRL's NCCL communicator (CUDA only) is never opened,
+    a sync runs before each step's rollouts (versions "0", "1"), after each the server's greedy
+    tokens equal transformers' on the trainer's weights, and GRPO's own loss / reward logs are there
+    with weightsync's report beside them."""
+    pytest.importorskip("trl")
+    res = run_world(world_trl_grpo, 1, timeout=300, url=server.url, model_dir=server.model_dir, work=str(tmp_path))[0]
+    checks = res["checks"]
+    assert [c["step"] for c in checks] == [0, 1], checks
+    for c in checks:
+        assert c["version"] == str(c["step"]), c
+        for (want_t, want_lp), (got_t, got_lp) in zip(c["want"], c["got"]):
+            assert got_t == want_t, c
+            assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) <= LOGPROB_ATOL, c
+    assert checks[0]["want"] != checks[1]["want"]  # the step changed the weights the server then served
+    logs = [h for h in res["history"] if "loss" in h]
+    assert [h["step"] for h in logs] == [1, 2], res["history"]
+    assert all("reward" in h and "weightsync/bytes" in h for h in logs), logs
+    server.seed = None  # serves trained weights now; the next test syncs its own
+
+
 def test_pause_modes_with_requests_in_flight_and_queued(server):
     """Per pause mode, a streaming request in flight when the sync pauses the server (its first
     token arrived), and a new request sent while the server is paused (after ``/pause``, before
