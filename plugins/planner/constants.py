@@ -7,9 +7,9 @@ so a reader always knows which parts of a time are evidence and which are guesse
 bytes, collectives) never come from here: they come from the sources' own metadata and plans.
 
 CPU: ``bench/bench_plan.py --fit`` fitted the two CPU source constants on FSDP2 passes (estimate
-0.85-1.03x measured there); the same constants on ``MegatronSource`` TP2 passes estimated 1.6-2.6x
-the measured time (``--layout megatron``; a refit there gave 0.84-1.38x on a noisy host, not
-adopted), so ``plan`` notes that a Megatron CPU estimate is outside what was fitted.
+0.85-1.03x measured there). The same constants on ``MegatronSource`` TP2 passes estimated 1.4-2.0x
+the measured time (rank 0 receives its peer's shards point to point, not by all-gather), so
+``MegatronSource`` has its own pair, fitted with ``--layout megatron --fit``.
 
 Figures are from ``bench/results/`` (``gpu-*.md``: absolute times of one host; ``history.jsonl``:
 ratios) and ``docs/evidence.md``. The H200 runs used vLLM 0.33's engines, the session-12 H100 runs
@@ -92,6 +92,13 @@ CONSTANTS: dict[str, Constant] = {c.name: c for c in (
     Constant("cpu_source_per_tensor", 82.8e-6, "s", "cpu", True,
              "bench/bench_plan.py --fit (same run as cpu_gather_rate): seconds per yielded tensor of an "
              "FSDPSource pass on CPU, everything but the gathers' bytes and latency"),
+    Constant("cpu_megatron_per_tensor", 9.0e-6, "s", "cpu", True,
+             "bench/bench_plan.py --layout megatron --fit --reps 7, two runs (2026-12-06 s12, 2 gloo ranks, TP2, "
+             "shared 2-core host): 16.8 and 1.2 us (the per-tensor term is small beside the 200 us per collective: "
+             "ill-conditioned), their mean; with it the first run's cases are 0.88-1.26x measured"),
+    Constant("cpu_megatron_p2p_rate", 0.80e9, "B/s", "cpu", True,
+             "bench/bench_plan.py --layout megatron --fit (same two runs): 0.796 and 0.808 GB/s of peer shards "
+             "received point to point by rank 0, their mean"),
     Constant("cpu_collective_latency", 200e-6, "s", "cpu", False,
              "assumption: 200 us per gloo collective on one host (bench_check: the end-of-pass "
              "exchange is 0.2-0.7 ms)"),

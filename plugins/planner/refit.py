@@ -269,10 +269,6 @@ def plan(
     time_s, used = _estimate(sources, per_rank, backend=backend, senders=senders, layout=layout, device=device, fp8=fp8,
                              quant_in=quant_in, dense_bytes=dense_bytes, world=world,
                              wire_gbps=wire_gbps, gather_gbps=gather_gbps, notes=notes, ipc_packed=ipc_packed)
-    if device == "cpu" and layout == "megatron":
-        notes.append("outside what was fitted: the CPU constants come from FSDP2 passes (bench/bench_plan.py --fit); "
-                     "on MegatronSource TP2 passes (point-to-point pieces) they estimated 1.6-2.6x the measured "
-                     "time (bench/bench_plan.py --layout megatron, 2026-12-06)")
     if wire_gbps is None and backend != "ipc":
         notes.append(f"wire: {DEFAULT_WIRE_GBPS} GB/s per sender assumed (one 200 Gb/s NIC); pass wire_gbps / --wire-gbps")
     mt, mb = _MEASURED.get(backend, _MEASURED_DEFAULT)
@@ -300,7 +296,9 @@ def _estimate(sources, per_rank, *, backend, senders, layout, device, fp8, quant
     gpu = device == "gpu"
     top = sources[-1]
     inner = sources[0]
-    gather_rate = gather_gbps * 1e9 if gather_gbps else c("gather_rate" if gpu else "cpu_gather_rate")
+    cpu_megatron = not gpu and layout == "megatron"
+    gather_rate = gather_gbps * 1e9 if gather_gbps else c(
+        "gather_rate" if gpu else ("cpu_megatron_p2p_rate" if cpu_megatron else "cpu_gather_rate"))
     worst = max(per_rank.values(), key=lambda r: (r.bytes_received, r.collectives))
     t: dict[str, float] = {}
     t["trainer_gathers"] = worst.bytes_received / gather_rate + worst.collectives * c(
@@ -311,7 +309,7 @@ def _estimate(sources, per_rank, *, backend, senders, layout, device, fp8, quant
         per_tensor, engine = 0.0, c(f"{ipc_kind}_per_tensor")
     else:
         per_tensor = c(("megatron_source_per_tensor" if layout == "megatron" else "fsdp_source_per_tensor")
-                       if gpu else "cpu_source_per_tensor")
+                       if gpu else ("cpu_megatron_per_tensor" if cpu_megatron else "cpu_source_per_tensor"))
         engine = c("nccl_per_tensor") if gpu else 0.0
     # senders work in parallel: the busiest one's tensors
     t["host_per_tensor"] = _sender_tensors(inner) * per_tensor + _sender_tensors(top) * engine
