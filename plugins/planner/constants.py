@@ -92,13 +92,13 @@ CONSTANTS: dict[str, Constant] = {c.name: c for c in (
     Constant("cpu_source_per_tensor", 82.8e-6, "s", "cpu", True,
              "bench/bench_plan.py --fit (same run as cpu_gather_rate): seconds per yielded tensor of an "
              "FSDPSource pass on CPU, everything but the gathers' bytes and latency"),
-    Constant("cpu_megatron_per_tensor", 9.0e-6, "s", "cpu", True,
-             "bench/bench_plan.py --layout megatron --fit --reps 7, two runs (2026-12-06 s12, 2 gloo ranks, TP2, "
-             "shared 2-core host): 16.8 and 1.2 us (the per-tensor term is small beside the 200 us per collective: "
-             "ill-conditioned), their mean; with it the first run's cases are 0.88-1.26x measured"),
-    Constant("cpu_megatron_p2p_rate", 0.80e9, "B/s", "cpu", True,
-             "bench/bench_plan.py --layout megatron --fit (same two runs): 0.796 and 0.808 GB/s of peer shards "
-             "received point to point by rank 0, their mean"),
+    Constant("cpu_megatron_per_tensor", 10.8e-6, "s", "cpu", True,
+             "bench/bench_plan.py --layout megatron --reps 7 (2026-12-06 s12, 2 gloo ranks, TP2, shared 2-core "
+             "host): least squares over two runs' 8 passes (measured 13.2-53.4 ms; the collective latency held at "
+             "cpu_collective_latency); with it every pass of both runs is 0.74-1.29x measured"),
+    Constant("cpu_megatron_p2p_rate", 0.96e9, "B/s", "cpu", True,
+             "bench/bench_plan.py --layout megatron (same fit): bytes of peer shards rank 0 receives point to "
+             "point per second"),
     Constant("cpu_collective_latency", 200e-6, "s", "cpu", False,
              "assumption: 200 us per gloo collective on one host (bench_check: the end-of-pass "
              "exchange is 0.2-0.7 ms)"),
