@@ -31,6 +31,7 @@ _LAZY: dict[str, str] = {
     # the sync driver, HTTP control plane, reports, preflight checks
     "WeightSync": ".sync",
     "VLLMHTTPClient": ".sync",
+    "RayDraftWeightSyncClient": ".sync",
     "ControlPlaneError": ".sync",
     "InsecureTransportError": ".sync",
     "ServerVersionError": ".sync",
@@ -52,6 +53,7 @@ _LAZY: dict[str, str] = {
     "ReceiverClient": ".loopback_server",
     "ReceiverHandle": ".loopback_server",
     "start_receiver_process": ".loopback_server",
+    "TensorsModel": ".loopback_server",
     # adapter-only LoRA syncs into vLLM's LoRA serving (plugins/lora_adapter/)
     "LoRAAdapterSync": ".lora_adapter",
     "AdapterRefusedError": ".lora_adapter",

@@ -3,26 +3,34 @@ and ``WeightSync(draft=...)``, on 2 gloo ranks (one world, many checks).
 
 Oracles, none of them ``MegatronSource``'s own mapping of the MTP block:
 
+* **Values**: the tests' own importer (``_import_mtp``): random checkpoint tensors under the names a
+  released DeepSeek-V3 / GLM-4.5 checkpoint gives MTP layer 0 (``model.layers.{N}.``: the decoder
+  block from transformers' ``save_pretrained`` table of the last layer -- MLA or GQA attention, MoE
+  experts, shared expert, router and its bias --, ``enorm``, ``hnorm``, ``eh_proj``,
+  ``shared_head.norm``, the ``embed_tokens`` / ``shared_head.head`` copies) are cut by the test into
+  megatron-core's MTP block under TP2 / PP2 / EP2 (column / row shards, ``linear_fc1`` as
+  ``[gate_r; up_r]``, this EP rank's experts, megatron's fused ``linear_qkv`` rows, the padded vocab);
+  the export must be those tensors, byte for byte.
 * **Names**: vLLM 0.34's own MTP loaders (``DeepSeekMTP.load_weights``, ``Glm4MoeMTP.load_weights``)
   run on the rank-0 export over a stand-in module whose parameters are the draft model's: every
   exported tensor must reach a parameter's ``weight_loader`` (none skipped) and every draft parameter
   must be loaded.
-* **Values**: in the world, the MTP block's decoder layer is megatron's last decoder layer times 2
-  (copied module to module, shard by shard, experts and expert bias included), so its export must be
-  exactly 2x the policy export of that layer (the policy export is checked against transformers
-  elsewhere); the MTP layer's own norms and ``eh_proj`` are compared with megatron-core's parameters
-  gathered by the test (``eh_proj``: column shards in TP order); the embedding / head copies with the
-  policy's ``model.embed_tokens.weight`` / ``lm_head.weight``. Byte for byte.
-* **The draft round**: ``WeightSync(draft=...)`` against vLLM's own RL HTTP router (``VLLMRouterServer``)
-  through ``VLLMHTTPClient``: the route order, one ``weight_version`` for both rounds, and the bytes
-  that arrived.
+* **The draft round**: ``WeightSync(draft=...)`` (a) against vLLM's own RL HTTP router
+  (``VLLMRouterServer``) through ``VLLMHTTPClient``: the route order, one ``weight_version`` for both
+  rounds, and the bytes that arrived; (b) into a loopback receiver (a transformers DeepSeek-V3 and a
+  ``TensorsModel`` draft, fused experts) over the loopback transport: the receiver's draft holds the
+  imported checkpoint tensors; a receiver without a draft refuses, and the sync raises on both ranks;
+  (c) through ``RayDraftWeightSyncClient`` over two Ray actor doubles: every call is a method vLLM's
+  ``AsyncLLM`` and ``RLOfflineMixin`` define (read from vLLM's source).
 """
 
 from __future__ import annotations
 
 import base64
+import copy
 import dataclasses
 import re
+import zlib
 from typing import Any, ClassVar
 
 import pytest
@@ -53,41 +61,122 @@ def _build(hf: Any, layout: str) -> list[torch.nn.Module]:
     return build_megatron(hf, MegatronParallel(tp, pp, None, ep), seed=5, overrides={"mtp_num_layers": 1})
 
 
-def _mtp_from_last_layer(chunks: list[torch.nn.Module]) -> None:
-    """On the stage holding the MTP block: its decoder layer := 2 x the decoder's last layer (module to
-    module, this rank's shard), its own norms / eh_proj := distinct seeded values."""
-    chunk = chunks[-1]
-    mtp = getattr(chunk, "mtp", None)
-    if mtp is None:
-        return
-    last = chunk.decoder.layers[-1]
-    block = mtp.layers[0].transformer_layer
-    src = dict(last.named_parameters())
-    src.update({n: b for n, b in last.named_buffers() if n.endswith("router.expert_bias")})
-    with torch.no_grad():
-        for n, t in [*block.named_parameters(), *((n, b) for n, b in block.named_buffers() if n.endswith("router.expert_bias"))]:
-            t.copy_(2 * src[n])
-        from megatron.core import parallel_state as ps
+def _hf_mtp(kind: str, hf: Any) -> dict[str, torch.Tensor]:
+    """MTP layer 0 as a released checkpoint holds it, random (seeded by name): the decoder block is
+    transformers' own table of the last decoder layer (``save_pretrained`` names and shapes) under
+    ``model.layers.{N}.``, plus ``enorm`` / ``hnorm`` ``[h]``, ``eh_proj`` ``[h, 2h]``,
+    ``shared_head.norm`` ``[h]`` and the ``embed_tokens`` / ``shared_head.head`` copies ``[vocab, h]``."""
+    from family_worlds import saved_pretrained
 
-        g = torch.Generator().manual_seed(100 + ps.get_tensor_model_parallel_rank())
-        for name in ("enorm", "hnorm", "eh_proj", "final_layernorm"):
-            w = getattr(mtp.layers[0], name).weight
-            w.copy_(torch.randn(w.shape, generator=g) if name == "eh_proj" else 1 + 0.1 * torch.randn(w.shape, generator=torch.Generator().manual_seed(hash(name) % 1000)))
+    n, h, v = hf.num_hidden_layers, hf.hidden_size, hf.vocab_size
+    pre, last = f"model.layers.{n}.", f"model.layers.{n - 1}."
+    shapes = {pre + k[len(last):]: s for k, (s, _) in saved_pretrained(hf).items() if k.startswith(last)}
+    shapes.update({pre + "enorm.weight": (h,), pre + "hnorm.weight": (h,), pre + "eh_proj.weight": (h, 2 * h),
+                   pre + "shared_head.norm.weight": (h,), pre + "embed_tokens.weight": (v, h),
+                   pre + "shared_head.head.weight": (v, h)})
+    return {k: torch.randn(s, generator=torch.Generator().manual_seed(zlib.crc32(k.encode()))) for k, s in shapes.items()}
 
 
-def _own_params(chunks: list[torch.nn.Module]) -> dict[str, Any]:
-    """Every rank: (tp rank, this rank's MTP-layer own tensors) or None off the MTP stage."""
+def _qkv_rows(hf: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """megatron-core's ``linear_qkv`` rows (weight or bias): per query group, its q heads, then k, then v."""
+    g = hf.num_key_value_heads
+    return torch.cat([torch.cat(x) for x in zip(q.chunk(g), k.chunk(g), v.chunk(g))])
+
+
+def _import_mtp(chunks: list[torch.nn.Module], hf: Any, ck: dict[str, torch.Tensor]) -> list[str]:
+    """The tests' own importer (no MegatronSource code): copy the checkpoint's MTP tensors ``ck`` into
+    this rank's megatron-core MTP block -- TP shards (column-parallel: row chunks, row-parallel: column
+    chunks, gated ``linear_fc1``: ``[gate_r; up_r]``), this EP rank's experts, the expert-TP shard --
+    and the embedding / head copies into the (vocab-parallel) embedding and output layer megatron
+    shares with the MTP block. Raises on any MTP parameter it has no rule for; returns the names used."""
     from megatron.core import parallel_state as ps
 
-    mtp = getattr(chunks[-1], "mtp", None)
-    if mtp is None:
-        return None
-    layer = mtp.layers[0]
-    return {"tp": ps.get_tensor_model_parallel_rank(),
-            **{n: getattr(layer, n).weight.detach().clone() for n in ("enorm", "hnorm", "eh_proj", "final_layernorm")}}
+    n = hf.num_hidden_layers
+    pre = f"model.layers.{n}."
+    tp, tpr = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    etp, etpr = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+    local = hf.n_routed_experts // ps.get_expert_model_parallel_world_size()
+    first = ps.get_expert_model_parallel_rank() * local
+    mla = hasattr(hf, "kv_lora_rank")
+    used: set[str] = set()
+
+    def get(name: str) -> torch.Tensor:
+        used.add(pre + name)
+        return ck[pre + name]
+
+    def vocab(name: str, p: torch.Tensor) -> torch.Tensor:
+        full = torch.full((p.shape[0] * tp, p.shape[1]), 7.0)  # megatron's padded vocab; padding must not leak
+        full[: hf.vocab_size] = get(name)
+        return full.chunk(tp)[tpr]
+
+    same = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "final_layernorm.weight": "shared_head.norm.weight",
+            "transformer_layer.input_layernorm.weight": "input_layernorm.weight",
+            "transformer_layer.pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+            "transformer_layer.self_attention.q_layernorm.weight": f"self_attn.{'q_a_layernorm' if mla else 'q_norm'}.weight",
+            "transformer_layer.self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+            "transformer_layer.self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+            "transformer_layer.mlp.router.weight": "mlp.gate.weight",
+            "transformer_layer.mlp.router.expert_bias": "mlp.gate.e_score_correction_bias"}
+    column = {"eh_proj.weight": "eh_proj.weight",
+              "transformer_layer.self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+              "transformer_layer.self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+              "transformer_layer.self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+              "transformer_layer.self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight"}
+
+    def mtp_value(suffix: str) -> torch.Tensor:
+        if suffix in same:
+            return get(same[suffix])
+        if suffix in column:
+            return get(column[suffix]).chunk(tp)[tpr]
+        if suffix == "transformer_layer.self_attention.linear_proj.weight":
+            return get("self_attn.o_proj.weight").chunk(tp, 1)[tpr]
+        if suffix.startswith("transformer_layer.self_attention.linear_qkv."):
+            leaf = suffix.rsplit(".", 1)[1]
+            return _qkv_rows(hf, *(get(f"self_attn.{x}_proj.{leaf}") for x in "qkv")).chunk(tp)[tpr]
+        m = re.fullmatch(r"transformer_layer\.mlp\.(?:experts\.local_experts\.(\d+)|shared_experts)\.linear_fc([12])\.weight", suffix)
+        if m is None:
+            raise KeyError(f"the test importer has no rule for mtp.layers.0.{suffix}")
+        base, k, r = ("mlp.shared_experts.", tp, tpr) if m[1] is None else (f"mlp.experts.{first + int(m[1])}.", etp, etpr)
+        if m[2] == "1":
+            return torch.cat([get(base + "gate_proj.weight").chunk(k)[r], get(base + "up_proj.weight").chunk(k)[r]])
+        return get(base + "down_proj.weight").chunk(k, 1)[r]
+
+    for chunk in chunks:
+        tensors = dict(chunk.named_parameters())
+        tensors.update({k: b for k, b in chunk.named_buffers() if k.endswith("router.expert_bias")})
+        for name, p in tensors.items():
+            if name == "embedding.word_embeddings.weight":
+                val = vocab("embed_tokens.weight", p)
+            elif name == "output_layer.weight":
+                val = vocab("shared_head.head.weight", p)
+            elif name.startswith("mtp."):
+                val = mtp_value(name.removeprefix("mtp.layers.0."))
+            else:
+                continue
+            assert tuple(val.shape) == tuple(p.shape), (name, tuple(val.shape), tuple(p.shape))
+            with torch.no_grad():
+                p.copy_(val)
+    return sorted(used)
 
 
-def _world(rank: int, world_size: int) -> bytes:
+def _fused(tensors: dict[str, torch.Tensor], hf: Any) -> dict[str, torch.Tensor]:
+    """Per-expert names -> transformers' in-memory fused experts (``experts.gate_up_proj`` ``[E, 2I, H]``:
+    each expert's ``[gate; up]``, ``experts.down_proj`` ``[E, H, I]``); other names as they are."""
+    out, experts = {}, {}
+    for k, t in tensors.items():
+        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)_proj\.weight", k)
+        if m is None:
+            out[k] = t
+        else:
+            experts.setdefault(m[1], {})[(int(m[2]), m[3])] = t
+    for base, w in experts.items():
+        e = range(hf.n_routed_experts)
+        out[base + ".gate_up_proj"] = torch.stack([torch.cat([w[(i, "gate")], w[(i, "up")]]) for i in e])
+        out[base + ".down_proj"] = torch.stack([w[(i, "down")] for i in e])
+    return out
+
+
+def _world(rank: int, world_size: int, urls: dict[str, str]) -> bytes:
     import torch.distributed as dist
     from fsdp_worlds import pack
     from megatron.core import parallel_state as ps
@@ -96,24 +185,30 @@ def _world(rank: int, world_size: int) -> bytes:
     from weightsync.sources import MegatronSource
 
     out: dict[str, Any] = {}
+    # transformers' save_pretrained in a process group writes each rank's share: rank 0 builds the tables
+    tables = [{kind: _hf_mtp(kind, _hf(kind)) for kind in ("dsv3", "glm")} if rank == 0 else None]
+    dist.broadcast_object_list(tables, src=0)
+    tables = tables[0]
     for kind, layout in LAYOUTS:
         hf = _hf(kind)
         chunks = _build(hf, layout)
-        _mtp_from_last_layer(chunks)
+        used: list[Any] = [None] * world_size
+        dist.all_gather_object(used, _import_mtp(chunks, hf, tables[kind]))
         model = chunks if len(chunks) > 1 else chunks[0]
         policy = MegatronSource(model, hf_config=hf)
         draft = MegatronSource(model, hf_config=hf, part="mtp")
         got_policy = {n: t.clone() for n, t in policy.iter_full()}
         got_draft = {n: t.clone() for n, t in draft.iter_full()}
-        own: list[Any] = [None] * world_size
-        dist.all_gather_object(own, _own_params(chunks))
         out[f"{kind}/{layout}"] = {
-            "policy": got_policy, "draft": got_draft, "own": own,
+            "policy": got_policy, "draft": got_draft, "imported": sorted({n for u in used for n in u}),
             "policy_meta": [m.name for m in policy.metadata],
             "draft_meta": [(m.name, tuple(m.shape), m.owners) for m in draft.metadata],
         }
         if (kind, layout) == ("dsv3", "tp2"):
             out["round"] = _draft_round(rank, model, hf)
+            out["ray"] = _ray_round(rank, model, hf)
+            out["loopback"] = _loopback_round(rank, model, hf, urls["draft"])
+            out["refuse_no_draft"] = _loopback_round(rank, model, hf, urls["no_draft"])
             q = _hf(kind)
             q.architectures = ["Qwen3MoeForCausalLM"]
             out["refuse_family"] = errors_of(MegatronSource, model, hf_config=q, part="mtp")
@@ -121,7 +216,78 @@ def _world(rank: int, world_size: int) -> bytes:
                                      ("sparse_nccl", "nccl_m2n", "sharded_rdt")}
             out["refuse_part"] = errors_of(MegatronSource, model, hf_config=hf, part="draft")
         ps.destroy_model_parallel()
+    if rank == 0:
+        out["tables"] = tables
     return pack(out if rank == 0 else {k: v for k, v in out.items() if k.startswith("refuse")})
+
+
+def _loopback_round(rank: int, model: Any, hf: Any, url: str) -> dict[str, Any]:
+    """One ``WeightSync(draft=...)`` sync (version "3") into a loopback receiver over vLLM's HTTP routes,
+    policy and draft with fused experts (what a transformers receiver holds): the report's version, or
+    the error this rank raised (with its notes)."""
+    from weightsync.plugins.loopback import LoopbackTrainerInitInfo
+    from weightsync.plugins.sync import VLLMHTTPClient, WeightSync
+    from weightsync.sources import MegatronSource
+
+    info = LoopbackTrainerInitInfo("127.0.0.1", 0, 2, rank=rank, timeout_s=60)
+    sync = WeightSync(MegatronSource(model, hf_config=hf, expert_layout="fused"), info, VLLMHTTPClient(url),
+                      draft=MegatronSource(model, hf_config=hf, part="mtp", expert_layout="fused"))
+    try:
+        return {"version": sync.sync(3).weight_version}
+    except Exception as e:  # noqa: BLE001 - the refusal under test
+        return {"error": " ".join([f"{type(e).__name__}: {e}", *getattr(e, "__notes__", [])])}
+    finally:
+        sync.shutdown()
+
+
+def _ray_round(rank: int, model: Any, hf: Any) -> dict[str, Any] | None:
+    """``WeightSync(draft=...)`` through ``RayDraftWeightSyncClient`` over two actor handles (test
+    doubles: ``handle.m.remote(*a)`` records ``m`` and its arguments on the actor -- ``update_weights``:
+    the tensors of ``request.update_info`` decoded -- and ``ray.get`` returns the results). Rank 0's
+    recorded calls per actor; the test checks each is a method vLLM's actors define."""
+    import sys
+    import types
+
+    import json_engine
+    from safetensors.torch import load
+
+    from weightsync.plugins import RayDraftWeightSyncClient
+    from weightsync.plugins.sync import WeightSync
+    from weightsync.sources import MegatronSource
+
+    class Handle:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, Any]] = []
+
+        def __getattr__(self, name: str) -> Any:
+            def remote(*args: Any) -> tuple[str, None]:
+                arg = args[0] if args else None
+                if name == "update_weights":
+                    arg = load(base64.b64decode(arg.update_info["safetensors_b64"]))
+                elif name == "init_weight_transfer_engine":
+                    arg = arg.init_info
+                self.calls.append((name, arg))
+                return ("ref", None)
+
+            return types.SimpleNamespace(remote=remote)
+
+    fake = types.ModuleType("ray")
+    fake.get = lambda refs: [r[1] for r in refs]
+    saved = sys.modules.get("ray")
+    sys.modules["ray"] = fake
+    handles = [Handle(), Handle()]
+    try:
+        sync = WeightSync(MegatronSource(model, hf_config=hf), json_engine.JSONTrainerInitInfo(rank=rank, chunk=64),
+                          RayDraftWeightSyncClient(handles), draft=MegatronSource(model, hf_config=hf, part="mtp"),
+                          pause=None)
+        version = sync.sync(9).weight_version
+        sync.shutdown()
+    finally:
+        if saved is None:
+            del sys.modules["ray"]
+        else:
+            sys.modules["ray"] = saved
+    return {"version": version, "calls": [h.calls for h in handles]} if rank == 0 else None
 
 
 def _weight_sync_with(name: str, rank: int, policy: Any, draft: Any) -> None:
@@ -169,7 +335,27 @@ def _draft_round(rank: int, model: Any, hf: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def world() -> dict[int, Any]:
-    return unpack(_run_world(_world, 2, timeout=600))
+    """The 2-rank world, with two loopback receivers served from here: a DeepSeek-V3-like transformers
+    model with a draft (a ``TensorsModel`` of the checkpoint's MTP names, fused experts as transformers
+    holds them) and one without. Rank 0's facts carry the receivers' models, state and calls."""
+    from transformers import AutoModelForCausalLM
+
+    from weightsync.plugins.loopback_server import LoopbackReceiver, ReceiverServer, TensorsModel
+
+    hf = _hf("dsv3")
+    table = {k: torch.zeros_like(t) for k, t in _fused(_hf_mtp("dsv3", hf), hf).items()}
+    policy = AutoModelForCausalLM.from_config(hf)
+    servers = {"draft": ReceiverServer(LoopbackReceiver(policy, draft=TensorsModel(table))).start(),
+               "no_draft": ReceiverServer(LoopbackReceiver(copy.deepcopy(policy))).start()}
+    try:
+        res = unpack(_run_world(_world, 2, timeout=600, urls={k: s.url for k, s in servers.items()}))
+    finally:
+        for s in servers.values():
+            s.stop()
+    res[0]["receivers"] = {k: {"policy": s.receiver.model.state_dict(), "draft": s.receiver.draft and s.receiver.draft.state_dict(),
+                               "state": s.receiver.state(), "calls": [(c["path"], c["status"]) for c in s.calls]}
+                           for k, s in servers.items()}
+    return res
 
 
 def _decode(calls: list) -> list[tuple[str, Any]]:
@@ -187,32 +373,26 @@ def _decode(calls: list) -> list[tuple[str, Any]]:
 
 
 @pytest.mark.parametrize("case", [f"{k}/{lay}" for k, lay in LAYOUTS])
-def test_mtp_export_is_megatrons_mtp_block_byte_for_byte(world, case):
-    """Under TP2 / PP2 / EP2: the draft's decoder block is exactly 2x the policy's last layer, its own
-    norms and eh_proj are megatron's parameters, the embedding / head copies are the policy's (vocab
-    padding trimmed); the policy export of a model with an MTP block has no MTP tensor."""
+def test_mtp_export_is_the_imported_checkpoint_tensors_byte_for_byte(world, case):
+    """Under TP2 / PP2 / EP2: ``MegatronSource(part="mtp")`` streams exactly the checkpoint's MTP
+    tensors the tests' importer put into megatron-core (names, shapes, dtypes, bytes; vocab padding
+    trimmed), in metadata order, every tensor owned by rank 0; the policy export of the same model has
+    no MTP tensor, and its embedding / head are the copies megatron shares with the MTP block."""
+    from family_worlds import same_bytes
+
     r = world[0][case]
+    kind = case.split("/")[0]
+    want = world[0]["tables"][kind]
+    pre = f"model.layers.{_hf(kind).num_hidden_layers}."
     pol, dr = r["policy"], r["draft"]
-    n = len({int(m.split(".")[2]) for m in pol if m.startswith("model.layers.")})  # num_hidden_layers
-    own = [o for o in r["own"] if o is not None]
-    assert own, "no rank reported the MTP block"
-    pre = f"model.layers.{n}."
+    assert r["imported"] == sorted(want), "the importer left checkpoint tensors out"
     assert list(dr) == [m[0] for m in r["draft_meta"]]
-    assert all(m.startswith(pre) for m in dr), sorted(dr)[:3]
+    assert sorted(dr) == sorted(want), (sorted(set(dr) ^ set(want)))[:10]
+    bad = [n for n in want if not same_bytes(dr[n], want[n])]
+    assert bad == [], f"not the imported checkpoint tensor: {bad[:10]}"
     assert not any(m.startswith(pre) for m in pol) and r["policy_meta"] == list(pol)
-    block = {m for m in dr if not re.search(r"\.(enorm|hnorm|eh_proj|embed_tokens|shared_head\.\w+)\.weight$", m)}
-    assert len(block) > 10
-    for m in block:
-        want = pol[f"model.layers.{n - 1}." + m[len(pre):]]
-        assert torch.equal(dr[m], 2 * want), m
-    by_tp = list({o["tp"]: o for o in reversed(own)}.values())  # one per TP rank (EP2: two DP replicas)
-    by_tp.sort(key=lambda o: o["tp"])
-    assert torch.equal(dr[pre + "eh_proj.weight"], torch.cat([o["eh_proj"] for o in by_tp], 0))
-    for hf_name, mg in (("enorm", "enorm"), ("hnorm", "hnorm"), ("shared_head.norm", "final_layernorm")):
-        assert torch.equal(dr[f"{pre}{hf_name}.weight"], own[0][mg]), hf_name
-    assert not torch.equal(own[0]["enorm"], own[0]["hnorm"])
-    assert torch.equal(dr[pre + "embed_tokens.weight"], pol["model.embed_tokens.weight"])
-    assert torch.equal(dr[pre + "shared_head.head.weight"], pol["lm_head.weight"])
+    assert same_bytes(pol["model.embed_tokens.weight"], want[pre + "embed_tokens.weight"])
+    assert same_bytes(pol["lm_head.weight"], want[pre + "shared_head.head.weight"])
     assert all(o == (0,) for _, _, o in r["draft_meta"])
 
 
@@ -313,6 +493,96 @@ def test_draft_round_follows_the_policy_in_the_same_pause_with_the_same_version(
     assert set(got_policy) == set(want["policy"]) and set(got_draft) == set(want["draft"])
     assert all(torch.equal(got_draft[k], want["draft"][k]) for k in got_draft)
     assert all(torch.equal(got_policy[k], want["policy"][k]) for k in got_policy)
+
+
+def test_draft_round_through_the_loopback_receiver(world):
+    """A full ``WeightSync(policy, ..., draft=MegatronSource(part="mtp"))`` sync into a loopback receiver
+    holding a transformers DeepSeek-V3 and a draft model: in one pause the policy round then
+    ``/start_draft_weight_update`` and the draft round, both finished with version "3"; the receiver's
+    draft holds the imported checkpoint tensors (the fused export's experts) and its policy the
+    policy export, byte for byte."""
+    from family_worlds import same_bytes
+
+    r = world[0]
+    assert r["loopback"] == {"version": "3"}, r["loopback"]
+    rec = r["receivers"]["draft"]
+    assert [p for p, _ in rec["calls"] if p not in ("/update_weights",)] == [
+        "/init_weight_transfer_engine", "/pause", "/start_weight_update", "/finish_weight_update",
+        "/start_draft_weight_update", "/finish_weight_update", "/resume"], rec["calls"]
+    assert all(status == 200 for _, status in rec["calls"]), rec["calls"]
+    st = rec["state"]
+    assert (st["weight_version"], st["updates_finished"], st["draft_updates_finished"]) == ("3", 1, 1), st
+    assert st["last_update"]["draft"] and st["last_update"]["checksums_verified"]
+    hf = _hf("dsv3")
+    want_draft = _fused(r["tables"]["dsv3"], hf)
+    assert sorted(rec["draft"]) == sorted(want_draft)
+    bad = [n for n, t in want_draft.items() if not same_bytes(rec["draft"][n], t)]
+    assert bad == [], bad[:10]
+    want_policy = _fused(r["dsv3/tp2"]["policy"], hf)
+    assert sorted(rec["policy"]) == sorted(want_policy)
+    bad = [n for n, t in want_policy.items() if not same_bytes(rec["policy"][n], t)]
+    assert bad == [], bad[:10]
+
+
+def test_a_receiver_without_a_draft_refuses_on_every_rank(world):
+    """The loopback receiver without a draft answers ``/start_draft_weight_update`` with 500 and its
+    reason; the sync raises on both ranks naming it; no draft byte moved, generation was resumed."""
+    rec = world[0]["receivers"]["no_draft"]
+    for rank, r in world.items():
+        err = r["refuse_no_draft"].get("error")
+        assert err and "holds no draft model" in err and "start_draft_weight_update" in err, (rank, err)
+        assert ("failed on rank 0" if rank else "sync failed in send on rank(s) [0, 1]") in err, (rank, err)
+    paths = [p for p, _ in rec["calls"]]
+    cut = paths.index("/start_draft_weight_update")
+    assert rec["calls"][cut][1] == 500 and "/update_weights" not in paths[cut:] and "/resume" in paths[cut:], rec["calls"]
+    assert rec["state"]["draft_updates_finished"] == 0 and not rec["state"]["has_draft"]
+
+
+def _actor_methods(module: str, cls: str) -> set[str]:
+    """The methods ``cls`` defines in vLLM's ``module`` (read from its source, not imported)."""
+    import ast
+    import importlib.util
+
+    tree = ast.parse(open(importlib.util.find_spec(module).origin).read())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return {f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def test_draft_round_through_the_ray_client(world):
+    """``RayDraftWeightSyncClient`` over two actor handles (a Ray double): each actor gets init, the
+    policy round, ``start_draft_weight_update``, the draft round, each finish followed by
+    ``update_weight_version("9")`` -- every call one that vLLM 0.34's ``AsyncLLM`` and ``LLM``
+    (``RLOfflineMixin``) actors define; the draft bytes are the export."""
+    from family_worlds import same_bytes
+
+    r = world[0]["ray"]
+    want = world[0]["dsv3/tp2"]
+    assert r["version"] == "9"
+    served = _actor_methods("vllm.v1.engine.async_llm", "AsyncLLM") & _actor_methods("vllm.entrypoints.rl.offline",
+                                                                                     "RLOfflineMixin")
+    for calls in r["calls"]:
+        names = [c for c, _ in calls if c != "update_weights"]
+        assert names == ["init_weight_transfer_engine", "start_weight_update", "finish_weight_update", "update_weight_version",
+                         "start_draft_weight_update", "finish_weight_update", "update_weight_version"], names
+        assert {c for c, _ in calls} <= served, {c for c, _ in calls} - served
+        assert [a for c, a in calls if c == "update_weight_version"] == ["9", "9"]
+        cut = [c for c, _ in calls].index("start_draft_weight_update")
+        got = {k: v for c, a in calls[cut:] if c == "update_weights" for k, v in a.items()}
+        assert sorted(got) == sorted(want["draft"]) and all(same_bytes(got[k], want["draft"][k]) for k in got)
+        got = {k: v for c, a in calls[:cut] if c == "update_weights" for k, v in a.items()}
+        assert sorted(got) == sorted(want["policy"])
+
+
+def test_tensors_model_holds_exactly_the_declared_names(world):
+    """``TensorsModel.from_metadata`` (what a receiver's draft is built from): state-dict names, shapes
+    and dtypes are the draft source's metadata, in order; a name that is another's prefix is refused."""
+    from weightsync.plugins.loopback_server import TensorsModel
+
+    meta = world[0]["dsv3/tp2"]["draft_meta"]
+    m = TensorsModel.from_metadata([type("M", (), {"name": n, "shape": s, "dtype": torch.float32}) for n, s, _ in meta])
+    assert [(k, tuple(t.shape)) for k, t in m.state_dict().items()] == [(n, s) for n, s, _ in meta]
+    with pytest.raises(ValueError, match="prefix"):
+        TensorsModel({"a.weight": torch.zeros(1), "a.weight.b": torch.zeros(1)})
 
 
 def test_refusals_are_named_on_every_rank(world):

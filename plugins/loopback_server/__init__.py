@@ -5,6 +5,8 @@
 * ``server`` -- vLLM's dev-mode HTTP routes in front of a receiver (``ReceiverServer``), a client for
   them (``ReceiverClient``) and ``start_receiver_process`` (a receiver in its own process);
 * ``fp8_model.FP8CheckpointModel`` -- a model holding an FP8 checkpoint's tensors (FP8 syncs);
+* ``tensors_model.TensorsModel`` -- a module holding named tensors only (e.g. a draft model's MTP
+  tensors, ``LoopbackReceiver(model, draft=...)``);
 * ``transport`` -- what the sender (``weightsync.plugins.loopback``) and the receiver must agree on:
   the private gloo group, the chunk plan, the wire fields;
 * ``receiving`` -- the receiving end of a dense chunk (validation, go/no-go handshake, chunk plan,
@@ -22,6 +24,7 @@ from __future__ import annotations
 from .fp8_model import FP8CheckpointModel, build_fp8_model
 from .receiver import ChecksumMismatchError, LoopbackReceiver
 from .server import ReceiverClient, ReceiverHandle, ReceiverServer, start_receiver_process
+from .tensors_model import TensorsModel
 
 __all__ = [
     "build_fp8_model",
@@ -32,4 +35,5 @@ __all__ = [
     "ReceiverHandle",
     "ReceiverServer",
     "start_receiver_process",
+    "TensorsModel",
 ]

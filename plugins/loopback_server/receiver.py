@@ -43,6 +43,16 @@ patched, after the apply, and ``full_checksums(names)`` any tensors as held now:
 compares with a dense pass of its source. Like vLLM's apply, a sparse round is in place and not
 transactional: a failed round leaves the model in an unknown state until a covering (anchor) round.
 vLLM's loader module is imported only when sparse mode is initialised.
+
+**Draft model** (``LoopbackReceiver(model, draft=...)``: the speculative-decoding draft, e.g. a
+``TensorsModel`` holding the MTP tensors ``MegatronSource(part="mtp")`` declares). Like vLLM 0.33+'s
+worker: ``start_draft_weight_update`` opens a round whose ``update_weights`` load into the draft
+(same strict names / dtypes / shapes, checked against the draft's state dict), and whose
+``finish_weight_update`` requires every draft tensor and sets ``weight_version`` as the policy's
+does; ``start_weight_update`` targets the policy again. A receiver without a draft raises
+(``RuntimeError`` naming the receiver, answered 500 by the server, as vLLM's worker raises
+"no draft model is configured"), and so does a sparse (delta) transport, whose rounds patch the
+policy only (vLLM's ``sparse_nccl`` reports ``supports_draft_weight_update = False``).
 """
 
 from __future__ import annotations
@@ -126,22 +136,31 @@ class LoopbackReceiver:
     can be read while an update is in flight.
     """
 
-    def __init__(self, model: torch.nn.Module, *, index: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, *, index: int = 0, draft: torch.nn.Module | None = None) -> None:
         self.model = model
+        #: the speculative-decoding draft (module docstring), or None: ``start_draft_weight_update`` raises
+        self.draft = draft
         self.index = index
         self.weight_version: str | None = None
         self.paused = False
         self.pause_mode: str | None = None
         self.updates_finished = 0
+        #: finished rounds that targeted the draft model
+        self.draft_updates_finished = 0
         self.last_update: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._init: LoopbackWorkerInitInfo | None = None
         self._group: Any = None
         self._store: Any = None
         self._group_rank = -1
-        self._targets = self._collect_targets(model)
-        self.loader = CheckpointLoader(self._targets)
-        self._last_plan: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None
+        self._policy_targets = self._collect_targets(model)
+        self._draft_targets = self._collect_targets(draft) if draft is not None else None
+        #: the current round's target (the policy's, or the draft's after start_draft_weight_update)
+        self._targets = self._policy_targets
+        self._is_draft = False
+        self.loader = CheckpointLoader(self._policy_targets)  # sparse rounds: the policy only
+        #: per target (False: policy, True: draft): what an empty update info of its next round reuses
+        self._last_plans: dict[bool, list[tuple[str, torch.dtype, tuple[int, ...]]] | None] = {False: None, True: None}
         self._in_update = False
         self._received: set[int] = set()
         self._checksums: dict[str, str] = {}
@@ -192,21 +211,45 @@ class LoopbackReceiver:
                 info.master_address, info.master_port, rank, info.world_size, info.timeout_s
             )
             self._init, self._group_rank = info, rank
-            self._last_plan = None
+            self._last_plans = {False: None, True: None}
         if info.sparse:
             _vllm_apply()  # pay vLLM's loader import now, not inside the first round's transfer
         logger.info("receiver %d joined the loopback group as rank %d", self.index, rank)
 
     def start_weight_update(self) -> None:
+        """Open a round that loads into the policy model."""
         with self._lock:
             self._require_init()
-            self._in_update = True
-            self._received = set()
-            self._checksums = {}
-            self._failed = None
-            self._bytes = self._tensors = 0
-            self._patches = self._patched = 0
-            self._t0 = time.perf_counter()
+            self._begin(draft=False)
+
+    def start_draft_weight_update(self) -> None:
+        """Open a round that loads into the draft model (vLLM 0.33+'s ``start_draft_weight_update``);
+        raises, naming the receiver, when it holds no draft or its transport is sparse."""
+        with self._lock:
+            self._require_init()
+            if self._draft_targets is None:
+                raise RuntimeError(
+                    f"receiver {self.index}: draft model weight update requested, but this receiver holds no "
+                    "draft model (LoopbackReceiver(model, draft=...)); sync without draft= or give it one"
+                )
+            if self._init is not None and self._init.sparse:
+                raise RuntimeError(
+                    f"receiver {self.index}: the sparse (delta) loopback transport does not support draft model "
+                    "weight updates (its rounds patch the policy only)"
+                )
+            self._begin(draft=True)
+
+    def _begin(self, *, draft: bool) -> None:
+        """A new round's state (caller holds the lock)."""
+        self._is_draft = draft
+        self._targets = self._draft_targets if draft and self._draft_targets is not None else self._policy_targets
+        self._in_update = True
+        self._received = set()
+        self._checksums = {}
+        self._failed = None
+        self._bytes = self._tensors = 0
+        self._patches = self._patched = 0
+        self._t0 = time.perf_counter()
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Receive one chunk of the update: answer the sender's go/no-go, then consume the stream.
@@ -236,16 +279,20 @@ class LoopbackReceiver:
                 for gid, names in sorted(self._group_names().items())
                 if gid not in self._received
             ]
+            which = "draft" if self._is_draft else "policy"
             if missing:
                 raise MetadataMismatchError(
-                    f"receiver {self.index}: the update did not send {len(missing)} of the model's "
+                    f"receiver {self.index}: the update did not send {len(missing)} of the {which} model's "
                     f"{len(self._group_names())} tensors: {missing[:20]}"
                     + (" ..." if len(missing) > 20 else "")
                     + f"; weight_version stays {self.weight_version!r}"
                 )
             if weight_version is not None:
                 self.weight_version = weight_version
-            self.updates_finished += 1
+            if self._is_draft:
+                self.draft_updates_finished += 1
+            else:
+                self.updates_finished += 1
             self.last_update = {
                 "tensors": self._tensors,
                 "bytes_received": self._bytes,
@@ -253,6 +300,7 @@ class LoopbackReceiver:
                 "checksums_verified": bool(self._init and self._init.checksums) and not sparse,
                 "weight_version": self.weight_version,
                 "sparse": sparse,
+                "draft": self._is_draft,
                 "patches": self._patches,
                 "patched_elements": self._patched,
                 "apply_calls": self.loader.calls,
@@ -279,7 +327,7 @@ class LoopbackReceiver:
 
     def _check_plan(self, plan: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
         self._check_targets(plan)
-        self._last_plan = plan  # what an empty update info of the next round reuses
+        self._last_plans[self._is_draft] = plan  # what an empty update info of this target's next round reuses
 
     def _check_targets(self, plan: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
         """Every name is one of the model's, with its dtype and shape (dense and sparse alike)."""
@@ -314,7 +362,7 @@ class LoopbackReceiver:
                     self._init,
                     info,
                     index=self.index,
-                    last_plan=self._last_plan,
+                    last_plan=self._last_plans[self._is_draft],
                     check=self._check_plan,
                     load=self._load,
                     outcome=outcome,
@@ -381,15 +429,19 @@ class LoopbackReceiver:
             self._patched += e.count
             self._tensors += 1
 
-    def full_checksums(self, names: list[str] | None = None) -> dict[str, str]:
+    def full_checksums(self, names: list[str] | None = None, *, draft: bool = False) -> dict[str, str]:
         """``{name: integrity.checksum}`` of the model's tensors as held now (all of them, a tied
-        group under each of its names, or ``names``): what a trainer compares with a dense pass."""
+        group under each of its names, or ``names``): what a trainer compares with a dense pass.
+        ``draft``: the draft model's instead of the policy's."""
         with self._lock:
-            wanted = list(self._targets) if names is None else list(names)
-            unknown = [n for n in wanted if n not in self._targets]
+            targets = self._draft_targets if draft else self._policy_targets
+            if targets is None:
+                raise ValueError(f"receiver {self.index}: holds no draft model")
+            wanted = list(targets) if names is None else list(names)
+            unknown = [n for n in wanted if n not in targets]
             if unknown:
                 raise ValueError(f"receiver {self.index}: unknown tensor names {unknown[:10]}")
-            return {n: checksum(self._targets[n][1]) for n in wanted}
+            return {n: checksum(targets[n][1]) for n in wanted}
 
     def _load(self, entry: tuple[str, torch.dtype, tuple[int, ...]], data: torch.Tensor) -> None:
         """Copy one received parameter (``data``: its bytes) into the model."""
@@ -411,6 +463,8 @@ class LoopbackReceiver:
             "is_paused": self.paused,
             "pause_mode": self.pause_mode,
             "updates_finished": self.updates_finished,
+            "has_draft": self.draft is not None,
+            "draft_updates_finished": self.draft_updates_finished,
             "initialized": self._group is not None,
             "last_update": dict(self.last_update),
         }

@@ -4,6 +4,7 @@
 same request bodies and JSON answers, so vLLM's own ``HTTPVLLMWeightSyncClient`` drives it unchanged::
 
     POST /init_weight_transfer_engine {"init_info": {...}}   POST /start_weight_update
+    POST /start_draft_weight_update (vLLM 0.33+; 500 naming the receiver when it holds no draft)
     POST /update_weights {"update_info": {...}}              POST /finish_weight_update {"weight_version"?}
     POST /pause?mode=abort|wait|keep&clear_cache=            POST /resume
     GET  /is_paused   GET /get_world_size   GET /weight_info  POST /update_weight_version {"new_version"}
@@ -11,7 +12,8 @@ same request bodies and JSON answers, so vLLM's own ``HTTPVLLMWeightSyncClient``
 
 plus test routes under ``/_``: ``GET /_calls`` (every request in order: method, path, query, body,
 status; ``?clear=1`` empties it), ``GET /_state``, ``GET /_checksums``, ``POST /_logits {"input_ids"}``,
-``POST /_full_checksums {"names"?}`` (the receiver's tensors as held now, for delta rounds),
+``POST /_full_checksums {"names"?, "draft"?}`` (the receiver's tensors as held now, for delta
+rounds; ``draft``: the draft model's),
 ``POST /_shutdown``. Errors answer ``{"error": "..."}`` with 400 for bad input and 500 otherwise.
 
 Invariant: every request runs on its own thread (``ThreadingHTTPServer``), so ``update_weights`` --
@@ -101,6 +103,9 @@ class ReceiverServer:
         if method == "POST" and path == "/start_weight_update":
             r.start_weight_update()
             return 200, {"message": "Weight update started"}
+        if method == "POST" and path == "/start_draft_weight_update":
+            r.start_draft_weight_update()
+            return 200, {"message": "Draft weight update started"}
         if method == "POST" and path == "/update_weights":
             if "update_info" not in body:
                 raise ValueError("body must be {'update_info': {...}}")
@@ -143,7 +148,7 @@ class ReceiverServer:
         if method == "GET" and path == "/_checksums":
             return 200, {"checksums": r.weight_checksums()}
         if method == "POST" and path == "/_full_checksums":
-            return 200, {"checksums": r.full_checksums(body.get("names"))}
+            return 200, {"checksums": r.full_checksums(body.get("names"), draft=bool(body.get("draft")))}
         if method == "POST" and path == "/_logits":
             logits = r.logits(body["input_ids"])
             return 200, {
@@ -278,6 +283,10 @@ class ReceiverClient:
     def start_weight_update(self) -> None:
         self._call("POST", "start_weight_update")
 
+    def start_draft_weight_update(self) -> None:
+        """The rounds until ``finish_weight_update`` load into the receiver's draft model."""
+        self._call("POST", "start_draft_weight_update")
+
     def update_weights(self, update_info: Any) -> None:
         self._call("POST", "update_weights", {"update_info": update_info})
 
@@ -314,10 +323,11 @@ class ReceiverClient:
         """What the receiver got in the last round (``integrity.ReportsChecksums``)."""
         return self._call("GET", "_checksums")["checksums"]
 
-    def full_checksums(self, names: list[str] | None = None) -> dict[str, str]:
-        """``integrity.checksum`` of the receiver's tensors as held now (``names``, or all):
-        what the sparse loopback engine compares with a dense pass of the trainer's source."""
-        return self._call("POST", "_full_checksums", {"names": names})["checksums"]
+    def full_checksums(self, names: list[str] | None = None, *, draft: bool = False) -> dict[str, str]:
+        """``integrity.checksum`` of the receiver's tensors as held now (``names``, or all; ``draft``:
+        the draft model's): what the sparse loopback engine compares with a dense pass of the
+        trainer's source."""
+        return self._call("POST", "_full_checksums", {"names": names, "draft": draft})["checksums"]
 
     def calls(self, clear: bool = False) -> list[dict[str, Any]]:
         return self._call("GET", "_calls?clear=1" if clear else "_calls")["calls"]

@@ -897,8 +897,8 @@ def _check_draft(draft: Any, source: Any, init_info: TrainerInitInfo, client: An
         )
     if not callable(getattr(client, "start_draft_weight_update", None)):
         raise TypeError(
-            f"{where} needs a client with start_draft_weight_update() (VLLMHTTPClient; vLLM 0.33+ serves "
-            f"POST /start_draft_weight_update); {type(client).__name__} has none"
+            f"{where} needs a client with start_draft_weight_update() (VLLMHTTPClient, RayDraftWeightSyncClient; "
+            f"vLLM 0.33+ serves POST /start_draft_weight_update); {type(client).__name__} has none"
         )
 
 
