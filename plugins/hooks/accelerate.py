@@ -14,6 +14,11 @@ Invariants, and why:
   trainable parameters in fp32; the engine would ship twice the bytes vLLM keeps. The source casts
   each shard to the mixed-precision dtype before it is gathered; ``FSDPSource``'s fp32 allow-list
   (routers / gates) still applies. ``dtype=`` overrides, ``dtype=None`` keeps parameter dtypes.
+* **Adapter-only with one option**: ``adapter_only=True`` returns a ``LoRAAdapterSource`` over the
+  same module (the prepared ``PeftModel``: FSDP2 shards, or unwrapped from DDP) -- only its LoRA
+  A/B, in PEFT's saved names -- for ``LoRAAdapterSync(source, client, adapter_dir=...)``. The wire
+  dtype follows the same rule (vLLM casts an adapter to its ``--lora-dtype`` either way). A model
+  without a LoRA adapter raises ``UnsupportedAdapterError`` naming this function and the rank.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 
 import torch
 
-from weightsync.sources import FSDPSource, get_logger
+from weightsync.sources import FSDPSource, LoRAAdapterSource, UnsupportedAdapterError, get_logger
 
 __all__ = ["source_from_accelerator", "wire_dtype_for"]
 
@@ -46,15 +51,19 @@ def source_from_accelerator(
     model: torch.nn.Module,
     *,
     dtype: torch.dtype | None | str = _AUTO,
+    adapter_only: bool = False,
     **source_kwargs: Any,
-) -> FSDPSource:
-    """``FSDPSource`` over ``model`` as ``accelerator.prepare`` returned it.
+) -> FSDPSource | LoRAAdapterSource:
+    """``FSDPSource`` over ``model`` as ``accelerator.prepare`` returned it (``adapter_only``: its
+    ``LoRAAdapterSource``).
 
     Args:
         accelerator: the ``Accelerator`` that prepared ``model``.
         model: the prepared model (FSDP2-sharded, DDP-wrapped, or plain).
         dtype: wire dtype; ``"auto"`` (default) follows the accelerator's mixed precision.
-        source_kwargs: passed to ``FSDPSource`` (``keep_fp32``, ``group_bytes``, ``transforms``...).
+        adapter_only: the PEFT LoRA adapter only (``LoRAAdapterSource``, for ``LoRAAdapterSync``).
+        source_kwargs: passed to ``FSDPSource`` (``keep_fp32``, ``group_bytes``, ``transforms``...)
+            or, with ``adapter_only``, to ``LoRAAdapterSource`` (``adapter``, ``check``...).
     """
     from accelerate.utils import DistributedType
 
@@ -70,21 +79,32 @@ def source_from_accelerator(
         dtype = wire_dtype_for(accelerator)
     elif dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"source_from_accelerator: dtype must be a torch.dtype, None or 'auto', got {dtype!r}")
+    if not isinstance(adapter_only, bool):
+        raise TypeError(f"source_from_accelerator: adapter_only must be a bool, got {adapter_only!r}")
     module = model if accelerator.is_fsdp2 else accelerator.unwrap_model(model)
-    logger.info("source_from_accelerator: %s", _explain(accelerator, dtype, auto))
+    logger.info("source_from_accelerator: %s", _explain(accelerator, dtype, auto, adapter_only))
+    if adapter_only:
+        try:
+            return LoRAAdapterSource(module, dtype=dtype, **source_kwargs)
+        except UnsupportedAdapterError as e:
+            raise UnsupportedAdapterError(
+                f"source_from_accelerator(adapter_only=True): {e}. adapter_only sends a PEFT LoRA adapter; "
+                "drop it to send the whole (merged) model"
+            ) from e
     return FSDPSource(module, dtype=dtype, **source_kwargs)
 
 
-def _explain(accelerator: Any, dtype: torch.dtype | None, auto: bool) -> str:
+def _explain(accelerator: Any, dtype: torch.dtype | None, auto: bool, adapter_only: bool = False) -> str:
     """One line: which source over what, and why (logged by ``source_from_accelerator``)."""
     kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
     wire = "the parameters' dtype" if dtype is None else str(dtype).removeprefix("torch.")
     if auto:
         wire += f" (mixed precision {accelerator.mixed_precision!s})"
+    name = "LoRAAdapterSource" if adapter_only else "FSDPSource"
     if accelerator.is_fsdp2:
-        why = "the model is FSDP2-sharded: FSDPSource gathers it per FSDP unit"
+        why = f"the model is FSDP2-sharded: {name} gathers it per FSDP unit"
     else:
-        why = "every rank holds the whole module: FSDPSource sends the unwrapped module, no gathers"
+        why = f"every rank holds the whole module: {name} sends the unwrapped module, no gathers"
         device = getattr(accelerator, "device", None)
         if getattr(device, "type", None) == "cpu":
             why += (

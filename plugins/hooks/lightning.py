@@ -10,11 +10,17 @@ Invariants, and why:
 * **Reports go to the trainer's loggers** (``logger.log_metrics``; Lightning's loggers write on
   global rank 0 only) and are kept in ``reports``.
 * **Built late**: a callable ``sync`` gets the ``LightningModule`` at ``on_train_start``.
+* **Adapter-only with one option** (``adapter_only="/shared/adapters"``, ``hooks/late.py``): the
+  PEFT LoRA adapter of the ``PeftModel`` inside the ``LightningModule`` (exactly one) is sent
+  instead of the merged model, by a ``LoRAAdapterSync`` with the ``WeightSync``'s client,
+  ``every``, pause mode and version strings: the same steps sync. A ``LoRAAdapterSync`` (or a
+  factory returning one) is also taken as ``sync``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 try:
@@ -22,8 +28,9 @@ try:
 except ImportError:  # pragma: no cover - the classic package name
     from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
 
-from ..sync.driver import LateSync, WeightSync
+from ..lora_adapter import AdapterSyncReport
 from ..sync.report import SyncReport
+from .late import AnySync, HookSync
 
 __all__ = ["WeightSyncCallback"]
 
@@ -32,27 +39,32 @@ class WeightSyncCallback(Callback):
     """Sync the module into vLLM at train start, then every ``WeightSync.every`` optimizer steps.
 
     Args:
-        sync: a ``WeightSync``, or ``pl_module -> WeightSync`` called at ``on_train_start``.
+        sync: a ``WeightSync`` or ``LoRAAdapterSync``, or ``pl_module -> either`` called at
+            ``on_train_start``.
         cold_sync: sync at train start (step ``trainer.global_step``).
         log: send each report's metrics to ``trainer.loggers``.
+        adapter_only: send only the PEFT LoRA adapter (``LoRAAdapterSync``, module docstring): the
+            folder the vLLM server reads adapters from, or a dict of ``LoRAAdapterSync`` arguments.
     """
 
     def __init__(
         self,
-        sync: WeightSync | Callable[[Any], WeightSync],
+        sync: AnySync | Callable[[Any], AnySync],
         *,
         cold_sync: bool = True,
         log: bool = True,
+        adapter_only: str | os.PathLike | Mapping[str, Any] | None = None,
     ) -> None:
-        self._late = LateSync(sync, owner="WeightSyncCallback", model_arg="pl_module")
+        self._late = HookSync(sync, owner="WeightSyncCallback", model_arg="pl_module", adapter_only=adapter_only)
         self.cold_sync = cold_sync
         self.log = log
-        self.reports: list[SyncReport] = []
+        self.reports: list[SyncReport | AdapterSyncReport] = []
         self._start_step: int | None = None
 
     @property
-    def sync(self) -> WeightSync | None:
-        """The ``WeightSync`` (None until ``on_train_start`` when a factory was given)."""
+    def sync(self) -> AnySync | None:
+        """The ``WeightSync`` or ``LoRAAdapterSync`` driven (None until ``on_train_start`` when a
+        factory or ``adapter_only`` was given)."""
         return self._late.sync
 
     def _run(self, trainer: Any, step: int) -> None:

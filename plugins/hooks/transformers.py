@@ -24,18 +24,24 @@ Invariants, and why:
   payload the Trainer emits (its integrations see it then).
 * **Built late**: a callable ``sync`` is called with the model at ``on_train_begin``, after
   accelerate prepared (sharded) it, so the source sees the FSDP2 parameters.
+* **Adapter-only with one option** (``adapter_only="/shared/adapters"``, ``hooks/late.py``): a PEFT
+  LoRA model's adapter is sent instead of the merged model -- a ``LoRAAdapterSync`` of the model the
+  Trainer hands ``on_train_begin``, with the ``WeightSync``'s client, ``every``, pause mode and
+  version strings; the same steps sync, the reports land in the same logs. A ``LoRAAdapterSync``
+  (or a factory returning one) is also taken as ``sync``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from transformers import TrainerCallback
 
 from weightsync.sources import get_logger
 
-from ..sync.driver import LateSync, WeightSync
+from .late import AnySync, HookSync
 
 __all__ = ["WeightSyncCallback"]
 
@@ -48,34 +54,40 @@ class WeightSyncCallback(TrainerCallback):
     steps.
 
     Args:
-        sync: a ``WeightSync``, or ``model -> WeightSync`` called at ``on_train_begin`` with the
-            prepared model (build the source there, e.g. with ``weightsync.plugins.accelerate``).
+        sync: a ``WeightSync`` or ``LoRAAdapterSync``, or ``model -> either`` called at
+            ``on_train_begin`` with the prepared model (build the source there, e.g. with
+            ``weightsync.plugins.accelerate``).
         trainer: the Trainer, to hand reports to its loggers (``report_to`` integrations) at the
             sync step itself (recommended); its own ``Trainer.log`` is not called (module docstring).
         cold_sync: sync at ``on_train_begin`` (step ``state.global_step``, 0 for a fresh run).
         sync_on_train_end: also sync the final weights if the last step was not a sync step.
+        adapter_only: send only the PEFT LoRA adapter (``LoRAAdapterSync``, module docstring): the
+            folder the vLLM server reads adapters from, or a dict of ``LoRAAdapterSync`` arguments
+            (``adapter_dir``, ``lora_name``, ``mode``, ``keep``, ``server_dir``...). None: full syncs.
     """
 
     def __init__(
         self,
-        sync: WeightSync | Callable[[Any], WeightSync],
+        sync: AnySync | Callable[[Any], AnySync],
         *,
         trainer: Any = None,
         cold_sync: bool = True,
         sync_on_train_end: bool = False,
+        adapter_only: str | os.PathLike | Mapping[str, Any] | None = None,
     ) -> None:
-        self._late = LateSync(sync, owner="WeightSyncCallback", model_arg="model")
+        self._late = HookSync(sync, owner="WeightSyncCallback", model_arg="model", adapter_only=adapter_only)
         self.trainer = trainer
         self.cold_sync = cold_sync
         self.sync_on_train_end = sync_on_train_end
         self._pending: dict[str, float] = {}
 
     @property
-    def sync(self) -> WeightSync | None:
-        """The ``WeightSync`` (None until ``on_train_begin`` when a factory was given)."""
+    def sync(self) -> AnySync | None:
+        """The ``WeightSync`` or ``LoRAAdapterSync`` driven (None until ``on_train_begin`` when a
+        factory or ``adapter_only`` was given)."""
         return self._late.sync
 
-    def _ensure(self, model: Any) -> WeightSync:
+    def _ensure(self, model: Any) -> AnySync:
         if self.sync is None and model is None:
             raise ValueError("WeightSyncCallback: the Trainer passed no model to on_train_begin")
         return self._late.build(model)

@@ -101,6 +101,12 @@ class AdapterSyncReport:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def metrics(self, prefix: str = "weightsync/") -> dict[str, float]:
+        """Numeric fields only, prefixed, as ``SyncReport.metrics`` (what a trainer's logger takes;
+        ``file_bytes`` is rank 0's only)."""
+        return {prefix + k: float(v) for k, v in self.as_dict().items()
+                if not isinstance(v, (bool, str)) and v is not None}
+
     def summary(self) -> str:
         return (f"rank {self.rank}: adapter {self.lora_name!r} v{self.weight_version}: {self.tensors} tensors, "
                 f"{self.bytes} B, gather {self.gather_seconds * 1e3:.1f} ms, write {self.write_seconds * 1e3:.1f} ms, "
@@ -275,6 +281,7 @@ class LoRAAdapterSync:
         adapter_dir: a folder the servers can read; versions go under ``<adapter_dir>/<lora_name>/``.
         server_dir: where the servers see ``adapter_dir`` when it is mounted elsewhere (default: same).
         mode: ``"inplace"`` (one name reloaded in place) or ``"versioned"`` (several versions loaded).
+        every: sync every ``every`` training steps (``maybe_sync`` / the hooks); ``sync`` syncs on demand.
         keep: ``versioned`` only: versions kept loaded (default: the servers' ``max_loras``; at most that).
         pause: ``"keep"`` | ``"wait"`` | ``"abort"`` | None, around the load, as ``WeightSync``.
         clear_cache: vLLM's ``clear_cache`` for ``wait`` / ``abort`` pauses.
@@ -294,6 +301,7 @@ class LoRAAdapterSync:
         adapter_dir: str,
         server_dir: str | None = None,
         mode: str = "inplace",
+        every: int = 1,
         keep: int | None = None,
         pause: str | None = "keep",
         clear_cache: bool = True,
@@ -311,6 +319,8 @@ class LoRAAdapterSync:
             raise ValueError(f"{who}: adapter_dir must be a folder path the servers can read, got {adapter_dir!r}")
         if mode not in MODES:
             raise ValueError(f"{who}: mode must be one of {MODES}, got {mode!r}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"{who}: every must be a positive int (steps between syncs), got {every!r}")
         if keep is not None and (mode != "versioned" or isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"{who}: keep must be a positive int, and only with mode='versioned'; got keep={keep!r}, "
                              f"mode={mode!r}")
@@ -331,6 +341,7 @@ class LoRAAdapterSync:
         self.adapter_dir = os.path.abspath(os.fspath(adapter_dir))
         self.server_dir = os.fspath(server_dir) if server_dir is not None else self.adapter_dir
         self.mode = mode
+        self.every = every
         self.keep = keep
         self.pause_mode = pause
         self.clear_cache = clear_cache
@@ -345,11 +356,23 @@ class LoRAAdapterSync:
         #: rank 0: ``[(served name, folder)]`` loaded now, oldest first
         self.served: list[tuple[str, str]] = []
         self.last_report: AdapterSyncReport | None = None
+        self._last_step: int | None = None
         self._closed = False
 
     @property
     def is_sender(self) -> bool:
         return self.rank == 0
+
+    # ---- schedule (as ``WeightSync``'s) ----------------------------------------------------------
+
+    def should_sync(self, step: int) -> bool:
+        """True iff ``step`` is a multiple of ``every`` and was not synced already. Pure: the same
+        answer on every rank for the same step."""
+        return step % self.every == 0 and step != self._last_step
+
+    def maybe_sync(self, step: int) -> AdapterSyncReport | None:
+        """``sync(step)`` if the schedule says so, else ``None``. Call it on every rank, every step."""
+        return self.sync(step) if self.should_sync(step) else None
 
     # ---- phases ---------------------------------------------------------------------------------
 
@@ -434,6 +457,7 @@ class LoRAAdapterSync:
             collectives=getattr(self.source.last_pass, "collectives", None),
         )
         self.last_report = report
+        self._last_step = step
         logger.log(20 if self.is_sender else 10, "%s", report.summary())
         return report
 

@@ -19,11 +19,12 @@ the unsharded model):
 * **What is refused, at construction, on every rank** (``UnsupportedAdapterError`` naming the rank,
   the module and the reason; module structure only, so every rank decides the same): a model
   without a PEFT LoRA adapter (a merged model -- ``merge_and_unload()`` -- has nothing to send:
-  use ``FSDPSource``), an adapter already merged into the base weights (``merge_adapter()``:
-  serving base + adapter would apply it twice), disabled adapters, several active adapters without
-  ``adapter=``, DoRA, ``lora_bias``, other LoRA variants, LoRA on anything but a linear layer
-  (embeddings, convolutions), ``modules_to_save`` / ``trainable_token_indices`` (vLLM serves none of
-  them: merge and send the model instead), non-LoRA tuners.
+  use ``FSDPSource``), one holding several ``PeftModel`` objects (which to send?), an adapter
+  already merged into the base weights (``merge_adapter()``: serving base + adapter would apply it
+  twice), disabled adapters, several active adapters without ``adapter=``, DoRA, ``lora_bias``,
+  other LoRA variants, LoRA on anything but a linear layer (embeddings, convolutions),
+  ``modules_to_save`` / ``trainable_token_indices`` (vLLM serves none of them: merge and send the
+  model instead), non-LoRA tuners.
 * **Adapter state is fixed per source**: active adapter, disabled flags and merged adapters are
   re-checked at the start of every pass, before any collective (``AdapterStateError``).
 * **Cross-rank agreement**: the first pass verifies that every rank holds the same metadata and the
@@ -77,7 +78,8 @@ class LoRAAdapterSource(WeightSource):
 
     Args:
         module: the ``PeftModel`` (``get_peft_model(...)``), plain or ``fully_shard``-ed (FSDP2,
-            HSDP, FSDP+TP), possibly wrapped (``torch.compile``, activation checkpointing).
+            HSDP, FSDP+TP), possibly wrapped (``torch.compile``, activation checkpointing, DDP), or a
+            module holding exactly one (a ``LightningModule``); names are relative to the ``PeftModel``.
         adapter: which adapter to send (default: the one active adapter).
         dtype: dtype of the sent tensors (None: the parameters' own, as PEFT saves them); one of
             ``ADAPTER_DTYPES``.
@@ -149,6 +151,9 @@ class LoRAAdapterSource(WeightSource):
             raise self._err("<root>", f"{type(self._module).__name__} holds no PEFT adapter -- a merged model "
                             "(merge_and_unload()) or a plain one has no adapter to send; send the whole "
                             "model with FSDPSource instead")
+        if len(roots) > 1:
+            raise self._err("<root>", f"{len(roots)} PeftModels inside {type(self._module).__name__} "
+                            f"({[d or '<root>' for d, _ in roots]}): pass the one whose adapter to send")
         root_path, peft_model = roots[0]
         tuner = peft_model.base_model
         if not isinstance(tuner, LoraModel):
