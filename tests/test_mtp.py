@@ -337,7 +337,7 @@ def _draft_round(rank: int, model: Any, hf: Any) -> dict[str, Any]:
 def world() -> dict[int, Any]:
     """The 2-rank world, with two loopback receivers served from here: a DeepSeek-V3-like transformers
     model with a draft (a ``TensorsModel`` of the checkpoint's MTP names, fused experts as transformers
-    holds them) and one without. Rank 0's facts carry the receivers' models, state and calls."""
+    holds them) and one without. Rank 0's facts carry the receivers' models, state and POST calls."""
     from transformers import AutoModelForCausalLM
 
     from weightsync.plugins.loopback_server import LoopbackReceiver, ReceiverServer, TensorsModel
@@ -353,7 +353,7 @@ def world() -> dict[int, Any]:
         for s in servers.values():
             s.stop()
     res[0]["receivers"] = {k: {"policy": s.receiver.model.state_dict(), "draft": s.receiver.draft and s.receiver.draft.state_dict(),
-                               "state": s.receiver.state(), "calls": [(c["path"], c["status"]) for c in s.calls]}
+                               "state": s.receiver.state(), "calls": [(c["path"], c["status"]) for c in s.calls if c["method"] == "POST"]}
                            for k, s in servers.items()}
     return res
 
@@ -526,7 +526,8 @@ def test_draft_round_through_the_loopback_receiver(world):
 
 def test_a_receiver_without_a_draft_refuses_on_every_rank(world):
     """The loopback receiver without a draft answers ``/start_draft_weight_update`` with 500 and its
-    reason; the sync raises on both ranks naming it; no draft byte moved, generation was resumed."""
+    reason; the sync raises on both ranks naming it; no draft byte moved, generation was resumed, and
+    the version the policy's finish committed stays."""
     rec = world[0]["receivers"]["no_draft"]
     for rank, r in world.items():
         err = r["refuse_no_draft"].get("error")
@@ -536,6 +537,7 @@ def test_a_receiver_without_a_draft_refuses_on_every_rank(world):
     cut = paths.index("/start_draft_weight_update")
     assert rec["calls"][cut][1] == 500 and "/update_weights" not in paths[cut:] and "/resume" in paths[cut:], rec["calls"]
     assert rec["state"]["draft_updates_finished"] == 0 and not rec["state"]["has_draft"]
+    assert rec["state"]["weight_version"] == "3"  # the policy's finish committed it (docs/mtp.md)
 
 
 def _actor_methods(module: str, cls: str) -> set[str]:
