@@ -19,9 +19,8 @@ import os
 import socket
 from typing import Any, Callable
 
-import torch.distributed as dist
-
-from weightsync.plugins.sync import VLLMHTTPClient
+# torch, torch.distributed and weightsync are imported where used: an example checks its command
+# line before paying for them (examples/megatron_loop.py's layout check answers in well under 1 s)
 
 
 def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -40,6 +39,7 @@ def init_process_group() -> tuple[int, int]:
     import datetime
 
     import torch
+    import torch.distributed as dist
 
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -60,6 +60,8 @@ def free_port() -> int:
 
 
 def _share(obj: Any) -> Any:
+    import torch.distributed as dist
+
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -71,6 +73,8 @@ class Target:
     def __init__(self, args: argparse.Namespace, rank: int, receiver_model: Callable[[], Any] | None,
                  *, sparse: bool = False) -> None:
         """``sparse``: a delta sync's engine (vLLM ``sparse_nccl`` / weightsync ``loopback_sparse``)."""
+        from weightsync.plugins.sync import VLLMHTTPClient
+
         self.handle = None
         port = args.master_port
         if args.vllm_url:

@@ -13,21 +13,45 @@ CPU (loopback receiver)::
 megatron-core's GPTModel builds on CPU but does not run forward there, so on CPU the "optimizer
 step" is a small in-place parameter update (what the hook sees is the same: new weights after
 ``optimizer.step()``); on GPU it is a real forward/backward/step.
+
+The layout is checked first, on the command line and torchrun's ``WORLD_SIZE`` alone: a world size
+that ``--tp x --pp`` does not divide, or layers / heads the parallel sizes do not divide, end in one
+line and exit code 2 before torch is imported, a process group formed or a receiver started.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 
-import torch
+from common import add_args
 
-from common import Target, add_args, init_process_group, receiver_model, tiny_llama_config
-from weightsync.plugins.hooks.megatron import MegatronWeightSync
-from weightsync.sources import configure_logging
+#: The example's model (``tiny_llama_config`` with ``LAYERS`` layers): what the layout must divide.
+LAYERS, HEADS, KV_HEADS = 4, 4, 2
+
+
+def layout_problem(tp: int, pp: int, vpp: int | None, world: int) -> str | None:
+    """What megatron-core would refuse about this layout (after ~40 s of imports, model builds and a
+    traceback per rank), said up front; None when it fits."""
+    for flag, value in (("--tp", tp), ("--pp", pp), ("--vpp", vpp)):
+        if value is not None and value < 1:
+            return f"{flag} {value}: must be >= 1"
+    if world % (tp * pp):
+        return (f"--tp {tp} x --pp {pp} = {tp * pp} ranks per model replica does not divide the world size "
+                f"{world} (torchrun --nproc-per-node): use a multiple of {tp * pp} ranks, or smaller --tp / --pp")
+    if HEADS % tp or KV_HEADS % tp:
+        return f"--tp {tp} does not divide the model's {HEADS} attention heads / {KV_HEADS} KV heads"
+    chunks = pp * (vpp or 1)
+    if LAYERS % chunks:
+        return (f"--pp {pp}" + (f" x --vpp {vpp}" if vpp else "") + f" = {chunks} model chunks do not divide "
+                f"the model's {LAYERS} layers")
+    return None
 
 
 def build_chunks(hf, tp: int, pp: int, vpp: int | None):
+    import torch
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -63,10 +87,23 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=None)
     args = p.parse_args()
+    problem = layout_problem(args.tp, args.pp, args.vpp, int(os.environ.get("WORLD_SIZE", "1")))
+    if problem:
+        if os.environ.get("RANK", "0") == "0":  # one line, not one per rank
+            print(f"megatron_loop.py: {problem}", file=sys.stderr)
+        sys.exit(2)
+
+    import torch
+
+    from common import Target, init_process_group, receiver_model, tiny_llama_config
+    from weightsync.plugins.hooks.megatron import MegatronWeightSync
+    from weightsync.sources import configure_logging
+
     configure_logging(logging.INFO)
     rank, _ = init_process_group()
     hf = tiny_llama_config()
-    hf.num_hidden_layers = 4
+    hf.num_hidden_layers = LAYERS
+    assert (hf.num_attention_heads, hf.num_key_value_heads) == (HEADS, KV_HEADS)
     target = Target(args, rank, receiver_model(hf))
     try:
         model = build_chunks(hf, args.tp, args.pp, args.vpp)  # this rank's VPP chunk list

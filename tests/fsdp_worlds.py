@@ -556,16 +556,17 @@ def world_wrappers(rank: int, world_size: int, *, oracle_dir: str) -> dict:
     dist.barrier()
 
     # 7) a rank that stops iterating mid-pass: the other raises a named timeout, never hangs.
-    import time
+    from worlds import tell_peers, wait_for_peers
 
     quitter = FSDPSource(model, timeout_s=3.0)
     if rank == 1:
         it = quitter.iter_full()
         next(it)
         it.close()
-        time.sleep(6.0)  # stay alive (no collective) while rank 0 waits out its bound
+        wait_for_peers("rank 0 gave up on the quitter")  # alive (no collective) while rank 0 waits out its bound
     else:
         facts["err_quit"] = errors_of(quitter.iter_full)
+        tell_peers("rank 0 gave up on the quitter")
     return pack(facts)
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from worlds import run_world
+from worlds import run_world, tell_peers, wait_for_peers
 
 pytestmark = pytest.mark.slow
 
@@ -191,8 +191,9 @@ def world_stream_cases(rank, world_size):
     src = checked(ToySource(model), timeout_s=3.0)
     if rank == 0:
         facts["absent"] = _outcome(lambda: _drain(src))
+        tell_peers("rank 0 gave up on the absent pass")
     else:
-        time.sleep(4.0)  # then it shows up late, for the same pass
+        wait_for_peers("rank 0 gave up on the absent pass")  # then it shows up late, for the same pass
         facts["absent"] = _outcome(lambda: _drain(src))
     facts["absent"]["next_ok"] = len(_drain(checked(ToySource(model)))) == 5
     return facts
@@ -366,7 +367,12 @@ def world_e2e(rank, world_size, url, dead_url, ports):
     bad = WeightSync(renamed, info(2), VLLMHTTPClient(url, timeout=20), timeout_s=TIMEOUT_S)
     facts["unmapped"] = _outcome(lambda: bad.sync(3))
     facts["unmutated"] = _full_checksums(model) == before
-    # 4. a sync after all that works (a fresh WeightSync: the ones above re-initialized the
+    # 4. a transfer world size that is not 1 sender + the receiver's 1 worker: refused before any
+    #    rendezvous (it used to wait out the group's timeout, then name a store key)
+    wrong = WeightSync(FSDPSource(model), LoopbackTrainerInitInfo("127.0.0.1", 0, 3, rank=rank, timeout_s=30.0),
+                       VLLMHTTPClient(url, timeout=20), timeout_s=TIMEOUT_S)
+    facts["world_size"] = _outcome(lambda: wrong.sync(4))
+    # 5. a sync after all that works (a fresh WeightSync: the ones above re-initialized the
     #    receiver's transport), and the receiver holds exactly the trainer's bytes
     good = WeightSync(FSDPSource(model), info(3), VLLMHTTPClient(url, timeout=20), timeout_s=TIMEOUT_S)
     facts["next"] = _outcome(lambda: good.sync(4))
@@ -421,6 +427,10 @@ def test_end_to_end_receiver_http_and_unmapped_failures_raise_on_every_rank_then
         # bounded by the transport timeout it was given (8 s), which the message names
         assert "engine init" in f["http_fails"]["msg"] and "within 8s" in f["http_fails"]["msg"], f["http_fails"]
         assert "model.nrm.weight" in f["unmapped"]["msg"], f["unmapped"]
+        ws_err = f["world_size"]
+        assert ws_err["type"] is not None and (f"rank {r}" in ws_err["msg"] or "rank(s)" in ws_err["msg"]), ws_err
+        assert "world_size=3" in ws_err["msg"] and "Pass world_size=2" in ws_err["msg"], ws_err
+        assert ws_err["s"] < 30.0 and "within" not in ws_err["msg"], ws_err  # refused, not a rendezvous timeout
         assert f["unmutated"], r
         assert f["next"]["type"] is None, f["next"]
     # the receiver holds the trainer's bytes after the recovered sync (torch's full state dict is

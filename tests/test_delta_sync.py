@@ -491,6 +491,7 @@ def test_cli_demo_and_check_delta():
         frac = float(re.search(r"delta: ([\d.]+)% changed", s).group(1))
         assert 0 < frac < 50, s
     assert re.search(r"2/2 syncs verified, .* -> PASS", out), out
+    demo_anchor = re.search(r"anchor: .*?\), (\S+ \S+) sent vs", syncs[0]).group(1)
     for argv, nproc, layout in (
         (("--model", "tiny-qwen3", "--nproc", "2"), 2, "fsdp x2"),
         (("--model", "tiny-qwen3", "--layout", "megatron", "--pp", "2"), 2, "megatron tp1 pp2"),
@@ -499,6 +500,9 @@ def test_cli_demo_and_check_delta():
         r = run_cli("check", "--delta", *argv, nproc=nproc)
         assert r.returncode == 0, (argv, r.stdout, r.stderr[-3000:])
         assert layout in r.stdout and r.stdout.count("EQUALS a dense pass") == 2 and "PASS" in r.stdout, r.stdout
+        if layout == "fsdp x2":  # the demo's model and layout: its anchor, in the bytes the demo counts
+            anchor = re.search(r"anchor round: .* as vLLM sparse patches \(.*?; (\S+ \S+) whole where cheaper", r.stdout)
+            assert anchor and anchor.group(1) == demo_anchor, (demo_anchor, r.stdout)
     r = run_cli("check", "--delta", "--quantize", "fp8")
     assert r.returncode == 2 and "--delta with --quantize" in r.stderr
     r = run_cli("demo", "--delta", "--no-checksums")

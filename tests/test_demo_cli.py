@@ -378,7 +378,9 @@ def test_ctrl_c_stops_every_process_and_says_how_far(tmp_path):
     assert m and int(m.group(1)) >= 2, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert took < STOP_GRACE_S, took  # the ranks unwound by themselves: no kill was needed
-    time.sleep(0.5)
+    gone_by = time.monotonic() + 30  # the tree's last exits are reaped asynchronously: wait for them
+    while [pid for pid in tree if _alive(pid)] and time.monotonic() < gone_by:
+        time.sleep(0.05)
     assert [pid for pid in tree if _alive(pid)] == []
     assert [f.name for f in tmpdir.iterdir() if not f.name.startswith("torchinductor_")] == []
 
@@ -406,3 +408,12 @@ def test_check_a_save_pretrained_folder_of_other_weights(tmp_path):
     r = run_cli("check", "--checkpoint", str(folder), "--model", "tiny-qwen3")
     assert r.returncode == 1 and r.stdout.strip().endswith("FAIL"), (r.stdout, r.stderr[-3000:])
     assert "model.layers.0.self_attn.q_norm.weight: sent (bfloat16 (16,)), not in the checkpoint" in r.stdout, r.stdout
+
+
+def test_check_delta_prints_nothing_on_stderr_but_its_own_lines():
+    """``weightsync check --delta`` (one rank, in the CLI's own process): its report on stdout and a
+    clean stderr -- vLLM's "Failed to import from vllm._C" (its CUDA wheel asked for kernels on a
+    CPU host) is not a user's concern and is dropped where the CLI owns the process."""
+    r = _run("check", "--delta", timeout=300)
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("PASS"), (r.stdout, r.stderr[-3000:])
+    assert r.stderr.strip() == "", r.stderr[-3000:]

@@ -70,3 +70,58 @@ def test_example_runs_on_two_ranks(name):
 def test_every_example_is_covered():
     scripts = {f[:-3] for f in os.listdir(os.path.join(ROOT, "examples")) if f.endswith(".py") and f != "common.py"}
     assert scripts == set(CASES), scripts ^ set(CASES)
+
+
+def test_megatron_loop_refuses_a_layout_before_anything_starts():
+    """A layout the world size (torchrun's ``WORLD_SIZE``) or the model does not divide: one line on
+    rank 0 (nothing on the others), exit 2, and neither torch nor vLLM imported, no process group, no
+    receiver -- megatron-core used to refuse it after ~40 s with a traceback per rank."""
+    path = os.path.join(ROOT, "examples", "megatron_loop.py")
+    probe = (
+        "import os, runpy, sys\n"
+        f"sys.path.insert(0, {os.path.dirname(path)!r}); sys.argv = [{path!r}, *sys.argv[1:]]\n"
+        "try:\n"
+        f"    runpy.run_path({path!r}, run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    heavy = sorted(m for m in ('torch', 'vllm', 'megatron', 'transformers') if m in sys.modules)\n"
+        "    print('exit', e.code, 'heavy', heavy)\n"
+    )
+    cases = [  # (WORLD_SIZE, RANK, argv, what the line names)
+        ("2", "0", ["--tp", "2", "--pp", "2"], "--tp 2 x --pp 2 = 4 ranks per model replica does not divide the world size 2"),
+        ("3", "0", ["--pp", "2"], "does not divide the world size 3"),
+        ("4", "0", ["--tp", "4"], "--tp 4 does not divide the model's 4 attention heads / 2 KV heads"),
+        ("2", "0", ["--pp", "2", "--vpp", "3"], "--pp 2 x --vpp 3 = 6 model chunks do not divide the model's 4 layers"),
+        ("2", "1", ["--tp", "2", "--pp", "2"], None),  # other ranks: silent, same exit code
+    ]
+    for world, rank, argv, needle in cases:
+        env = dict(os.environ, WORLD_SIZE=world, RANK=rank, LOCAL_RANK=rank)
+        r = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120, env=env)
+        assert r.stdout.strip() == "exit 2 heavy []", (argv, r.stdout, r.stderr[-2000:])
+        lines = r.stderr.strip().splitlines()
+        if needle is None:
+            assert lines == [], (argv, lines)
+        else:
+            assert len(lines) == 1 and lines[0].startswith("megatron_loop.py: ") and needle in lines[0], (argv, lines)
+
+
+def test_a_script_without_the_main_guard_is_told_what_to_add(tmp_path):
+    """A user's script that starts the loopback receiver from its top level, not under ``if __name__
+    == "__main__":``: the spawned receiver would import the script again and die while
+    bootstrapping ("loopback receiver process failed to start" was all the user saw). Refused
+    before any process starts, naming the line and the guard to add."""
+    import runpy
+
+    from weightsync.sources import WeightSyncError
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import functools\n"
+        "import torch\n"
+        "from weightsync.plugins.loopback_server import start_receiver_process\n"
+        "\n"
+        "client, handle = start_receiver_process(functools.partial(torch.nn.Linear, 2, 2))\n"
+    )
+    with pytest.raises(WeightSyncError) as e:
+        runpy.run_path(str(script), run_name="__main__")
+    msg = str(e.value)
+    assert f"line 5 of {script}" in msg and 'if __name__ == "__main__":' in msg and "'spawn'" in msg, msg

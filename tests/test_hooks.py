@@ -251,7 +251,8 @@ def test_hf_trainer_fsdp2_callback(tmp_path):
     # What the receiver saw, in order: the engine's init (built at the first sync), then per sync
     # pause / the 4-phase update / resume. (/weight_info: the probe's own version reads, dropped.)
     one = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
-    assert [c for c in calls if c != "/weight_info"] == ["/init_weight_transfer_engine"] + one * 3, calls
+    # the world size checked against the receiver's workers before the init, then three syncs
+    assert [c for c in calls if c != "/weight_info"] == ["/get_world_size", "/init_weight_transfer_engine"] + one * 3, calls
     assert state["weight_version"] == "4" and state["updates_finished"] == 3
     previous = before
     for version in ("0", "2", "4"):

@@ -8,9 +8,10 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 import megatron_worlds as mw
-from worlds import run_world
+from worlds import run_world, tell_peers, wait_for_peers
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +34,14 @@ def _rank_peer_stops(rank, world_size):
     cfg = mw.hf_config("qwen3", layers=2)
     mw.init_parallel(2, 1)
     src = MegatronSource(mw.megatron_model(cfg), hf_config=cfg, timeout_s=3.0)
+    torch.distributed.barrier()  # both start the healthy pass together: only its own waits count
     first = sum(1 for _ in src.iter_full())  # a whole pass on both ranks: agreement done
     if rank == 1:
-        time.sleep(8.0)  # never joins the second pass (outlives rank 0's bound, then leaves)
+        wait_for_peers("rank 0 left its second pass")  # never joins it; leaves once rank 0 raised
         return {"first": first}
-    return {"first": first, **_second_pass(src)}
+    out = {"first": first, **_second_pass(src)}
+    tell_peers("rank 0 left its second pass")
+    return out
 
 
 def test_tp_peer_that_stops_is_named_within_the_bound():
@@ -61,11 +65,15 @@ def _rank_ep_peer_stops(rank, world_size):
     hf = _hf_config("qwen3_moe", layers=2, experts=world_size, hidden=16, moe_ffn=12, shared=None)
     model = build_gpt(hf, moe_config(hf, ep=world_size))
     src = MegatronSource(model, hf_config=hf, timeout_s=3.0)
+    torch.distributed.barrier()  # every rank starts the healthy pass together
     first = sum(1 for _ in src.iter_full())  # a whole pass on every rank: agreement done
     if rank == world_size - 1:
-        time.sleep(12.0)  # never joins the second pass (outlives every bound, then leaves)
+        # never joins the second pass; leaves once every other rank has left its own
+        wait_for_peers(*(f"rank {r} left its second pass" for r in range(world_size - 1)))
         return {"first": first}
-    return {"first": first, **_second_pass(src)}
+    out = {"first": first, **_second_pass(src)}
+    tell_peers(f"rank {rank} left its second pass")
+    return out
 
 
 def test_ep_peer_that_stops_makes_every_rank_raise_within_the_bound():

@@ -416,4 +416,5 @@ def test_a_034_trainer_syncs_into_a_server_that_parses_like_033():
     assert f0["equal"] == f0["names"] and len(f0["names"]) == 4
     assert set(f0["init_payload_keys"]) <= V033_NCCL_INIT_FIELDS and "use_load_plan" not in f0["init_payload_keys"]
     assert f0["versions"] == ["3", "4"] and f0["server_version"] == "4"
-    assert f0["server_routes"][:2] == ["version", "init_weight_transfer_engine"], f0["server_routes"]
+    # the transfer world size checked against the server's workers, then its version, before init
+    assert f0["server_routes"][:3] == ["get_world_size", "version", "init_weight_transfer_engine"], f0["server_routes"]

@@ -39,6 +39,7 @@ import torch
 from worlds import run_world
 
 from weightsync.plugins.cli.vllm_server import (
+    MAX_TOKENS,
     PROMPTS,
     READY_TIMEOUT_S,
     VOCAB,
@@ -80,7 +81,11 @@ def server(request):
     _save_served_model(model_dir)
     log = os.path.join(tmp, "server.log")
     try:
-        srv = start_vllm_server(VLLM_PYTHON, model_dir, tmp, ready_timeout_s=READY_TIMEOUT_S)
+        # --enable-log-requests: "Added request <id>" once the engine holds a request, the event
+        # test_pause_modes... waits on (instead of a fixed delay) before the update starts
+        srv = start_vllm_server(
+            VLLM_PYTHON, model_dir, tmp, ready_timeout_s=READY_TIMEOUT_S, extra_args=("--enable-log-requests",)
+        )
     except VLLMServerError as e:
         pytest.fail(str(e))
     failed_before = request.session.testsfailed
@@ -280,8 +285,10 @@ def world_worker_killed(rank: int, world_size: int, *, url: str, pgid: int) -> d
     return out
 
 
-def _stream(url: str, model_dir: str, prompt: list[int], max_tokens: int, box: dict) -> None:
-    """A streaming completion; ``box``: arrival time of each token chunk, the finish reason."""
+def _stream(url: str, model_dir: str, prompt: list[int], max_tokens: int, box: dict, first) -> None:
+    """A streaming completion; ``box``: arrival time of each token chunk, the finish reason.
+    ``first`` (a ``threading.Event``) is set at the first token chunk, or when the stream ends or
+    fails without one: whoever waits on it never waits on a fixed delay."""
     req = urllib.request.Request(
         url + "/v1/completions", method="POST", headers={"Content-Type": "application/json"},
         data=json.dumps({
@@ -289,9 +296,9 @@ def _stream(url: str, model_dir: str, prompt: list[int], max_tokens: int, box: d
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
         }).encode(),
     )
-    box.update(times=[], finish=None, tokens=None)
+    box.update(times=[], finish=None, tokens=None, t0=time.monotonic())
     try:
-        with urllib.request.urlopen(req, timeout=120) as r:
+        with urllib.request.urlopen(req, timeout=EVENT_BOUND_S) as r:
             for raw in r:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -304,21 +311,62 @@ def _stream(url: str, model_dir: str, prompt: list[int], max_tokens: int, box: d
                 choice = chunk["choices"][0]
                 if choice.get("text") is not None:
                     box["times"].append(time.monotonic())
+                    first.set()
                 if choice.get("finish_reason"):
                     box["finish"] = choice["finish_reason"]
     except Exception as e:  # noqa: BLE001 - reported to the test
         box["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        first.set()
+
+
+def _complete(url: str, model_dir: str, prompt: list[int], request_id: str) -> tuple[list[int], list[float]]:
+    """``VLLMServer.generate`` with vLLM's ``X-Request-Id`` header: the server logs ``Added request
+    cmpl-<request_id>`` once its engine holds the request (``--enable-log-requests``)."""
+    req = urllib.request.Request(
+        url + "/v1/completions", method="POST",
+        headers={"Content-Type": "application/json", "X-Request-Id": request_id},
+        data=json.dumps({
+            "model": model_dir, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "logprobs": 1, "ignore_eos": True, "return_tokens_as_token_ids": True,
+        }).encode(),
+    )
+    with urllib.request.urlopen(req, timeout=EVENT_BOUND_S) as r:
+        lp = json.loads(r.read())["choices"][0]["logprobs"]
+    return [int(t.removeprefix("token_id:")) for t in lp["tokens"]], [float(x) for x in lp["token_logprobs"]]
+
+
+def _wait_for_log(log: str, needle: str, bound_s: float, stop=None) -> float | None:
+    """Seconds until ``needle`` appears in the server log (or None after ``bound_s``, or once
+    ``stop()`` is true): the event "the server's engine holds the request", read where the server
+    writes it."""
+    t0 = time.monotonic()
+    with open(log, errors="replace") as f:
+        seen = ""
+        while time.monotonic() - t0 < bound_s:
+            seen = (seen + f.read())[-(len(needle) + 65536):]
+            if needle in seen:
+                return time.monotonic() - t0
+            if stop is not None and stop():
+                return None
+            time.sleep(0.01)
+    return None
 
 
 #: tokens of the streaming request in flight when the sync pauses the server.
 IN_FLIGHT_TOKENS = 1500
+#: upper bound of every wait on an event in these tests (a token, a log line, a thread): only a
+#: failure reaches it, so it is generous (a loaded 2-core machine may be 10x slower than idle).
+EVENT_BOUND_S = 240.0
 
 
-def world_pause_modes(rank: int, world_size: int, *, url: str, seeds: dict) -> dict:
+def world_pause_modes(rank: int, world_size: int, *, url: str, log: str, seeds: dict) -> dict:
     """One sync per pause mode. On rank 0 the client is wrapped so that the test acts at exact
-    protocol points: ``pause`` first starts a streaming request and waits for its first token (so it
-    is in flight when the pause arrives); ``start_weight_update`` (the server is paused) sends a
-    new request, which vLLM 0.32 queues. Returns what became of both."""
+    protocol points, each reached by waiting on an event, never on a fixed delay: ``pause`` first
+    starts a streaming request and waits for its first token (so it is in flight when the pause
+    arrives); ``start_weight_update`` (the server is paused) sends a new request and waits until the
+    server's engine holds it (its ``Added request`` log line), which vLLM 0.32 queues. Returns what
+    became of both. Every wait is bounded by ``EVENT_BOUND_S``, which only a failure reaches."""
     import threading
 
     from weightsync.plugins.sync import VLLMHTTPClient
@@ -328,48 +376,69 @@ def world_pause_modes(rank: int, world_size: int, *, url: str, seeds: dict) -> d
     class Probe(VLLMHTTPClient):
         def pause(self, mode="abort", **kw):
             self.stream: dict = {}
+            first = threading.Event()
             self.stream_thread = threading.Thread(
-                target=_stream, args=(url, model_dir, PROMPTS[0], IN_FLIGHT_TOKENS, self.stream), daemon=True
+                target=_stream, args=(url, model_dir, PROMPTS[0], IN_FLIGHT_TOKENS, self.stream, first), daemon=True
             )
             self.stream_thread.start()
-            deadline = time.monotonic() + 60
-            while not self.stream.get("times") and "error" not in self.stream and time.monotonic() < deadline:
-                time.sleep(0.005)
+            first.wait(EVENT_BOUND_S)
             self.in_flight = bool(self.stream.get("times")) and self.stream.get("finish") is None
             super().pause(mode, **kw)
 
         def start_weight_update(self):
             self.queued: dict = {}
+            rid = f"ws-queued-{self.mode_label}"
 
             def ask() -> None:
                 try:
-                    self.queued["result"] = Server(url, None, "", model_dir).generate(PROMPTS[1])
+                    self.queued["result"] = _complete(url, model_dir, PROMPTS[1], rid)
                 except Exception as e:  # noqa: BLE001 - reported to the test
                     self.queued["error"] = f"{type(e).__name__}: {e}"
 
             self.queued_thread = threading.Thread(target=ask, daemon=True)
             self.queued_thread.start()
-            time.sleep(0.3)  # the request reaches the paused server before the update starts
+            # the request reaches the paused server's engine before the update starts
+            self.queued["held_after_s"] = _wait_for_log(
+                log, f"Added request cmpl-{rid}", EVENT_BOUND_S, stop=lambda: not self.queued_thread.is_alive()
+            )
+            self.queued["paused_then"] = Server(url, None, "", "").is_paused()
             super().start_weight_update()
 
     out = {}
     for mode in ("keep", "wait", "abort"):
         model = _fsdp(seeds[mode], world_size)
-        client = Probe(url, timeout=30) if rank == 0 else None
+        client = None
+        if rank == 0:
+            client = Probe(url, timeout=30)
+            client.mode_label = mode
         _sync(rank, url, model, seeds[mode], pause=mode, client=client)
         if rank == 0:
-            client.stream_thread.join(60)
-            client.queued_thread.join(60)
+            client.stream_thread.join(EVENT_BOUND_S)
+            client.queued_thread.join(EVENT_BOUND_S)
+            s, q = client.stream, client.queued
             out[mode] = {
-                "in_flight": client.in_flight, "finish": client.stream.get("finish"),
-                "tokens": client.stream.get("tokens"), "stream_error": client.stream.get("error"),
-                "queued": client.queued.get("result"), "queued_error": client.queued.get("error"),
+                "in_flight": client.in_flight, "finish": s.get("finish"), "tokens": s.get("tokens"),
+                "stream_error": s.get("error"), "first_token_s": (s["times"][0] - s["t0"]) if s.get("times") else None,
+                "stream_done": not client.stream_thread.is_alive(), "queued_done": not client.queued_thread.is_alive(),
+                "queued": q.get("result"), "queued_error": q.get("error"),
+                "queued_held_after_s": q.get("held_after_s"), "queued_while_paused": q.get("paused_then"),
             }
         torch.distributed.barrier()
     return out
 
 
 # ---- tests ---------------------------------------------------------------------------------------
+
+
+def _known_seed(server: Server, fallback: int) -> int:
+    """The seed of the weights the server serves now, for a test that compares against them. A test
+    before may have failed midway (or trained them, as the GRPO test does): then ``server.seed`` is
+    None or not what the server's version says, and a sync of ``fallback`` makes it known again --
+    a failed test never fails the next one on stale state."""
+    if server.seed is None or server.weight_version() != str(server.seed):
+        run_world(world_sync, 2, timeout=300, url=server.url, seed=fallback, step=fallback)
+        server.seed = fallback
+    return server.seed
 
 
 def _check_serves(server: Server, seed: int) -> None:
@@ -448,9 +517,10 @@ def test_rejected_updates_leave_the_server_serving(server):
     one whose bytes were corrupted on the wire each raise on every trainer rank, naming the reason;
     after each the server is healthy, resumed, on its previous version and weights (vLLM's greedy
     tokens unchanged); a good sync afterwards works."""
+    seed = _known_seed(server, 8)
     before = server.weight_version()
     res = run_world(
-        world_rejected, 2, timeout=240, url=server.url, seed_before=server.seed, version_before=before
+        world_rejected, 2, timeout=240, url=server.url, seed_before=seed, version_before=before
     )
     want = {"shape": "embed_tokens", "dtype": "bfloat16", "corrupt": "checksum"}
     for case in REJECTED_CASES:
@@ -554,10 +624,14 @@ def test_pause_modes_with_requests_in_flight_and_queued(server):
     retryable 503 in ``wait``/``abort``) and runs it after the resume -- on the new weights: its
     greedy tokens and logprobs are transformers' on them. Each sync commits its version."""
     seeds = {"keep": 21, "wait": 22, "abort": 23}
-    res = run_world(world_pause_modes, 2, timeout=300, url=server.url, seeds=seeds)[0]
+    server.seed = None  # whatever happens below, the next test must not trust the seed before it
+    res = run_world(world_pause_modes, 2, timeout=900, url=server.url, log=server.log, seeds=seeds)[0]
     for mode, r in res.items():
-        assert r["in_flight"], (mode, "the streaming request was not in flight at the pause")
+        assert r["in_flight"], (mode, "the streaming request was not in flight at the pause", r)
         assert r["stream_error"] is None and r["queued_error"] is None, (mode, r)
+        assert r["stream_done"] and r["queued_done"], (mode, r)
+        # the new request was in the paused server's engine before the update started
+        assert r["queued_held_after_s"] is not None and r["queued_while_paused"], (mode, r)
         if mode == "abort":
             assert r["finish"] == "abort", (mode, r)
         else:
@@ -577,8 +651,9 @@ def test_trainer_failing_mid_pass_leaves_the_server_serving(server):
     every rank raises naming it; the server's worker gives up waiting for the rest of the stream,
     restores the previous weights and survives (alive, resumed, previous version and tokens); the
     next sync works."""
+    seed = _known_seed(server, 40)
     before = server.weight_version()
-    res = run_world(world_fails_mid_pass, 2, timeout=180, url=server.url, seed_before=server.seed, seed_after=41)
+    res = run_world(world_fails_mid_pass, 2, timeout=300, url=server.url, seed_before=seed, seed_after=41)
     for rank in (0, 1):
         assert res[rank]["raised"] and "injected" in res[rank]["raised"], (rank, res[rank]["raised"])
     r = res[0]
@@ -592,7 +667,8 @@ def test_worker_killed_mid_update_never_serves_wrong_tokens(server):
     """The server's worker is killed as an update begins (layers on the meta device): every trainer
     rank raises, and so does the next sync, naming the server; the server never answers with other
     weights' tokens (it answers nothing, or its previous weights'). Runs last: the server is dead."""
-    before, seed = server.weight_version(), server.seed
+    seed = _known_seed(server, 50)
+    before = server.weight_version()
     res = run_world(world_worker_killed, 2, timeout=240, url=server.url, pgid=server.proc.pid)
     assert res[0]["killed_pids"], "no vLLM worker process found to kill"
     host_port = server.url.removeprefix("http://")

@@ -175,6 +175,28 @@ def run_world(
     return {r: v for r, (s, v) in outcomes.items()}
 
 
+def _world_store(timeout_s: float) -> Any:
+    """A client of this world's own ``TCPStore`` (the parent hosts it at ``MASTER_PORT``)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def tell_peers(event: str) -> None:
+    """In a rank: ``event`` happened here (``wait_for_peers`` on another rank returns). How a test
+    world orders ranks on an event instead of a fixed sleep that a loaded machine outlasts."""
+    _world_store(60.0).set(f"ws-test-event/{event}", b"1")
+
+
+def wait_for_peers(*events: str, timeout_s: float = 300.0) -> None:
+    """In a rank: block until every one of ``events`` was told (``tell_peers``) by some rank;
+    ``timeout_s`` bounds it (reached only when the rank that should tell failed: then it raises)."""
+    _world_store(timeout_s).wait([f"ws-test-event/{e}" for e in events])
+
+
 def errors_of(fn, *a, **k) -> str | None:
     """``"Type: message"`` of what ``fn(*a, **k)`` raises (draining it if it returns an iterator),
     else None: how a rank reports an expected error as a fact instead of dying."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import time
 from typing import Any
 
@@ -180,6 +181,13 @@ def run_check_delta(args: argparse.Namespace) -> int:
         if rank == 0 and patches:
             load_checkpoint_weight_patches(loader, patches)
         st = delta.last_round
+        # vLLM's patches carry an int32 index beside every value (an anchor too: 3x its dense bf16
+        # bytes); the loopback_sparse engine, and so `demo --delta`, send a tensor whole where that
+        # is cheaper (an anchor always): the same round in those bytes, to compare with the demo's
+        whole_when_cheaper = sum(
+            min(v.numel() * v.element_size() + (0 if st.anchor else 4 * v.numel()), math.prod(shape) * v.element_size())
+            for _, shape, _, v, _ in patches
+        )
         differ = []
         for name, t in delta.source.iter_full():
             if rank == 0 and not torch.equal(held[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)):
@@ -194,8 +202,9 @@ def run_check_delta(args: argparse.Namespace) -> int:
                 problems.append(f"delta round changed {st.changed} of {st.elements} elements")
             lines.append(
                 f"  {label} round: {st.changed_fraction:.4%} changed ({st.changed:,}/{st.elements:,} elements, "
-                f"{st.tensors} tensors), {format_bytes(st.wire_bytes)} on the wire vs {format_bytes(st.dense_bytes)} "
-                f"dense, trainer collectives {format_bytes(st.collective_bytes)}, snapshot "
+                f"{st.tensors} tensors), {format_bytes(st.wire_bytes)} as vLLM sparse patches (an int32 index "
+                f"per value; {format_bytes(whole_when_cheaper)} whole where cheaper, as `demo --delta` sends) vs "
+                f"{format_bytes(st.dense_bytes)} dense, trainer collectives {format_bytes(st.collective_bytes)}, snapshot "
                 f"{format_bytes(st.snapshot_bytes)} (rank 0) | receiver "
                 + ("EQUALS a dense pass" if not differ else f"DIFFERS in {len(differ)} tensors")
             )

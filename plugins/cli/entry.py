@@ -39,6 +39,19 @@ __all__ = ["main"]
 # on them, so the CLI (only) hides those three loggers' warnings.
 for _noisy in ("torch._opaque_base", "torch._library.opaque_object", "torch.utils.cpp_extension"):
     logging.getLogger(_noisy).setLevel(logging.ERROR)
+
+
+class _DropVllmKernelImportWarning(logging.Filter):
+    """vLLM's CUDA wheel on a CPU-only host warns "Failed to import from vllm._C" when a code path asks
+    for its kernels (the delta demo and check): weightsync's CPU paths do not use them, and a CLI
+    user can act on nothing in it. Only that message is dropped; those loggers' other records pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Failed to import from vllm._C")
+
+
+for _noisy in ("vllm.platforms.interface", "vllm.platforms.cpu"):
+    logging.getLogger(_noisy).addFilter(_DropVllmKernelImportWarning())
 # megatron-core warns at import that Apex / Transformer Engine are missing (it falls back to torch):
 # true of every CPU dry run and nothing a CLI user can act on.
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")

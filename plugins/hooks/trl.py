@@ -23,8 +23,9 @@ Invariants, and why:
 * **Reports land in TRL's metrics**: each sync's numeric report (``weightsync/...``) is appended to
   the trainer's ``_metrics["train"]``, which GRPO averages and logs beside its own loss and rewards at
   the next logging step; TRL's loss entries are not touched.
-* **Async GRPO** (``trl.experimental.async_grpo``) moves weights through its own
-  ``weight_transfer`` module with vLLM's engine API; it is not wrapped here (docs/design.md).
+* **Async GRPO** (``trl.experimental.async_grpo``) is not wrapped here: its ``weight_transfer=``
+  seam and ``_sync_weight_merged`` would take weightsync, but no test against the real server fits
+  the suite yet (docs/design.md, "TRL's async GRPO").
 """
 
 from __future__ import annotations

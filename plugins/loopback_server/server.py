@@ -398,6 +398,61 @@ def _receiver_main(model_factory: Callable[[], torch.nn.Module], host: str, port
             pass
 
 
+def _is_main_guard(node: Any) -> bool:
+    """``if __name__ == "__main__":`` (either operand order, or one term of an ``and``)."""
+    import ast
+
+    if not isinstance(node, ast.If):
+        return False
+    tests = node.test.values if isinstance(node.test, ast.BoolOp) and isinstance(node.test.op, ast.And) else [node.test]
+    for t in tests:
+        if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq):
+            sides = [t.left, t.comparators[0]]
+            names = {s.id for s in sides if isinstance(s, ast.Name)}
+            consts = {s.value for s in sides if isinstance(s, ast.Constant)}
+            if names == {"__name__"} and consts == {"__main__"}:
+                return True
+    return False
+
+
+def _unguarded_main_statement(ctx: Any) -> tuple[str, int] | None:
+    """``(script, line)`` when this call runs from a top-level statement of the ``__main__`` script
+    that is not under ``if __name__ == "__main__":`` and ``ctx`` is ``spawn`` (the child imports the
+    script again as ``__mp_main__``, runs that statement again, and multiprocessing refuses to start a
+    process during bootstrapping: the child dies before it reports). None otherwise, and whenever it
+    cannot tell (no script file: ``python -c``, a notebook; source that does not parse)."""
+    import ast
+    import inspect
+    import sys
+
+    if ctx.get_start_method() != "spawn":
+        return None
+    main = sys.modules.get("__main__")
+    # as multiprocessing.spawn decides: a main imported by name (``python -m``) is re-imported by that
+    # name, except a package's ``__main__`` (never re-run); a main without a spec is re-run by path
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    if spec_name is not None and (spec_name == "__main__" or spec_name.endswith(".__main__")):
+        return None
+    path = getattr(main, "__file__", None)
+    if not path or not str(path).endswith(".py") or not os.path.isfile(path):
+        return None
+    frame = inspect.currentframe()
+    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    line = frame.f_lineno
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if node.lineno <= line <= (node.end_lineno or node.lineno):
+            return None if _is_main_guard(node) else (str(path), line)
+    return None
+
+
 def start_receiver_process(
     model_factory: Callable[[], torch.nn.Module],
     *,
@@ -417,6 +472,16 @@ def start_receiver_process(
     it in milliseconds).
     """
     ctx = mp_context if mp_context is not None else mp.get_context("spawn")
+    unguarded = _unguarded_main_statement(ctx)
+    if unguarded is not None:
+        path, line = unguarded
+        raise WeightSyncError(
+            f"start_receiver_process was called from line {line} of {path}, which is not under "
+            f"`if __name__ == \"__main__\":`. The receiver is a '{ctx.get_start_method()}' process: it "
+            f"imports {os.path.basename(path)} again, which would run that line again and fail before the "
+            f"receiver starts. Put the script's top-level work under `if __name__ == \"__main__\":` "
+            f"(e.g. `def main(): ...` and `if __name__ == \"__main__\": main()`)"
+        )
     parent_conn, child_conn = ctx.Pipe(duplex=False)
     proc = ctx.Process(
         target=_receiver_main,
@@ -441,5 +506,6 @@ def start_receiver_process(
         status, value = "error", f"the process exited (code {proc.exitcode}) before reporting"
     if status != "ok":
         proc.join(5)
-        raise WeightSyncError(f"loopback receiver process failed to start: {value}")
+        raise WeightSyncError(f"loopback receiver process failed to start: {value} (its own error, if any, is on "
+                              "stderr above)")
     return ReceiverClient(value, timeout=client_timeout_s), ReceiverHandle(proc, value)

@@ -52,7 +52,7 @@ from urllib.parse import urlsplit
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-from weightsync.sources import WeightSyncError, get_logger
+from weightsync.sources import WeightSyncError, broadcast_ranks, get_logger
 
 __all__ = [
     "ADDED_FIELDS",
@@ -68,6 +68,8 @@ __all__ = [
 logger = get_logger(__name__)
 
 PauseMode = Literal["abort", "wait", "keep"]
+#: init info backends whose ``world_size`` is trainer senders + inference workers (one transfer group).
+_GROUP_BACKENDS = ("nccl", "sparse_nccl", "loopback", "loopback_sparse")
 _PAUSE_MODES = ("abort", "wait", "keep")
 
 
@@ -377,8 +379,16 @@ class VLLMHTTPClient(HTTPVLLMWeightSyncClient):
         """Raise ``ServerVersionError`` if a server's vLLM is too old for what ``init_info`` (a vLLM
         ``TrainerInitInfo``) and the source's ``metadata`` ask of it: ``use_load_plan=True`` (init
         field ``use_load_plan``), or, with vLLM's NCCL backend, a parameter whose first owner is not
-        rank 0 (update field ``src``). Asks each server's ``GET /version`` (once per client); no
-        other request. ``WeightSync`` calls it on the sender before ``trainer_init``."""
+        rank 0 (update field ``src``). Asks each server's ``GET /version`` (once per client) and
+        ``GET /get_world_size``; nothing else. ``WeightSync`` calls it on the sender before
+        ``trainer_init`` (its outcome agreed: every rank raises).
+
+        Also raises ``ValueError`` naming ``world_size`` when ``init_info`` is for a transfer group
+        (vLLM's ``nccl`` / ``sparse_nccl``, weightsync's ``loopback`` / ``loopback_sparse``) whose
+        ``world_size`` is not the trainer's senders plus every server's workers (``GET
+        /get_world_size``): a wrong size otherwise waits out the group's rendezvous timeout (30-300 s)
+        and then names a store key. A server that does not answer ``/get_world_size`` is not checked
+        here (the sync's own calls name it)."""
         needs: list[tuple[str, str, Any]] = []  # (payload, field, value)
         if getattr(init_info, "use_load_plan", False):
             needs.append(("init_info", "use_load_plan", True))
@@ -386,17 +396,40 @@ class VLLMHTTPClient(HTTPVLLMWeightSyncClient):
             srcs = sorted({m.owners[0] for m in metadata if getattr(m, "owners", None)} - {0})
             if srcs:
                 needs.append(("update_info", "src", srcs))
-        if not needs:
+        if needs:
+            versions = self.server_versions()
+            problems = []
+            for u in self.base_urls:
+                for payload, field_, value in needs:
+                    problem = self._too_old(u, versions.get(u), payload, field_, value)
+                    if problem:
+                        problems.append(problem)
+            if problems:
+                raise ServerVersionError("; ".join(problems))
+        self._check_world_size(init_info, metadata)
+
+    def _check_world_size(self, init_info: Any, metadata: Sequence[Any] | None) -> None:
+        backend = getattr(init_info, "backend", None)
+        world = getattr(init_info, "world_size", None)
+        if backend not in _GROUP_BACKENDS or not isinstance(world, int):
             return
-        versions = self.server_versions()
-        problems = []
-        for u in self.base_urls:
-            for payload, field_, value in needs:
-                problem = self._too_old(u, versions.get(u), payload, field_, value)
-                if problem:
-                    problems.append(problem)
-        if problems:
-            raise ServerVersionError("; ".join(problems))
+        senders = 1
+        if backend == "nccl" and metadata:  # vLLM 0.34's many senders: rank 0 and every first owner
+            senders = len(broadcast_ranks(metadata))
+        try:
+            workers = self.get_world_size(include_dp=True)
+        except (ControlPlaneError, ValueError, TypeError) as e:
+            logger.debug("world_size not checked before init: %s", e)
+            return
+        need = senders + sum(workers.values())
+        if world != need:
+            where = ", ".join(f"{u}: {n}" for u, n in workers.items())
+            raise ValueError(
+                f"{type(init_info).__name__}.world_size={world}, but the {backend} transfer group has "
+                f"{need} members: {senders} trainer sender(s) + the servers' inference workers ({where}; "
+                f"GET /get_world_size, with DP). Pass world_size={need} "
+                f"(VLLMHTTPClient.nccl_world_size({senders}) asks the servers)"
+            )
 
     def _too_old(self, url: str, version: str | None, payload: str, field_: str, value: Any) -> str | None:
         added, _default = ADDED_FIELDS[payload][field_]
