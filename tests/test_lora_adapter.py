@@ -260,6 +260,13 @@ def world_adapter(rank: int, world_size: int, *, out: str) -> bytes:
         d["hidden"] = [f for f in os.listdir(os.path.join(adir, "policy")) if f.startswith(".")]
     facts["driver"] = d
     dist.barrier()
+
+    # -- weightsync export --adapter: the CLI's rank code on this world (it ends the process group) --
+    from worlds import _cli_rank
+
+    facts["export"] = _cli_rank(rank, world_size, ["export", "--adapter", "--model", "tiny-qwen3", "--nproc", "2",
+                                                   "--lora-rank", "4", "--lora-alpha", "16",
+                                                   "--out", os.path.join(out, "export-adapter")])
     return pack(facts)
 
 
@@ -517,3 +524,54 @@ def test_real_vllm_server_serves_the_trainers_adapter():
     assert f["versioned"] == ["pol-5", "pol-6"]
     assert f["got6"][0] == f["want6"][0]
     assert max(abs(a - b) for a, b in zip(f["got6"][1], f["want6"][1])) <= LOGPROB_ATOL
+
+
+# ---- weightsync export --adapter (one 2-rank launch of the CLI's rank code) ---------------------
+
+
+def test_export_adapter_cli_equals_peft_save_pretrained(adapter_world, tmp_path):
+    """``weightsync export --adapter`` on 2 FSDP2 ranks (the CLI's rank code, run at the end of
+    ``world_adapter``) writes the folder PEFT's ``save_pretrained`` writes for the unsharded model:
+    ``adapter_model.safetensors`` byte for byte, the same ``adapter_config.json``; files readable as
+    the umask allows. Usage errors exit 2 before any rank starts."""
+    from pathlib import Path
+
+    from weightsync.plugins.cli.entry import main
+    from weightsync.plugins.cli.export import lora_model
+    from weightsync.plugins.presets import load_config
+
+    res, world_out = adapter_world
+    out = Path(world_out) / "export-adapter"
+    for rank, f in res.items():
+        code, stdout, stderr = f["export"]
+        assert code == 0, (rank, stdout, stderr[-3000:])
+    code, stdout, _ = res[0]["export"]
+    assert stdout.strip().endswith("PASS") and "LoRA adapter 'default'" in stdout, stdout
+    assert "28 tensors (14 modules, rank 4)" in stdout and "gathered by 2 rank(s) in 2 all-gather(s)" in stdout, stdout
+    _quiet()
+    model = lora_model(load_config("tiny-qwen3"), rank=4, alpha=16, targets=None)
+    model.save_pretrained(tmp_path / "ref")
+    assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
+    ref = (tmp_path / "ref" / "adapter_model.safetensors").read_bytes()
+    assert (out / "adapter_model.safetensors").read_bytes() == ref
+    want, mine = json.loads((tmp_path / "ref" / "adapter_config.json").read_text()), json.loads(
+        (out / "adapter_config.json").read_text())
+    targets = mine.pop("target_modules")  # all-linear: PEFT saves the module paths it resolved
+    assert sorted(targets) == sorted(want.pop("target_modules"))
+    assert sorted({t.rsplit(".", 1)[-1] for t in targets}) == sorted(ALL_LINEAR)
+    assert mine == want
+    tensors, _ = _read_adapter(str(out))
+    assert any(t.abs().sum() > 0 for n, t in tensors.items() if "lora_B" in n)  # not PEFT's zero B
+    modes = {f: os.stat(out / f).st_mode & 0o777 for f in os.listdir(out)}
+    assert len(set(modes.values())) == 1 and all(m & 0o044 == 0o044 for m in modes.values()) or (
+        os.umask(os.umask(0)) & 0o044), modes  # 0644 under umask 022 (safetensors alone: 0600)
+    for argv, words in (
+        (["--layout", "megatron"], "--layout fsdp"),
+        (["--quantize", "fp8"], "--quantize does not apply"),
+        (["--dtype", "int8"], "an adapter file carries"),
+        (["--lora-rank", "0"], "--lora-rank must be >= 1"),
+    ):
+        assert main(["export", "--adapter", "--out", str(tmp_path / "x"), *argv]) == 2, argv
+    assert main(["export", "--lora-rank", "4", "--out", str(tmp_path / "x")]) == 2
+    assert main(["export", "--adapter", "--out", str(out)]) == 2  # not empty, no --overwrite
+    assert not (tmp_path / "x").exists()

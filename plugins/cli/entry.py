@@ -154,6 +154,18 @@ def _parser() -> argparse.ArgumentParser:
         "max_shard_size; default 5GB)",
     )
     e.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder (at the end, atomically)")
+    e.add_argument(
+        "--adapter", action="store_true",
+        help="write the PEFT LoRA adapter folder instead (adapter_model.safetensors + adapter_config.json, "
+        "what vLLM's /v1/load_lora_adapter loads): the model with a LoRA adapter attached (--lora-*), FSDP2 "
+        "over --nproc ranks, only the adapter gathered (LoRAAdapterSource); --layout fsdp only",
+    )
+    e.add_argument("--lora-rank", type=int, default=None, help="--adapter: LoRA rank r (default 8)")
+    e.add_argument("--lora-alpha", type=float, default=None, help="--adapter: lora_alpha (default 2 x rank)")
+    e.add_argument(
+        "--lora-targets", default=None,
+        help="--adapter: comma-separated target modules (default all-linear: PEFT's every linear layer but the output)",
+    )
     from .plan import add_parser as add_plan_parser
 
     add_plan_parser(sub, presets)  # weightsync plan (plugins/cli/plan.py): no ranks, no torchrun

@@ -8,6 +8,16 @@ overwrite=--overwrite)`` and rank 0 prints what was written. Exit 0 when the fol
 when the export failed (nothing is left at ``--out``), 2 for usage errors -- including a non-empty
 ``--out`` without ``--overwrite``, caught before any rank starts. Only ``run_export`` imports
 torch: the CLI validates its arguments (``validate_export``) before any heavy import.
+
+``export --adapter`` writes the PEFT LoRA adapter folder instead -- ``adapter_model.safetensors`` +
+``adapter_config.json``, what vLLM's ``/v1/load_lora_adapter`` loads and ``LoRAAdapterSync`` sends
+-- from the same preset / config model with a LoRA adapter attached (``lora_model``: ``--lora-rank``,
+``--lora-alpha``, ``--lora-targets``), FSDP2 over ``--nproc`` ranks, only the adapter gathered
+(``LoRAAdapterSource``), written by rank 0 atomically (``write_adapter``: a hidden staging folder,
+fsynced, renamed; ``--overwrite`` swaps it with the old folder at the end). The folder equals
+``PeftModel.save_pretrained`` of the unsharded model byte for byte. There is no checkpoint-folder
+input: a trained adapter is already the folder PEFT saved; this is the dry run of the adapter path
+(which tensors, how many bytes, a folder to try against a server's ``--max-lora-rank``).
 """
 
 from __future__ import annotations
@@ -15,10 +25,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from ..presets import UserError, load_config
 
-__all__ = ["run_export", "validate_export", "parse_size"]
+__all__ = ["run_export", "validate_export", "parse_size", "lora_model", "ADAPTER_DTYPES"]
+
+#: ``export --adapter``: the dtypes an adapter file carries (``LoRAAdapterSource.DTYPES``)
+ADAPTER_DTYPES = ("float32", "float", "bfloat16", "float16", "half")
+#: ``export --adapter``'s LoRA defaults
+DEFAULT_LORA_RANK = 8
 
 
 def parse_size(text: str) -> int:
@@ -40,6 +56,12 @@ def validate_export(args: argparse.Namespace) -> None:
     """Usage errors of ``export`` (exit 2): the size, and ``--out`` (a file, or a non-empty folder
     without ``--overwrite``). Sets ``args.max_shard_bytes``."""
     args.max_shard_bytes = parse_size(args.max_shard_size)
+    if getattr(args, "adapter", False):
+        _validate_adapter(args)
+    else:
+        given = [f for f in ("lora_rank", "lora_alpha", "lora_targets") if getattr(args, f, None) is not None]
+        if given:
+            raise UserError(f"--{given[0].replace('_', '-')} applies to export --adapter")
     out = os.path.abspath(args.out)
     if os.path.lexists(out) and not os.path.isdir(out):
         raise UserError(f"--out {args.out}: exists and is not a folder")
@@ -47,8 +69,131 @@ def validate_export(args: argparse.Namespace) -> None:
         raise UserError(f"--out {args.out}: folder exists and is not empty (pass --overwrite to replace it)")
 
 
+def _validate_adapter(args: argparse.Namespace) -> None:
+    """``export --adapter``'s usage errors: the layout and the options that do not apply, the LoRA
+    rank and alpha, the dtype. Fills the LoRA defaults."""
+    if args.layout != "fsdp":
+        raise UserError("export --adapter builds a PEFT model with FSDP2 (--layout fsdp); Megatron-core LoRA is "
+                        "not supported")
+    for flag, value in (("--quantize", args.quantize), ("--expert-layout", args.expert_layout)):
+        if value:
+            raise UserError(f"{flag} does not apply to export --adapter (only LoRA A/B are written)")
+    if args.max_shard_size != "5GB":
+        raise UserError("--max-shard-size does not apply to export --adapter (one adapter_model.safetensors)")
+    if args.dtype and args.dtype not in ADAPTER_DTYPES:
+        raise UserError(f"--dtype {args.dtype}: an adapter file carries float32, bfloat16 or float16")
+    args.lora_rank = DEFAULT_LORA_RANK if args.lora_rank is None else args.lora_rank
+    if args.lora_rank < 1:
+        raise UserError(f"--lora-rank must be >= 1, got {args.lora_rank}")
+    args.lora_alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
+    if not args.lora_alpha > 0:
+        raise UserError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
+    if args.lora_targets is not None:
+        targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+        if not targets:
+            raise UserError("--lora-targets: name at least one module (e.g. q_proj,v_proj)")
+        args.lora_targets = ",".join(targets)
+
+
+def lora_model(config: Any, *, rank: int, alpha: float, targets: str | None, seed: int = 0) -> Any:
+    """``export --adapter``'s model: the preset / config model (``build_model(config, seed)``) with
+    ``LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets or "all-linear")`` attached by
+    ``get_peft_model`` under ``torch.manual_seed(seed + 1)`` (A: PEFT's own init), and every
+    ``lora_B`` drawn N(0, 0.02) under ``seed + 2`` -- PEFT's zero B would be an adapter that changes
+    nothing, as a trained one does. Deterministic: every rank builds the same."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from ..presets import build_model
+
+    base = build_model(config, seed=seed)
+    torch.manual_seed(seed + 1)
+    target: Any = targets.split(",") if targets else "all-linear"
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=target))
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * 0.02)
+    return model
+
+
+def run_export_adapter(args: argparse.Namespace) -> int:
+    """``export --adapter`` on every rank (module docstring); rank 0 prints the report or the failure."""
+    import shutil
+    import tempfile
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from weightsync.sources import LoRAAdapterSource
+
+    from ..checkpoint.files import replace_folder
+    from ..lora_adapter import write_adapter
+    from .demo import format_bytes
+
+    rank = dist.get_rank()
+    config = load_config(args.model, args.config, hidden=args.hidden, layers=args.layers)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    out = os.path.abspath(args.out)
+    try:
+        model = lora_model(config, rank=args.lora_rank, alpha=args.lora_alpha, targets=args.lora_targets)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        source = LoRAAdapterSource(model, dtype=dtype)
+        t0 = time.perf_counter()
+        tensors = source.state_dict()  # every rank: one all-gather per decoder layer
+        gather_s = time.perf_counter() - t0
+        status, err = "ok", None
+        if rank == 0:
+            try:
+                os.makedirs(os.path.dirname(out), exist_ok=True)
+                stage = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.weightsync-", dir=os.path.dirname(out))
+                try:
+                    staged = os.path.join(stage, "adapter")
+                    write_adapter(staged, tensors, source.adapter_config())
+                    if os.path.isdir(out) and os.listdir(out):
+                        replace_folder(staged, out)  # --overwrite (validated): the old folder until now
+                    else:
+                        if os.path.isdir(out):
+                            os.rmdir(out)
+                        os.rename(staged, out)
+                finally:
+                    shutil.rmtree(stage, ignore_errors=True)
+            except Exception as e:  # noqa: BLE001 - agreed below, said by rank 0
+                status, err = f"{type(e).__name__}: {e}", e
+        got = [None] * dist.get_world_size()
+        dist.all_gather_object(got, status)
+        if got[0] != "ok":
+            raise RuntimeError(f"rank 0 could not write {out}: {got[0]}") from err
+    except Exception as e:  # noqa: BLE001 - a failed export is a verdict, in words
+        if rank == 0:
+            print(f"weightsync export: FAIL: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    if rank == 0:
+        files = ["adapter_model.safetensors", "adapter_config.json"]
+        size = os.path.getsize(os.path.join(out, files[0]))
+        ranks = sorted({m.rank for m in source.modules})
+        print(
+            f"weightsync export: {out}: LoRA adapter {source.adapter!r}: {len(source.metadata)} tensors "
+            f"({len(source.modules)} modules, rank {'/'.join(map(str, ranks))}), {format_bytes(source.nbytes)} "
+            f"({format_bytes(size)} on disk), gathered by {dist.get_world_size()} rank(s) in "
+            f"{source.last_pass.collectives} all-gather(s), {gather_s:.2f}s"
+        )
+        print(f"  files: {', '.join(files)}")
+        print("PASS")
+    return 0
+
+
 def run_export(args: argparse.Namespace) -> int:
     """One export on every rank; rank 0 prints the report or the failure."""
+    if getattr(args, "adapter", False):
+        return run_export_adapter(args)
     import torch
     import torch.distributed as dist
 

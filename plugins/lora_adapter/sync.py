@@ -47,6 +47,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Callable
@@ -234,7 +235,9 @@ def write_adapter(folder: str, tensors: dict[str, torch.Tensor], config: dict[st
     """Write ``adapter_model.safetensors`` (PEFT's metadata ``{"format": "pt"}``) and
     ``adapter_config.json`` as the folder ``folder``, atomically: into a hidden temporary folder
     beside it, each file and the folder fsynced, one rename, the parent fsynced. ``folder`` must not
-    exist. Returns the files' bytes."""
+    exist. Both files get ``0o666`` minus the umask (``0644`` under umask 022; safetensors >= 0.8
+    alone leaves the weights ``0600``), so a server running as another user reads them. Returns the
+    files' bytes."""
     from safetensors.torch import save_file
 
     parent, leaf = os.path.split(os.path.abspath(folder))
@@ -244,14 +247,17 @@ def write_adapter(folder: str, tensors: dict[str, torch.Tensor], config: dict[st
     tmp = os.path.join(parent, f".{leaf}.tmp-{uuid.uuid4().hex[:8]}")
     os.mkdir(tmp)
     try:
-        st = os.path.join(tmp, "adapter_model.safetensors")
-        save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}, st, metadata={"format": "pt"})
-        _fsync(st)
         cj = os.path.join(tmp, "adapter_config.json")
-        with open(cj, "w") as f:
+        with open(cj, "w") as f:  # 0o666 minus the umask, as PEFT's save_pretrained leaves it
             f.write(json.dumps(config, indent=2, sort_keys=True))
             f.flush()
             os.fsync(f.fileno())
+        st = os.path.join(tmp, "adapter_model.safetensors")
+        save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}, st, metadata={"format": "pt"})
+        # safetensors >= 0.8 creates the file 0600 whatever the umask (safetensors#782): a server
+        # running as another user could not read it. Give it the mode open() gave the config.
+        os.chmod(st, stat.S_IMODE(os.stat(cj).st_mode))
+        _fsync(st)
         _fsync(tmp)
         os.rename(tmp, folder)
         _fsync(parent)

@@ -185,7 +185,10 @@ def plan_steps(
             last_key = None
             continue
         nbytes = t.numel() * wd.itemsize
-        key = (units.get(id(t), -1), id(t.device_mesh), axis)
+        # the mesh by value: a unit's DTensors may hold distinct but equal DeviceMesh objects
+        # (after other meshes of the same ranks were built in the process), and a gather over
+        # either's group is the same collective; keyed by id they split a unit into many gathers
+        key = (units.get(id(t), -1), t.device_mesh, axis)
         cur = steps[-1] if steps else None
         if (
             key == last_key
