@@ -56,24 +56,34 @@ _ws_step() {
   ) || { tail -n 25 "$_ws_log" >&2; _ws_say "FAILED: $label (full log: $_ws_log)"; return 1; }
 }
 if [ ! -f "$WEIGHTSYNC_VENV/.complete" ]; then
-  _ws_log="$_ws_cache/build-$_ws_key.log"
-  : > "$_ws_log"
-  _ws_say "building environment $WEIGHTSYNC_VENV (cold: a few minutes, ~10 GB; log: $_ws_log)"
-  rm -rf "$WEIGHTSYNC_VENV"
-  _ws_step "creating venv" "$_ws_py" -m venv "$WEIGHTSYNC_VENV" || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
-  _ws_step "upgrading pip" "$WEIGHTSYNC_VENV/bin/python" -m pip install --upgrade pip \
-    || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
-  # "# override: PKG==VER" lines in the requirements file replace vLLM's own pin of PKG (vLLM 0.34.0
-  # pins flashinfer-python==0.7.3, which PyPI does not serve): vLLM is then installed --no-deps and
-  # its other requirements, read from its installed metadata, beside the overrides.
-  _ws_over=$(sed -n 's/^# override: *//p' "$_ws_req")
-  if [ -n "$_ws_over" ]; then
-    _ws_vllm=$(grep -E '^vllm==' "$_ws_req")
-    _ws_step "installing $_ws_vllm (no dependencies: the requirements file overrides some)" \
-      "$WEIGHTSYNC_VENV/bin/python" -m pip install --progress-bar off --no-deps "$_ws_vllm" \
+  # One build per venv at a time: a second shell or job sourcing this meanwhile waits on the lock,
+  # then finds the venv complete (two pips in one venv corrupt it). The build runs in a subshell that
+  # holds the lock; exit 10: someone else built it while we waited.
+  _ws_rc=0
+  (
+    if ! flock -n 9; then
+      _ws_say "another process is building $WEIGHTSYNC_VENV; waiting for it (log: $_ws_cache/build-$_ws_key.log)"
+      flock 9
+    fi
+    [ -f "$WEIGHTSYNC_VENV/.complete" ] && exit 10
+    _ws_log="$_ws_cache/build-$_ws_key.log"
+    : > "$_ws_log"
+    _ws_say "building environment $WEIGHTSYNC_VENV (cold: a few minutes, ~10 GB; log: $_ws_log)"
+    rm -rf "$WEIGHTSYNC_VENV"
+    _ws_step "creating venv" "$_ws_py" -m venv "$WEIGHTSYNC_VENV" || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
+    _ws_step "upgrading pip" "$WEIGHTSYNC_VENV/bin/python" -m pip install --upgrade pip \
       || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
-    printf '%s\n' "$_ws_over" > "$WEIGHTSYNC_VENV/overrides.txt"
-    "$WEIGHTSYNC_VENV/bin/python" - "$WEIGHTSYNC_VENV/overrides.txt" > "$WEIGHTSYNC_VENV/vllm-deps.txt" <<'PY'
+    # "# override: PKG==VER" lines in the requirements file replace vLLM's own pin of PKG (vLLM 0.34.0
+    # pins flashinfer-python==0.7.3, which PyPI does not serve): vLLM is then installed --no-deps and
+    # its other requirements, read from its installed metadata, beside the overrides.
+    _ws_over=$(sed -n 's/^# override: *//p' "$_ws_req")
+    if [ -n "$_ws_over" ]; then
+      _ws_vllm=$(grep -E '^vllm==' "$_ws_req")
+      _ws_step "installing $_ws_vllm (no dependencies: the requirements file overrides some)" \
+        "$WEIGHTSYNC_VENV/bin/python" -m pip install --progress-bar off --no-deps "$_ws_vllm" \
+        || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
+      printf '%s\n' "$_ws_over" > "$WEIGHTSYNC_VENV/overrides.txt"
+      "$WEIGHTSYNC_VENV/bin/python" - "$WEIGHTSYNC_VENV/overrides.txt" > "$WEIGHTSYNC_VENV/vllm-deps.txt" <<'PY'
 import importlib.metadata as md, re, sys
 over = {re.split(r"[=<>!~ ;]", l, maxsplit=1)[0].lower().replace("_", "-")
         for l in open(sys.argv[1]) if l.strip()}
@@ -82,17 +92,22 @@ for r in md.requires("vllm") or []:
     if "extra ==" not in r and name not in over:
         print(r)
 PY
-    _ws_step "installing $(basename "$_ws_req") and vLLM's requirements (overridden: $(echo $_ws_over))" \
-      "$WEIGHTSYNC_VENV/bin/python" -m pip install --progress-bar off \
-      -r <(grep -vE '^vllm==' "$_ws_req") -r "$WEIGHTSYNC_VENV/vllm-deps.txt" -r "$WEIGHTSYNC_VENV/overrides.txt" \
-      || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
-  else
-    _ws_step "installing $(basename "$_ws_req") (vllm, megatron-core, torch, ...)" \
-      "$WEIGHTSYNC_VENV/bin/python" -m pip install --progress-bar off -r "$_ws_req" \
-      || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
-  fi
-  touch "$WEIGHTSYNC_VENV/.complete"
-  _ws_cold=1
+      _ws_step "installing $(basename "$_ws_req") and vLLM's requirements (overridden: $(echo $_ws_over))" \
+        "$WEIGHTSYNC_VENV/bin/python" -m pip install --progress-bar off \
+        -r <(grep -vE '^vllm==' "$_ws_req") -r "$WEIGHTSYNC_VENV/vllm-deps.txt" -r "$WEIGHTSYNC_VENV/overrides.txt" \
+        || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
+    else
+      _ws_step "installing $(basename "$_ws_req") (vllm, megatron-core, torch, ...)" \
+        "$WEIGHTSYNC_VENV/bin/python" -m pip install --progress-bar off -r "$_ws_req" \
+        || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
+    fi
+    touch "$WEIGHTSYNC_VENV/.complete"
+  ) 9>"$_ws_cache/build-$_ws_key.lock" || _ws_rc=$?
+  case $_ws_rc in
+    0) _ws_cold=1 ;;
+    10) ;;
+    *) set +euo pipefail; return 1 2>/dev/null || exit 1 ;;
+  esac
 fi
 # shellcheck disable=SC1091
 source "$WEIGHTSYNC_VENV/bin/activate"
