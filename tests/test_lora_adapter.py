@@ -562,9 +562,10 @@ def test_export_adapter_cli_equals_peft_save_pretrained(adapter_world, tmp_path)
     assert mine == want
     tensors, _ = _read_adapter(str(out))
     assert any(t.abs().sum() > 0 for n, t in tensors.items() if "lora_B" in n)  # not PEFT's zero B
+    umask = os.umask(0o022)
+    os.umask(umask)
     modes = {f: os.stat(out / f).st_mode & 0o777 for f in os.listdir(out)}
-    assert len(set(modes.values())) == 1 and all(m & 0o044 == 0o044 for m in modes.values()) or (
-        os.umask(os.umask(0)) & 0o044), modes  # 0644 under umask 022 (safetensors alone: 0600)
+    assert modes == {f: 0o666 & ~umask for f in modes}, modes  # 0644 under umask 022 (safetensors alone: 0600)
     for argv, words in (
         (["--layout", "megatron"], "--layout fsdp"),
         (["--quantize", "fp8"], "--quantize does not apply"),

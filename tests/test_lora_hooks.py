@@ -90,6 +90,22 @@ def world_hooks(rank: int, world_size: int, *, out: str) -> bytes:
     info = JSONTrainerInitInfo(rank=rank)
     f: dict[str, Any] = {}
 
+    # -- bad adapter_only values: at the hooks' construction --------------------------------------
+    def never(model):
+        raise AssertionError("not called")
+
+    e: dict[str, Any] = {}
+    for hook, cls in (("hf", WeightSyncCallback), ("pl", PLCallback)):
+        for key, value in (("True", True), ("no dir", {"lora_name": "x"}), ("int", 3),
+                           ("typo", {"adapter_dir": adir, "lora_nmae": "x"})):
+            e[f"{hook} {key}"] = errors_of(cls, never, adapter_only=value)
+    ready = LoRAAdapterSync(_peft(), client, adapter_dir=adir, every=4)
+    e["ready + option"] = errors_of(WeightSyncCallback, ready, adapter_only=adir)
+    e["factory ready + option"] = errors_of(
+        PLCallback(lambda m: ready, adapter_only=adir).on_train_start, SimpleNamespace(global_step=0), None)
+    e["ready taken"] = (WeightSyncCallback(ready).sync is ready, ready.should_sync(4), ready.should_sync(3))
+    f["arg_errors"] = e
+
     # -- HF Trainer, accelerate FSDP2: two callbacks, one Trainer run --------------------------------
     class Tokens(Dataset):
         def __len__(self) -> int:
@@ -196,7 +212,7 @@ def world_hooks(rank: int, world_size: int, *, out: str) -> bytes:
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             self._probe(trainer, module)
 
-    plt = pl.Trainer(accelerator="cpu", devices=world_size, strategy="ddp", max_steps=3, logger=False,
+    plt = pl.Trainer(accelerator="cpu", devices=world_size, strategy="ddp", max_steps=2, logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                      default_root_dir=os.path.join(out, "pl"), callbacks=[plcb, PLProbe()])
     plt.fit(LitPeft(), DataLoader(Tokens(), batch_size=2))
@@ -277,28 +293,16 @@ def test_option_on_a_model_without_lora_raises_on_every_rank(hooks_world):
             assert "drop it to send the whole (merged) model" in msg, (key, msg)
 
 
-def test_adapter_only_argument_errors_before_training():
-    """Bad ``adapter_only`` values fail at the hook's construction (one process, no world)."""
-    from weightsync.plugins import LoRAAdapterSync
-    from weightsync.plugins.lightning import WeightSyncCallback as PLCallback
-    from weightsync.plugins.transformers import WeightSyncCallback
-
-    def factory(model):
-        raise AssertionError("not called")
-
-    for cls in (WeightSyncCallback, PLCallback):
-        with pytest.raises(ValueError, match=r"adapter_only=True needs the folder the vLLM server reads"):
-            cls(factory, adapter_only=True)
-        with pytest.raises(ValueError, match=r"must hold adapter_dir"):
-            cls(factory, adapter_only={"lora_name": "x"})
-        with pytest.raises(TypeError, match=r"key\(s\) \['lora_nmae'\] that LoRAAdapterSync does not take"):
-            cls(factory, adapter_only={"adapter_dir": "/tmp/x", "lora_nmae": "x"})
-        with pytest.raises(TypeError, match=r"adapter_only must be a folder path or a dict"):
-            cls(factory, adapter_only=3)
-    ready = LoRAAdapterSync(_peft(), PeftLoader(), adapter_dir=tempfile.gettempdir(), every=4)
-    with pytest.raises(ValueError, match="sync is a LoRAAdapterSync .adapter-only already.; drop adapter_only="):
-        WeightSyncCallback(ready, adapter_only="/tmp/x")
-    cb = WeightSyncCallback(ready)  # taken as is
-    assert cb.sync is ready and ready.should_sync(4) and not ready.should_sync(3)
-    with pytest.raises(ValueError, match="the sync factory returned a LoRAAdapterSync"):
-        PLCallback(lambda m: ready, adapter_only="/tmp/x").on_train_start(SimpleNamespace(global_step=0), None)
+def test_adapter_only_argument_errors_before_training(hooks_world):
+    """Bad ``adapter_only`` values fail at the hook's construction, before any training step."""
+    for rank, f in hooks_world.items():
+        e = f["arg_errors"]
+        for hook in ("hf", "pl"):
+            assert "adapter_only=True needs the folder the vLLM server reads" in e[f"{hook} True"], e
+            assert "must hold adapter_dir" in e[f"{hook} no dir"], e
+            assert "key(s) ['lora_nmae'] that LoRAAdapterSync does not take" in e[f"{hook} typo"], e
+            assert "adapter_only must be a folder path or a dict" in e[f"{hook} int"], e
+            assert all(e[f"{hook} {k}"].startswith(("ValueError", "TypeError")) for k in ("True", "no dir", "typo", "int"))
+        assert "sync is a LoRAAdapterSync (adapter-only already); drop adapter_only=" in e["ready + option"], e
+        assert "the sync factory returned a LoRAAdapterSync" in e["factory ready + option"], e
+        assert e["ready taken"] == (True, True, False)  # taken as is, its own every=4 schedule
