@@ -588,6 +588,8 @@ def _probe_targets(chunks: list[torch.nn.Module], hf: Any) -> list[tuple[tuple, 
                 owner.setdefault(id(p), (mod, attr))
         tied_copy = bool(getattr(chunk, "share_embeddings_and_output_weights", False)) and not chunk.pre_process
         for name, p in chunk.named_parameters():
+            if name.startswith("mtp."):  # the MTP block (the draft) is no part of the policy checkpoint
+                continue
             mod, attr = owner[id(p)]
             split = tp_split_dim(mod, attr, p) is not None
             expert = ".experts." in f".{name}"
@@ -596,13 +598,15 @@ def _probe_targets(chunks: list[torch.nn.Module], hf: Any) -> list[tuple[tuple, 
                 key: tuple = (pp, v, name, tp, ps.get_expert_model_parallel_rank())
             else:
                 key = (pp, v, name, ps.get_tensor_model_parallel_rank() if split else None)
-            if tied_copy and name == "output_layer.weight":
-                # the last stage's copy of the tied embedding (megatron keeps the two equal)
+            if (tied_copy and name == "output_layer.weight") or (
+                not chunk.pre_process and name == "embedding.word_embeddings.weight"
+            ):  # the last stage's copy of the tied embedding, or an MTP stage's embedding copy
+                # (megatron keeps them equal to the first stage's)
                 key = (0, 0, "embedding.word_embeddings.weight", ps.get_tensor_model_parallel_rank())
             vocab = name in ("embedding.word_embeddings.weight", "output_layer.weight")
             out.append((key, vocab, p))
         for name, b in chunk.named_buffers():
-            if name.endswith("router.expert_bias"):
+            if name.endswith("router.expert_bias") and not name.startswith("mtp."):
                 out.append(((pp, v, name), False, b))
     return out
 

@@ -29,8 +29,12 @@ from __future__ import annotations
 import base64
 import copy
 import dataclasses
+import os
 import re
+import shutil
+import tempfile
 import zlib
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
@@ -216,9 +220,53 @@ def _world(rank: int, world_size: int, urls: dict[str, str]) -> bytes:
                                      ("sparse_nccl", "nccl_m2n", "sharded_rdt")}
             out["refuse_part"] = errors_of(MegatronSource, model, hf_config=hf, part="draft")
         ps.destroy_model_parallel()
+    out["cli"] = _cli_export_and_check(rank, urls["cli_out"])
     if rank == 0:
         out["tables"] = tables
-    return pack(out if rank == 0 else {k: v for k, v in out.items() if k.startswith("refuse")})
+    return pack(out if rank == 0 else {k: v for k, v in out.items() if k.startswith("refuse") or k == "cli"})
+
+
+def _cli(argv: list[str]) -> tuple[int, str]:
+    """One ``weightsync`` command's rank code in this world (the CLI's own parser and checks, then
+    ``run_export`` / ``run_check``, as a torchrun rank runs them): (exit code, rank 0's stdout)."""
+    import contextlib
+    import io
+
+    from weightsync.plugins.cli.check import run_check
+    from weightsync.plugins.cli.entry import _parser
+    from weightsync.plugins.cli.export import run_export
+    from weightsync.plugins.cli.validate import validate_args
+
+    args = _parser().parse_args(argv)
+    validate_args(args)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = run_export(args) if args.command == "export" else run_check(args)
+    return code, buf.getvalue()
+
+
+def _cli_export_and_check(rank: int, folder: str) -> dict[str, Any]:
+    """``export --mtp`` of the tiny DeepSeek-V3 preset (EP2), ``check --mtp --checkpoint`` of the
+    folder, then the same check after one MTP tensor of the folder was changed (rank 0 rewrites it)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import load_file, save_file
+
+    base = ["--model", "tiny-deepseek-v3", "--layout", "megatron", "--ep", "2", "--nproc", "2", "--mtp"]
+    res: dict[str, Any] = {"export": _cli(["export", *base, "--out", folder])}
+    ps.destroy_model_parallel()
+    res["check"] = _cli(["check", *base, "--checkpoint", folder])
+    ps.destroy_model_parallel()
+    changed = folder + "-changed"
+    if rank == 0:
+        shutil.copytree(folder, changed)
+        bad = load_file(f"{changed}/model.safetensors")
+        bad["model.layers.2.eh_proj.weight"] = bad["model.layers.2.eh_proj.weight"] + 1.0
+        save_file(bad, f"{changed}/model.safetensors", metadata={"format": "pt"})
+    dist.barrier()
+    res["check_changed"] = _cli(["check", *base, "--checkpoint", changed])
+    ps.destroy_model_parallel()
+    return res
 
 
 def _loopback_round(rank: int, model: Any, hf: Any, url: str) -> dict[str, Any]:
@@ -334,7 +382,7 @@ def _draft_round(rank: int, model: Any, hf: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def world() -> dict[int, Any]:
+def world() -> Iterator[dict[int, Any]]:
     """The 2-rank world, with two loopback receivers served from here: a DeepSeek-V3-like transformers
     model with a draft (a ``TensorsModel`` of the checkpoint's MTP names, fused experts as transformers
     holds them) and one without. Rank 0's facts carry the receivers' models, state and POST calls."""
@@ -347,15 +395,24 @@ def world() -> dict[int, Any]:
     policy = AutoModelForCausalLM.from_config(hf)
     servers = {"draft": ReceiverServer(LoopbackReceiver(policy, draft=TensorsModel(table))).start(),
                "no_draft": ReceiverServer(LoopbackReceiver(copy.deepcopy(policy))).start()}
+    out = tempfile.mkdtemp(prefix="ws-mtp-cli-")
     try:
-        res = unpack(_run_world(_world, 2, timeout=600, urls={k: s.url for k, s in servers.items()}))
+        urls = {k: s.url for k, s in servers.items()}
+        res = unpack(_run_world(_world, 2, timeout=600, urls={**urls, "cli_out": os.path.join(out, "ckpt")}))
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     finally:
         for s in servers.values():
             s.stop()
+    res[0]["cli_dir"] = os.path.join(out, "ckpt")
     res[0]["receivers"] = {k: {"policy": s.receiver.model.state_dict(), "draft": s.receiver.draft and s.receiver.draft.state_dict(),
                                "state": s.receiver.state(), "calls": [(c["path"], c["status"]) for c in s.calls if c["method"] == "POST"]}
                            for k, s in servers.items()}
-    return res
+    try:
+        yield res
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def _decode(calls: list) -> list[tuple[str, Any]]:
@@ -611,3 +668,70 @@ def test_draftless_backends_are_vllms():
     assert nccl_engine.NCCLWeightTransferEngine.supports_draft_weight_update
     assert ipc_engine.IPCWeightTransferEngine.supports_draft_weight_update
     assert DRAFTLESS_BACKENDS == {"sparse_nccl", "nccl_m2n", "sharded_rdt"}
+
+
+# ---- weightsync export --mtp / check --mtp (the CLI's rank code in this world) --------------------------
+
+
+def test_export_mtp_writes_the_policy_and_the_draft_in_one_checkpoint(world):
+    """``export --mtp`` (tiny DeepSeek-V3 preset, EP2): one folder holding save_pretrained's policy
+    tensors byte for byte (transformers loads it with nothing missing) plus the MTP layer under the
+    names vLLM's own ``DeepSeekMTP.load_weights`` consumes, every draft parameter loaded."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from weightsync.plugins.cli.build import checkpoint_state
+    from weightsync.plugins.presets import build_model, load_config
+
+    cli, folder = world[0]["cli"], world[0]["cli_dir"]
+    code, text = cli["export"]
+    assert code == 0 and "PASS" in text and "MTP" in text, text
+    assert all(r["cli"]["export"][0] == 0 for r in world.values())
+    got = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            got.update(load_file(os.path.join(folder, f)))
+    cfg = load_config("tiny-deepseek-v3", None)
+    n = cfg.num_hidden_layers
+    policy = checkpoint_state(build_model(cfg, seed=0))
+    mtp = {k: t for k, t in got.items() if k.startswith(f"model.layers.{n}.")}
+    assert sorted(set(got) - set(mtp)) == sorted(policy)
+    for k, t in policy.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+    # the draft's copies of the shared embedding / output head are the policy's (vocab padding trimmed)
+    assert torch.equal(mtp[f"model.layers.{n}.embed_tokens.weight"], policy["model.embed_tokens.weight"])
+    assert torch.equal(mtp[f"model.layers.{n}.shared_head.head.weight"], policy["lm_head.weight"])
+    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    assert model.config.num_nextn_predict_layers == 1
+    loaded, calls, params = _run_vllm_loader("dsv3", model.config, mtp)
+    assert len(calls) == len(mtp) and loaded == params, (sorted(params - loaded)[:5], len(calls), len(mtp))
+
+
+def test_check_mtp_compares_the_folders_draft_byte_for_byte(world):
+    """``check --mtp --checkpoint`` passes on the exported folder with every tensor, MTP ones
+    included, compared byte for byte; one changed MTP tensor fails it, named, on every rank's exit code."""
+    cli = world[0]["cli"]
+    code, text = cli["check"]
+    assert code == 0 and text.rstrip().endswith("PASS"), text
+    assert re.search(r"bytes: (\d+) of \1 tensors compared equal", text), text
+    assert re.search(r"MTP \(draft\): 32 tensors", text), text
+    code, text = cli["check_changed"]
+    assert code == 1 and "model.layers.2.eh_proj.weight: bytes differ" in text and "FAIL" in text, text
+    assert [r["cli"]["check_changed"][0] for r in world.values()] == [1, 1]
+
+
+def test_mtp_cli_refuses_a_family_without_mtp_layers(capsys):
+    """``--mtp`` for a family without MTP names (Qwen3), without --layout megatron, and check --mtp
+    without a folder: usage errors (exit 2, one line naming what is wrong) before any rank starts."""
+    from weightsync.plugins.cli.entry import main
+
+    code = main(["export", "--model", "tiny-qwen3", "--layout", "megatron", "--mtp", "--out", "/nonexistent/x"])
+    err = capsys.readouterr()
+    assert code == 2 and "family 'qwen3' has no multi-token-prediction" in err.err, (code, err)
+    assert "starting" not in err.out + err.err
+    for argv, want in ((["check", "--model", "tiny-deepseek-v3", "--mtp"], "--mtp needs --layout megatron"),
+                       (["check", "--model", "tiny-deepseek-v3", "--layout", "megatron", "--mtp"], "pass --checkpoint")):
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code == 2 and want in err and len(err.strip().splitlines()) == 1, (argv, code, err)

@@ -13,6 +13,7 @@ with that model's checkpoint tensors (``megatron_build.load_hf_weights``), and
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
 import torch
@@ -20,7 +21,9 @@ from vllm.distributed.weight_transfer.base import WeightSource
 
 from ..presets import build_model
 
-__all__ = ["build_model_and_source", "build_source", "checkpoint_state", "quantized", "shard_fsdp2"]
+__all__ = [
+    "build_model_and_source", "build_source", "checkpoint_state", "mtp_layers", "mtp_source", "PolicyAndDraft", "quantized", "shard_fsdp2",
+]
 
 
 def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -65,19 +68,78 @@ def build_model_and_source(
         from ..megatron_build import MegatronParallel, build_megatron_gpt, load_hf_weights
 
         par = MegatronParallel(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
-        chunks = build_megatron_gpt(config, par, seed=0)
+        overrides = {"mtp_num_layers": mtp_layers(config)} if getattr(args, "mtp", False) else None
+        chunks = build_megatron_gpt(config, par, seed=0, overrides=overrides)
         state = None
         if dist.get_rank() == 0:
             state = checkpoint_state(hf_model if hf_model is not None else build_model(config, seed=0))
         load_hf_weights(chunks, config, state)
         del state
         model = chunks if args.vpp else chunks[0]
-        return list(chunks), quantized(args, MegatronSource(model, hf_config=config, dtype=dtype, mode="full",
-                                                            expert_layout=expert_layout))
+        source = MegatronSource(model, hf_config=config, dtype=dtype, mode="full", expert_layout=expert_layout)
+        if overrides:  # --mtp: the policy, then the draft, as one checkpoint's tensors
+            return list(chunks), PolicyAndDraft(source, mtp_source(chunks, config, dtype, expert_layout))
+        return list(chunks), quantized(args, source)
     from weightsync.sources import FSDPSource
 
     model = shard_fsdp2(hf_model if hf_model is not None else build_model(config, seed=0))
     return [model], quantized(args, FSDPSource(model, dtype=dtype, expert_layout=expert_layout))
+
+
+def mtp_layers(config: Any) -> int:
+    """``--mtp``: the number of MTP layers the config's family field names (DeepSeek-V3 / GLM
+    ``num_nextn_predict_layers``); a config saying 0 (or nothing) is given 1 in place, so the written
+    ``config.json`` states the MTP layers the folder holds. Raises ``UserError`` for a family without
+    MTP names."""
+    from weightsync.sources import family_for
+
+    from ..presets import UserError
+
+    names = family_for(config, check=False).mtp
+    if names is None:
+        raise UserError(f"--mtp: family {config.model_type!r} has no multi-token-prediction (MTP) layers")
+    n = int(getattr(config, names.count, 0) or 0)
+    if n < 1:
+        setattr(config, names.count, 1)
+        n = 1
+    return n
+
+
+def mtp_source(
+    chunks: list[torch.nn.Module], config: Any, dtype: torch.dtype | None, expert_layout: str | None = None
+) -> WeightSource:
+    """``--mtp``: the draft's tensors of this rank's chunks (``MegatronSource(part="mtp")``,
+    ``mode="full"``: rank 0 sends), in the released checkpoints' names."""
+    from weightsync.sources import MegatronSource
+
+    return MegatronSource(chunks if len(chunks) > 1 else chunks[0], hf_config=config, dtype=dtype, mode="full",
+                          part="mtp", expert_layout=expert_layout)
+
+
+class PolicyAndDraft(WeightSource):
+    """``--mtp``: the policy source's tensors, then the draft's (``MegatronSource(part="mtp")``), as
+    one source -- what a released DeepSeek-V3 / GLM-4.5 checkpoint holds in one folder (one index).
+    Invariant: the two name sets are disjoint (the MTP layers are numbered after the decoder's);
+    ``metadata`` is the policy's followed by the draft's, and ``iter_full`` streams in that order."""
+
+    def __init__(self, policy: WeightSource, draft: WeightSource) -> None:
+        self.policy, self.draft = policy, draft
+        self.hf_config = getattr(policy, "hf_config", None)
+        both = {m.name for m in policy.metadata} & {m.name for m in draft.metadata}
+        if both:
+            raise ValueError(f"PolicyAndDraft: names in both the policy and the draft: {sorted(both)[:5]}")
+
+    @functools.cached_property
+    def metadata(self) -> list[Any]:
+        return list(self.policy.metadata) + list(self.draft.metadata)
+
+    @property
+    def draft_names(self) -> list[str]:
+        return [m.name for m in self.draft.metadata]
+
+    def iter_full(self) -> Any:
+        yield from self.policy.iter_full()
+        yield from self.draft.iter_full()
 
 
 def quantized(args: argparse.Namespace, source: WeightSource) -> WeightSource:

@@ -25,6 +25,14 @@ sync equals any folder of the config byte for byte; ``--names-only`` loads nothi
 names, shapes and dtypes. With ``--quantize fp8`` the folder's FP8 tensors are not loaded: bytes
 match only the seed-0 weights ``export --quantize fp8`` writes.
 
+``--mtp`` (``--layout megatron``, families with MTP layers; needs ``--checkpoint``): the model is
+built with megatron's MTP block and the source streams the policy, then the draft
+(``build.PolicyAndDraft``, ``MegatronSource(part="mtp")``). transformers drops a folder's MTP tensors
+on load, so the policy is loaded from the folder while the MTP tensors are megatron's seed-0
+initialization, compared with the folder's straight from its safetensors files: they match a folder
+``export --mtp`` wrote at the same ``--tp/--pp/--ep`` (megatron's initialization depends on the
+layout). The report gives the MTP count and how many are byte-equal.
+
 Layouts: ``fsdp`` (the HF model, FSDP2 over every rank, ``FSDPSource``) and ``megatron`` (a
 megatron-core ``GPTModel`` built on CPU from the same config by ``megatron_build``, ``MegatronSource``
 in ``mode="full"``: rank 0 is the only owner).
@@ -342,6 +350,13 @@ def _report(
             print("  bytes: not compared (--names-only)")
         else:
             print(f"  bytes: {content[0] - len(differ)} of {content[0]} tensors compared equal the checkpoint's")
+        draft = getattr(source, "draft_names", None)
+        if draft is not None:  # --mtp: the folder's MTP tensors (transformers drops them on load)
+            equal = [n for n in draft if n in oracle and n not in differ and tuple(oracle[n][1]) == tuple(
+                next(m.shape for m in meta if m.name == n))]
+            seen = "not compared (--names-only)" if names_only else f"{len(equal)} equal the checkpoint's byte for byte"
+            print(f"  MTP (draft): {len(draft)} tensors (MegatronSource part='mtp': megatron's seed-0 init at this "
+                  f"{_layout(args, world).split(' x')[0]}; bytes match a folder exported at the same layout), {seen}")
         diffs = _differences(meta, oracle, differ)
         if diffs:
             print(f"  first differences ({len(diffs)} in all, metadata order):")

@@ -204,6 +204,13 @@ def _source_args(p: argparse.ArgumentParser, presets: str) -> None:
         "size, scale format and quantized modules from (default: 128x128 blocks and weightsync's default "
         "set; check --checkpoint PATH: that folder's)",
     )
+    p.add_argument(
+        "--mtp", action="store_true",
+        help="--layout megatron: build the model with its multi-token-prediction (MTP) block (megatron's "
+        "mtp_num_layers = the config's num_nextn_predict_layers) and add the MTP tensors "
+        "(MegatronSource(part='mtp')) in the released checkpoints' names: export writes them beside the policy "
+        "in one folder, check compares a folder's MTP tensors byte for byte (DeepSeek-V3/V3.2, GLM-4.5/GLM-5)",
+    )
     p.add_argument("--hidden", type=int, help="override hidden size")
     p.add_argument("--layers", type=int, help="override number of layers")
 

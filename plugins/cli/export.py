@@ -9,6 +9,14 @@ when the export failed (nothing is left at ``--out``), 2 for usage errors -- inc
 ``--out`` without ``--overwrite``, caught before any rank starts. Only ``run_export`` imports
 torch: the CLI validates its arguments (``validate_export``) before any heavy import.
 
+``export --mtp`` (``--layout megatron``, DeepSeek-V3/V3.2 and GLM-4.5/GLM-5 presets or configs):
+the megatron-core model is built with its MTP block (``mtp_num_layers`` = the config's
+``num_nextn_predict_layers``, 1 where it says 0) and the folder holds what a released checkpoint
+holds: the policy's ``save_pretrained`` tensors plus the MTP layers in the checkpoint names vLLM's
+MTP draft models load (``model.layers.{N+i}.*``), in one index (``build.PolicyAndDraft``). A family
+without MTP layers is a usage error (exit 2) before any rank starts. The MTP block carries megatron's
+seed-0 initialization, not weights from the preset's transformers model (which has none).
+
 ``export --adapter`` writes the PEFT LoRA adapter folder instead -- ``adapter_model.safetensors`` +
 ``adapter_config.json``, what vLLM's ``/v1/load_lora_adapter`` loads and ``LoRAAdapterSync`` sends
 -- from the same preset / config model with a LoRA adapter attached (``lora_model``: ``--lora-rank``,
@@ -23,6 +31,7 @@ input: a trained adapter is already the folder PEFT saved; this is the dry run o
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Any
@@ -221,6 +230,18 @@ def run_export(args: argparse.Namespace) -> int:
             f"(largest {format_bytes(report.largest_shard_bytes)}), {report.seconds:.2f}s ({rate:.0f} MB/s), "
             f"written by rank {report.writer}; writer peak extra memory {format_bytes(report.peak_extra_bytes)}"
         )
+        draft = getattr(source, "draft", None)
+        if draft is not None:  # --mtp
+            meta = draft.metadata
+            size = sum(m.dtype.itemsize * math.prod(m.shape) for m in meta)
+            print(f"  MTP (draft): {len(meta)} tensors, {format_bytes(size)}, "
+                  f"{meta[0].name.rsplit('.', 2)[0] if len(meta) == 1 else _prefix([m.name for m in meta])}*")
         print(f"  files: {', '.join(report.files)}")
         print("PASS")
     return 0
+
+
+def _prefix(names: list[str]) -> str:
+    """The names' common prefix, cut after a dot."""
+    pre = os.path.commonprefix(names)
+    return pre[: pre.rfind(".") + 1]

@@ -74,6 +74,8 @@ def validate_args(args: argparse.Namespace) -> Any:
         raise UserError(f"--dtype {args.dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
     if args.command in ("check", "export") and args.layout == "megatron":
         _validate_megatron(args, facts)
+    if args.command in ("check", "export") and getattr(args, "mtp", False):
+        _validate_mtp(args, facts)
     if args.command == "export":
         from .export import validate_export
 
@@ -141,6 +143,40 @@ def _fp8_folder(path: str) -> None:
             f"--quantize fp8 --checkpoint {path}: the folder is not an FP8 checkpoint (its config.json has "
             f"quantization_config.quant_method={method!r}, not 'fp8'); drop --quantize to check it as it is"
         )
+
+
+#: ``--mtp``: the families whose MTP block the CPU Megatron builder builds (megatron's
+#: ``get_gpt_mtp_block_spec`` over the decoder's last layer); the hybrid builder (Qwen3-Next /
+#: Qwen3.5) builds none yet
+MTP_BUILDER_SKIPS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
+def _validate_mtp(args: argparse.Namespace, facts: Any) -> None:
+    """``--mtp``: a Megatron layout, a family with MTP names (``family_for(...).mtp``: plain data, no
+    torch) whose MTP block the CPU builder builds, and none of the options it does not combine with."""
+    import types
+
+    from weightsync.sources import family_for
+
+    from ..presets import UserError
+
+    if args.layout != "megatron":
+        raise UserError("--mtp needs --layout megatron (megatron-core's MTP block; transformers holds no MTP weights)")
+    if getattr(args, "adapter", False) or getattr(args, "quantize", None) or getattr(args, "delta", False):
+        flag = "--adapter" if getattr(args, "adapter", False) else "--quantize" if args.quantize else "--delta"
+        raise UserError(f"--mtp does not combine with {flag}")
+    if args.command == "check" and not getattr(args, "checkpoint", None):
+        raise UserError("check --mtp compares a checkpoint folder's MTP tensors: pass --checkpoint PATH "
+                        "(transformers' save_pretrained, the oracle without one, holds no MTP layers)")
+    try:
+        family = family_for(types.SimpleNamespace(model_type=facts.model_type), check=False)
+    except Exception:  # noqa: BLE001 - no family at all: the same answer as a family without MTP names
+        family = None
+    if family is None or family.mtp is None:
+        raise UserError(f"--mtp: family {facts.model_type!r} has no multi-token-prediction (MTP) layers "
+                        "(DeepSeek-V3/V3.2 and GLM-4.5/GLM-5 have)")
+    if facts.model_type in MTP_BUILDER_SKIPS:
+        raise UserError(f"--mtp: the CPU Megatron builder builds no MTP block for {facts.model_type!r} yet")
 
 
 def _validate_megatron(args: argparse.Namespace, facts: Any) -> None:
