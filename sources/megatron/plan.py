@@ -169,6 +169,19 @@ def _check_fields(family: Family, hf_config: Any, mcfg: Any) -> None:
         raise UnmappedParameterError(f"MegatronSource cannot export this Megatron model as {family.name}: " + "; ".join(bad))
 
 
+def _block_units(family: Family, hf_config: Any, g: Geometry, layer: int, prefix: str, entries: dict[str, Entry],
+                 stage: int, chunk: int) -> list[Unit]:
+    """The units of one decoder block (a policy layer, or an MTP layer's block) whose checkpoint
+    names start with ``prefix``; keyed ``("layer", layer, suffix)`` by Megatron's layer number."""
+    out = []
+    for suffix, entry in entries.items():
+        full = family.tensor_shapes(suffix, hf_config) or _shapes(suffix, g)
+        kind = layout(entry.kind)
+        out.append(Unit(("layer", layer, suffix), stage, chunk, kind, tuple(prefix + h for h in entry.hf), full,
+                        kind.shard_shape(full, g.tp)))
+    return out
+
+
 def build_plan(
     *,
     family: Family,
@@ -206,21 +219,7 @@ def build_plan(
         prefix = HF_LAYER_PREFIX.format(layer)
         if family.hybrid is not None:  # the attention kind is the layer's (gated delta net or not)
             attention = {k: e for k, e in family.layer_keys(hf_config, layer=layer).items() if k not in DENSE_MLP}
-        for suffix, entry in {**attention, **mlp}.items():
-            full = family.tensor_shapes(suffix, hf_config) or _shapes(suffix, g)
-            kind = layout(entry.kind)
-            shard = kind.shard_shape(full, g.tp)
-            units.append(
-                Unit(
-                    ("layer", layer, suffix),
-                    stage,
-                    chunk,
-                    kind,
-                    tuple(prefix + h for h in entry.hf),
-                    full,
-                    shard,
-                )
-            )
+        units += _block_units(family, hf_config, g, layer, prefix, {**attention, **mlp}, stage, chunk)
     units.append(global_unit("decoder.final_layernorm.weight", *last))
     if not g.tied:
         units.append(global_unit("output_layer.weight", *last))
@@ -300,12 +299,8 @@ def build_mtp_plan(
         units.append(own(i, "enorm.weight", "replicated", names.enorm, (g.hidden,)))
         units.append(own(i, "hnorm.weight", "replicated", names.hnorm, (g.hidden,)))
         units.append(own(i, "eh_proj.weight", "column", names.eh_proj, (g.hidden, 2 * g.hidden)))
-        prefix = names.fill(names.layer, hf_config, i)
-        for suffix, entry in {**attention, **mlp}.items():
-            full = family.tensor_shapes(suffix, hf_config) or _shapes(suffix, g)
-            kind = layout(entry.kind)
-            units.append(Unit(("layer", L, suffix), stage, chunk, kind, tuple(prefix + h for h in entry.hf), full,
-                              kind.shard_shape(full, g.tp)))
+        units += _block_units(family, hf_config, g, L, names.fill(names.layer, hf_config, i), {**attention, **mlp},
+                              stage, chunk)
         units.append(own(i, "final_layernorm.weight", "replicated", names.final_norm, (g.hidden,)))
         if names.head and copies:
             units.append(Unit(("mtp_head", i), stage, chunk, VOCAB, (names.fill(names.head, hf_config, i),),
