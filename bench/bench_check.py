@@ -53,8 +53,8 @@ def _worker(rank, world, args):
     from torch.distributed.fsdp import fully_shard
 
     from weightsync.sources import FSDPSource, checked
-    from weightsync.sources.core.check import check_stream
-    from weightsync.sources.core.waits import Board, next_tag
+    from weightsync.sources.core.check.stream import check_stream
+    from weightsync.sources.core.comm.waits import Board, next_tag
 
     model = _model(args)
     mesh = init_device_mesh("cpu", (world,))

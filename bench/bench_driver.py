@@ -40,7 +40,7 @@ def main() -> None:
     from transformers import LlamaConfig
 
     from weightsync.plugins.loopback import LoopbackTrainerInitInfo
-    from weightsync.plugins.loopback_server import start_receiver_process
+    from weightsync.plugins.loopback.receiver import start_receiver_process
 
     cfg = LlamaConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                       num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,

@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         # vLLM's engines and the receiver whoever quantizes it.
         from vllm.distributed.weight_transfer import ModuleSource
 
-        from weightsync.plugins.loopback_server import FP8CheckpointModel
+        from weightsync.plugins.testbed.fp8_model import FP8CheckpointModel
 
         ready_bf16 = build_hf(cfg, device=device, dtype=torch.bfloat16, seed=3)
         ready_bf16.load_state_dict(plain, strict=False)

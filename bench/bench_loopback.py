@@ -56,7 +56,7 @@ def _worker(rank, world, port, url, ports, args, queue):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from weightsync.plugins.loopback import LoopbackTrainerInitInfo
-    from weightsync.plugins.loopback_server import ReceiverClient
+    from weightsync.plugins.loopback.receiver import ReceiverClient
     from weightsync.sources import FSDPSource
 
     model = _model(args.hidden, args.layers, args.vocab)
@@ -110,7 +110,7 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    from weightsync.plugins.loopback_server import start_receiver_process
+    from weightsync.plugins.loopback.receiver import start_receiver_process
 
     _, handle = start_receiver_process(functools.partial(_model, args.hidden, args.layers, args.vocab, 1))
     try:

@@ -46,7 +46,7 @@ def fsdp_world(rank, world_size, *, a, mode):
     from transformers import AutoModelForCausalLM
 
     from weightsync.sources import FSDPSource
-    from weightsync.sources.core.experts import ExpertTransform
+    from weightsync.sources.core.hf.experts import ExpertTransform
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_hf_config(a))

@@ -57,11 +57,11 @@ def _config(hidden: int, layers: int, vocab: int):
 def _rank(rank: int, world_size: int, *, cfg_dir: str, reps: int, layout: str) -> dict:
     import torch
 
-    from weightsync.plugins.presets import build_model, load_config
+    from weightsync.plugins.testbed.presets import build_model, load_config
 
     config = load_config(None, cfg_dir)
     if layout == "megatron":  # MegatronSource(mode="full") at TP = world size
-        from weightsync.plugins.megatron_build import MegatronParallel, build_megatron_gpt
+        from weightsync.plugins.testbed.megatron_build import MegatronParallel, build_megatron_gpt
         from weightsync.sources import MegatronSource
 
         chunks = build_megatron_gpt(config, MegatronParallel(tp=world_size), seed=0)

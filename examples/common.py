@@ -80,7 +80,7 @@ class Target:
         if args.vllm_url:
             url = args.vllm_url
         else:
-            from weightsync.plugins.loopback_server import start_receiver_process
+            from weightsync.plugins.loopback.receiver import start_receiver_process
 
             url = None
             if rank == 0:
@@ -91,7 +91,7 @@ class Target:
         self.client = VLLMHTTPClient(url, api_key=args.api_key)
         if sparse and not args.vllm_url:
             # the loopback receiver's own client: loopback_sparse checks every round against it
-            from weightsync.plugins.loopback_server import ReceiverClient
+            from weightsync.plugins.loopback.receiver import ReceiverClient
 
             self.client = ReceiverClient(url[0])
         if args.vllm_url:

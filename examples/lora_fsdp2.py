@@ -59,7 +59,7 @@ def main() -> None:
         probe = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
         checker = None
         if rank == 0 and target.handle is not None:
-            from weightsync.plugins.loopback_server import ReceiverClient
+            from weightsync.plugins.loopback.receiver import ReceiverClient
 
             checker = ReceiverClient(target.handle.url)
         for step in range(1, args.steps + 1):

@@ -1,25 +1,25 @@
 """weightsync.plugins: what drives a sync from a training loop, one sub-package per product.
 
-* ``sync/``            -- ``WeightSync`` (the driver), ``VLLMHTTPClient``, the transport preflight,
-  ``SyncReport``;
-* ``hooks/``           -- transformers / TRL, Lightning and Megatron loop hooks, accelerate's source
-  (also at ``weightsync.plugins.transformers`` / ``.lightning`` / ``.accelerate``);
-* ``loopback/``        -- the CPU ``"loopback"`` and ``"loopback_sparse"`` (delta rounds) engines,
-  trainer end (importing it registers them in vLLM's ``WeightTransferTrainerFactory``);
-* ``loopback_server/`` -- the loopback receiving end: receiver, HTTP server, process (no vLLM import),
-  and the worker engine a real vLLM server runs (``vllm_engine``);
-* ``vllm_plugin``      -- weightsync's ``vllm.general_plugins`` entry point: registers that engine as
-  ``"loopback"`` in the vLLM it is installed next to;
-* ``lora_adapter/``    -- ``LoRAAdapterSync``: only a PEFT model's LoRA adapter, loaded by vLLM's LoRA serving;
-* ``checkpoint/``      -- ``save_safetensors``: a Hugging Face checkpoint folder from any source;
+* ``sync/``         -- ``WeightSync`` (the driver), ``VLLMHTTPClient``, the transport preflight,
+  ``SyncReport``, the engine capabilities the driver reads (``sync/capabilities.py``);
+* ``hooks/``        -- transformers / TRL, Lightning and Megatron loop hooks, accelerate's source
+  (also at ``weightsync.plugins.transformers`` / ``.lightning`` / ``.accelerate`` / ``.trl``);
+* ``lora_adapter/`` -- ``LoRAAdapterSync``: only a PEFT model's LoRA adapter, loaded by vLLM's LoRA serving;
+* ``checkpoint/``   -- ``save_safetensors``: a Hugging Face checkpoint folder from any source;
   ``save_delta`` / ``apply_delta``: delta patch files;
-* ``cli/``             -- the ``weightsync`` command (demo, check, export);
-* ``presets``, ``megatron_build`` -- the tiny models the CLI, demo and tests build.
+* ``loopback/``     -- the CPU loopback transport, both ends: the trainer engines (``trainer/``), the
+  receiver that stands in for vLLM (``receiver/``, never imports vLLM) and the worker engine a real
+  vLLM server runs with weightsync's vLLM plugin entry point (``worker/``);
+* ``planner/``      -- ``weightsync plan``: a refit's time and memory, predicted;
+* ``cli/``          -- the ``weightsync`` command (demo, check, export, plan);
+* ``testbed/``      -- scaffolding, not product: the tiny presets, the CPU Megatron builder, the demo's
+  vLLM server, the FP8 demo model.
 
-Plugins use only what ``weightsync.sources`` exports (enforced by import-linter: ``lint-imports``,
-contracts in ``pyproject.toml``). Names are exported lazily (``_LAZY``: name -> submodule), so
-``import weightsync.plugins`` stays cheap and a plugin's heavy dependencies load only when it is
-used. To add a name, add one line to ``_LAZY``.
+Layers (import-linter, ``pyproject.toml``): ``cli`` > ``hooks | checkpoint | loopback | planner`` >
+``sync | lora_adapter`` > ``testbed``; a layer imports only those below it. Plugins use only what
+``weightsync.sources`` and ``weightsync.sources.toolkit`` export. Names are exported lazily (``_LAZY``:
+name -> submodule), so ``import weightsync.plugins`` stays cheap and a plugin's heavy dependencies load
+only when it is used. To add a name, add one line to ``_LAZY``.
 """
 
 from __future__ import annotations
@@ -43,17 +43,17 @@ _LAZY: dict[str, str] = {
     "source_from_accelerator": ".hooks.accelerate",
     "MegatronWeightSync": ".hooks.megatron",
     # CPU loopback backend (test/demo transport speaking vLLM's four-phase protocol over gloo)
-    "LoopbackTrainerInitInfo": ".loopback",
-    "LoopbackTrainerWeightTransferEngine": ".loopback",
-    "LoopbackSparseTrainerInitInfo": ".loopback",
-    "LoopbackSparseTrainerWeightTransferEngine": ".loopback",
-    "LoopbackReceiver": ".loopback_server",
-    "ChecksumMismatchError": ".loopback_server",
-    "ReceiverServer": ".loopback_server",
-    "ReceiverClient": ".loopback_server",
-    "ReceiverHandle": ".loopback_server",
-    "start_receiver_process": ".loopback_server",
-    "TensorsModel": ".loopback_server",
+    "LoopbackTrainerInitInfo": ".loopback.trainer",
+    "LoopbackTrainerWeightTransferEngine": ".loopback.trainer",
+    "LoopbackSparseTrainerInitInfo": ".loopback.trainer",
+    "LoopbackSparseTrainerWeightTransferEngine": ".loopback.trainer",
+    "LoopbackReceiver": ".loopback.receiver",
+    "ChecksumMismatchError": ".loopback.receiver",
+    "ReceiverServer": ".loopback.receiver",
+    "ReceiverClient": ".loopback.receiver",
+    "ReceiverHandle": ".loopback.receiver",
+    "start_receiver_process": ".loopback.receiver",
+    "TensorsModel": ".loopback.receiver",
     # adapter-only LoRA syncs into vLLM's LoRA serving (plugins/lora_adapter/)
     "LoRAAdapterSync": ".lora_adapter",
     "AdapterRefusedError": ".lora_adapter",

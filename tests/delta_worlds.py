@@ -295,7 +295,7 @@ def _fake_source(mode: str):
 
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-    from weightsync.sources.core.pieces import Piece, marker
+    from weightsync.sources.core.layouts.pieces import Piece, marker
 
     full = {"a": torch.arange(16, dtype=torch.float32).view(4, 4), "b": torch.arange(6, dtype=torch.float32) / 7}
 

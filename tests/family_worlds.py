@@ -38,7 +38,7 @@ def preset_config(preset: str, architecture: str, **over: Any) -> Any:
     """The preset's transformers config with ``over`` applied."""
     from transformers import AutoConfig
 
-    from weightsync.plugins.presets import PRESETS
+    from weightsync.plugins.testbed.presets import PRESETS
 
     kw = {**PRESETS[preset], **over}
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
@@ -186,7 +186,7 @@ def megatron_layouts(
     from megatron_worlds import dcp_save, gather_local_pieces
     from worlds import errors_of
 
-    from weightsync.plugins.megatron_build import MegatronParallel
+    from weightsync.plugins.testbed.megatron_build import MegatronParallel
     from weightsync.sources import MegatronSource
 
     facts: dict[str, Any] = {}
@@ -360,7 +360,7 @@ def check_cli(preset: str, *args: str, nproc: int, layout_line: str,
     from test_demo_cli import _listed, _saved
     from worlds import run_cli
 
-    from weightsync.plugins.presets import build_model, load_config
+    from weightsync.plugins.testbed.presets import build_model, load_config
 
     saved = _saved(build_model(load_config(preset)))
     r = run_cli("check", "--model", preset, *args, "--show", "1000", nproc=nproc, timeout=600)

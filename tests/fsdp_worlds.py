@@ -138,7 +138,7 @@ def snapshot_diff(a: dict, b: dict) -> list[str]:
 
 
 def meta_facts(metadata) -> list[tuple]:
-    from weightsync.sources.core.check import meta_entry
+    from weightsync.sources.core.check.stream import meta_entry
 
     return [meta_entry(m) for m in metadata]
 
@@ -596,7 +596,7 @@ def world_loopback(rank: int, world_size: int, *, oracle_dir: str, port: int, ur
     shard(model, mesh)
     source = FSDPSource(torch.compile(model), dtype=torch.bfloat16)
     info = LoopbackTrainerInitInfo("127.0.0.1", port, 2, rank=rank, timeout_s=60)
-    from weightsync.plugins.loopback_server import ReceiverClient
+    from weightsync.plugins.loopback.receiver import ReceiverClient
 
     client = ReceiverClient(url) if rank == 0 else Untouchable()
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)

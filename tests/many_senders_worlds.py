@@ -37,7 +37,7 @@ __all__ = ["world_2", "world_4", "check_megatron", "check_hsdp", "bitwise_mismat
 def skip_reason() -> str | None:
     """None when the installed vLLM's NCCL engine has many senders (0.34+), else why not."""
     try:
-        from weightsync.sources.core.senders import many_senders_supported, vllm_version
+        from weightsync.sources.core.comm.senders import many_senders_supported, vllm_version
     except Exception as e:  # noqa: BLE001
         return f"weightsync/vLLM not importable: {e}"
     if many_senders_supported():
@@ -182,7 +182,7 @@ def weight_sync(source: Any, client: Any, *, packed: bool | None = None, timeout
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
     from weightsync.plugins.sync.driver import WeightSync
-    from weightsync.sources import broadcast_ranks
+    from weightsync.sources.toolkit import broadcast_ranks
 
     group = broadcast_ranks(source.metadata)
     if packed is None:  # vLLM's default on GPUs; its packed path needs CUDA streams

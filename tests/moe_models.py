@@ -82,6 +82,6 @@ def saved_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def fused_params(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    from weightsync.sources.core.experts import is_fused_expert_param
+    from weightsync.sources.core.hf.experts import is_fused_expert_param
 
     return {n: tuple(p.shape) for n, p in model.named_parameters() if is_fused_expert_param(n, p.shape)}

@@ -33,7 +33,7 @@ def _drain(src: Any) -> tuple[int, int]:
 def _fsdp(config: Any, mesh: Any) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    from weightsync.plugins.presets import build_model
+    from weightsync.plugins.testbed.presets import build_model
 
     model = build_model(config, seed=0)
     for layer in model.model.layers:
@@ -46,8 +46,8 @@ def world_plan(rank: int, world_size: int, *, dense_dir: str, moe_dir: str) -> d
     from many_senders_worlds import skip_reason
     from torch.distributed.device_mesh import init_device_mesh
 
-    from weightsync.plugins.megatron_build import MegatronParallel, build_megatron_gpt
-    from weightsync.plugins.presets import load_config
+    from weightsync.plugins.testbed.megatron_build import MegatronParallel, build_megatron_gpt
+    from weightsync.plugins.testbed.presets import load_config
     from weightsync.sources import DeltaSource, FP8Source, FSDPSource, MegatronSource
 
     dense, moe = load_config(None, dense_dir), load_config(None, moe_dir)

@@ -59,7 +59,7 @@ class ToySource(WeightSource):
         if not self.gather:
             yield from self._pairs()
             return
-        from weightsync.sources.core.waits import bounded_group, wait_bounded
+        from weightsync.sources.core.comm.waits import bounded_group, wait_bounded
 
         world, rank = dist.get_world_size(), dist.get_rank()
         group = bounded_group(timeout_s=TIMEOUT_S, purpose="pass")
@@ -102,7 +102,7 @@ class _GarbledStore:
 def _garbled_pass(source, garble: dict, *, on_rank: int):
     """Drain ``source`` once; on ``on_rank`` the pass's board reads rank values through
     ``_GarbledStore`` (board exchange ``x/<step>/<rank>`` keys)."""
-    from weightsync.sources.core import waits as groups
+    from weightsync.sources.core.comm import waits as groups
 
     init = groups.Board.__init__
 
@@ -309,7 +309,7 @@ FAIL_NAME = "model.layers.1.mlp.down_proj.weight"
 def _faulty_receiver(model):
     """vLLM-like receiver whose loading raises mid-round (in its first update round only), as a
     worker's ``load_weights`` would on a loader assertion or an OOM."""
-    from weightsync.plugins.loopback_server import LoopbackReceiver
+    from weightsync.plugins.loopback.receiver import LoopbackReceiver
 
     class Faulty(LoopbackReceiver):
         rounds = 0
@@ -329,7 +329,7 @@ def _faulty_receiver(model):
 def _full_checksums(model):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from weightsync.sources.core.integrity import checksum
+    from weightsync.sources.core.check.integrity import checksum
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {k: checksum(v) for k, v in sd.items()}
@@ -341,7 +341,7 @@ def world_e2e(rank, world_size, url, dead_url, ports):
 
     from weightsync.plugins.sync import VLLMHTTPClient, WeightSync
     from weightsync.plugins.loopback import LoopbackTrainerInitInfo
-    from weightsync.plugins.presets import build_model, load_config
+    from weightsync.plugins.testbed.presets import build_model, load_config
     from weightsync.sources import FSDPSource
 
     model = build_model(load_config("tiny-qwen3"), seed=0)
@@ -398,8 +398,8 @@ class _Renamed(WeightSource):
 
 
 def test_end_to_end_receiver_http_and_unmapped_failures_raise_on_every_rank_then_recover():
-    from weightsync.plugins.loopback_server import ReceiverClient, ReceiverServer
-    from weightsync.plugins.presets import build_model, load_config
+    from weightsync.plugins.loopback.receiver import ReceiverClient, ReceiverServer
+    from weightsync.plugins.testbed.presets import build_model, load_config
     from worlds import dead_port
 
     receiver = _faulty_receiver(build_model(load_config("tiny-qwen3"), seed=1))

@@ -15,8 +15,8 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, Shard, WeightSource
 
 from weightsync.sources import MetadataMismatchError, SilentTransportError, checked
-from weightsync.sources.core.check import check_stream, local_shape
-from weightsync.sources.core.integrity import IntegrityError, checksum, compare_checksums
+from weightsync.sources.core.check.stream import check_stream, local_shape
+from weightsync.sources.core.check.integrity import IntegrityError, checksum, compare_checksums
 
 
 def _metas():

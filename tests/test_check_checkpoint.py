@@ -27,7 +27,7 @@ def folders(tmp_path_factory) -> dict[str, str]:
     from safetensors.torch import save_file
     from transformers.utils import logging as hf_logging
 
-    from weightsync.plugins.presets import build_model, load_config
+    from weightsync.plugins.testbed.presets import build_model, load_config
 
     hf_logging.disable_progress_bar()
     root = tmp_path_factory.mktemp("check-ckpt")
@@ -93,8 +93,8 @@ def test_other_weights_pass_and_differing_bytes_are_listed(folders, capsys):
     import argparse
 
     from weightsync.plugins.cli.check import _Folder, _report
-    from weightsync.plugins.presets import build_model, load_config
-    from weightsync.sources import read_checkpoint
+    from weightsync.plugins.testbed.presets import build_model, load_config
+    from weightsync.sources.toolkit import read_checkpoint
 
     ours = build_model(load_config("tiny-llama"), seed=0).state_dict()  # other weights than the folder's
     theirs = _tensors(folders["seed3"])

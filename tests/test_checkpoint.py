@@ -536,7 +536,7 @@ def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def test_export_cli_fsdp_two_ranks_then_overwrite(tmp_path):
-    from weightsync.plugins.presets import build_model, load_config
+    from weightsync.plugins.testbed.presets import build_model, load_config
 
     out, ref, ref1 = tmp_path / "out", tmp_path / "ref", tmp_path / "ref1"
     r = _cli("export", "--model", "tiny-qwen3", "--nproc", "2", "--out", str(out), "--max-shard-size", "100KB")
@@ -578,7 +578,7 @@ def test_export_cli_family_preset_loads_to_the_trainers_logits(preset, tmp_path)
     from transformers import AutoModelForCausalLM
     from worlds import run_cli
 
-    from weightsync.plugins.presets import build_model, load_config
+    from weightsync.plugins.testbed.presets import build_model, load_config
 
     trainer = build_model(load_config(preset), seed=0)
     trainer.set_experts_implementation(MOE_FORWARD["experts_implementation"])

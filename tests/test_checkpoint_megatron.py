@@ -128,7 +128,7 @@ def _dense_world(rank, world_size, *, tmp, url, port):
 
     from weightsync.plugins.checkpoint import save_safetensors
     from weightsync.plugins.loopback import LoopbackTrainerInitInfo
-    from weightsync.plugins.loopback_server import ReceiverClient
+    from weightsync.plugins.loopback.receiver import ReceiverClient
     from weightsync.sources import MegatronSource, SafetensorsSource
 
     facts: dict = {}
@@ -224,7 +224,7 @@ def _receiver(family: str, tied: bool):
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
-    from weightsync.plugins.loopback_server import start_receiver_process
+    from weightsync.plugins.loopback.receiver import start_receiver_process
 
     tmp = tmp_path_factory.mktemp("dense")
     family, tied, *_ = DENSE["pp2"]
@@ -494,7 +494,7 @@ def _expected_moe_model(ck, hf) -> dict[str, torch.Tensor]:
     the input norm rides on linear_qkv, the post-attention norm on linear_fc1."""
     from test_moe_megatron import _ck, _expected_moe
 
-    from weightsync.sources.moe_names import HFMoENames
+    from weightsync.sources.megatron.moe_names import HFMoENames
 
     layers = range(hf.num_hidden_layers)
     want = _expected_moe(ck, HFMoENames(hf), list(layers))
@@ -551,7 +551,7 @@ def test_moe_fused_folder_is_the_refusion_of_per_expert(moe, phase):
     from transformers import AutoModelForCausalLM
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
-    from weightsync.sources.moe_names import HFMoENames
+    from weightsync.sources.megatron.moe_names import HFMoENames
 
     hf = _hf_config("qwen3_moe", **MOE)
     tmp = moe["tmp"] / phase

@@ -54,7 +54,7 @@ def _walk() -> dict[str, tuple[str, str]]:
     from conversion_models import meta_model_and_layout, registry
 
     from weightsync.sources import FSDPSource
-    from weightsync.sources.core.errors import UnmappedParameterError
+    from weightsync.sources.core.ground.errors import UnmappedParameterError
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     out: dict[str, tuple[str, str]] = {}
@@ -109,7 +109,7 @@ def test_unrevertable_conversion_is_refused_at_metadata():
     from transformers.core_model_loading import Chunk, WeightConverter
 
     from weightsync.sources import FSDPSource
-    from weightsync.sources.core.errors import UnmappedParameterError
+    from weightsync.sources.core.ground.errors import UnmappedParameterError
 
     model = tiny_model("llama4_text")
     # load: split a checkpoint's fused "qk" along dim 2 into q_proj / k_proj, so save concatenates
@@ -275,7 +275,7 @@ def test_lora_on_a_converted_model(tmp_path):
     from peft import LoraConfig, get_peft_model
 
     from weightsync.sources import FSDPSource
-    from weightsync.sources.core.errors import UnsupportedAdapterError
+    from weightsync.sources.core.ground.errors import UnsupportedAdapterError
 
     model = get_peft_model(tiny_model("minimax_m3_vl", seed=1), LoraConfig(r=4, target_modules=["o_proj"],
                                                                           init_lora_weights=False))

@@ -223,7 +223,7 @@ def test_group_diff_equals_piece_by_piece():
     """``Snapshots.diff_group`` (one flat compare per group and wire dtype) finds exactly what diffing
     each piece alone finds -- positions and value bytes --, across mixed wire dtypes, boxes that are
     views, fp32 pieces cast to bf16, a layout change (no snapshot: every element) and commits."""
-    from weightsync.sources.core.pieces import Piece
+    from weightsync.sources.core.layouts.pieces import Piece
     from weightsync.sources.delta.diff import Snapshots
 
     torch.manual_seed(0)

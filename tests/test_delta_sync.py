@@ -20,8 +20,8 @@ import torch
 
 from worlds import CONTEXT, run_cli, run_world
 
-from weightsync.plugins.loopback_server import ReceiverClient, start_receiver_process
-from weightsync.plugins.presets import build_model, load_config
+from weightsync.plugins.loopback.receiver import ReceiverClient, start_receiver_process
+from weightsync.plugins.testbed.presets import build_model, load_config
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ def _oracle(model: torch.nn.Module) -> dict[str, str]:
     """torch's full state dict (a collective), cast to the bf16 wire: what the receiver must hold."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from weightsync.sources import checksum
+    from weightsync.sources.toolkit import checksum
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {k: checksum(v.to(torch.bfloat16)) for k, v in sd.items()}

@@ -59,7 +59,7 @@ def test_demo_two_ranks_verifies_every_sync():
 
 
 def test_check_fsdp_two_ranks_matches_save_pretrained():
-    from weightsync.plugins.presets import build_model, load_config
+    from weightsync.plugins.testbed.presets import build_model, load_config
 
     model = build_model(load_config("tiny-llama"))
     n = len(model.state_dict())  # untied llama: every state-dict entry is a checkpoint tensor
@@ -100,7 +100,7 @@ def _listed(out: str) -> dict[str, tuple[int, ...]]:
 def test_check_fsdp_moe_preset_sends_experts_as_the_checkpoint_does():
     """No option: transformers-5 fused experts go out per expert, every name and shape as
     save_pretrained writes them (and not the in-memory fused names)."""
-    from weightsync.plugins.presets import build_model, load_config
+    from weightsync.plugins.testbed.presets import build_model, load_config
 
     config = load_config("tiny-qwen3-moe")
     model = build_model(config)
@@ -121,7 +121,7 @@ def test_check_megatron_tp2_matches_save_pretrained():
     """``--layout megatron --tp 2``: a megatron-core GPTModel split over 2 CPU ranks, exported by
     MegatronSource (rank 0 sends everything), names and shapes == save_pretrained (tied qwen3: no
     lm_head; vocabulary padding trimmed)."""
-    from weightsync.plugins.presets import build_model, load_config
+    from weightsync.plugins.testbed.presets import build_model, load_config
 
     saved = _saved(build_model(load_config("tiny-qwen3")))
     assert "lm_head.weight" not in saved
@@ -139,7 +139,7 @@ def test_check_megatron_tp2_matches_save_pretrained():
 def test_check_megatron_moe_expert_parallel():
     """MoE under Megatron, experts split over 2 expert-parallel ranks: per-expert names and shapes
     == save_pretrained."""
-    from weightsync.plugins.presets import build_model, load_config
+    from weightsync.plugins.testbed.presets import build_model, load_config
 
     saved = _saved(build_model(load_config("tiny-mixtral")))
     r = run_cli("check", "--model", "tiny-mixtral", "--layout", "megatron", "--ep", "2", "--show", "1000",
@@ -155,7 +155,7 @@ def test_fused_expert_oracle_matches_transformers_in_memory_tensors():
     """``--expert-layout fused`` is judged against save_pretrained folded to vLLM's fused names;
     those shapes must be transformers' own in-memory fused ``[E, 2I, H]`` / ``[E, H, I]``."""
     from weightsync.plugins.cli.check import checkpoint_index, fold_experts
-    from weightsync.plugins.presets import build_model, load_config
+    from weightsync.plugins.testbed.presets import build_model, load_config
 
     model = build_model(load_config("tiny-mixtral"))
     index = checkpoint_index(model)
@@ -180,7 +180,7 @@ def test_demo_vllm_server_environment_errors_say_how_to_get_one(monkeypatch):
     helper is what tests/test_vllm_server.py's fixture uses): a wrong WEIGHTSYNC_VLLM_CPU_PYTHON is
     named; without it and without the clone's .ci/vllm-cpu-env.sh (a non-editable install) the error
     says how to get an environment."""
-    from weightsync.plugins.cli import vllm_server
+    from weightsync.plugins.testbed import vllm_server
 
     monkeypatch.setenv("WEIGHTSYNC_VLLM_CPU_PYTHON", "/no/such/python")
     with pytest.raises(vllm_server.VLLMEnvError, match="/no/such/python does not exist"):
@@ -304,7 +304,7 @@ def test_check_report_fails_on_unmapped_names_and_shapes(capsys):
     from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
 
     from weightsync.plugins.cli.check import _report, checkpoint_index
-    from weightsync.plugins.presets import build_model, load_config
+    from weightsync.plugins.testbed.presets import build_model, load_config
 
     config = load_config("tiny-llama")
     model = build_model(config)
@@ -392,7 +392,7 @@ def test_check_a_save_pretrained_folder_of_other_weights(tmp_path):
     shapes and dtypes without loading; a folder of another model loads what fits and lists the rest."""
     import torch
 
-    from weightsync.plugins.presets import build_model, load_config
+    from weightsync.plugins.testbed.presets import build_model, load_config
 
     model = build_model(load_config("tiny-llama"), seed=5).to(torch.bfloat16)
     folder = tmp_path / "ckpt"

@@ -117,7 +117,7 @@ def test_a_script_without_the_main_guard_is_told_what_to_add(tmp_path):
     script.write_text(
         "import functools\n"
         "import torch\n"
-        "from weightsync.plugins.loopback_server import start_receiver_process\n"
+        "from weightsync.plugins.loopback.receiver import start_receiver_process\n"
         "\n"
         "client, handle = start_receiver_process(functools.partial(torch.nn.Linear, 2, 2))\n"
     )

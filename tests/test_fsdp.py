@@ -262,7 +262,7 @@ def test_loopback_engine_end_to_end(tmp_path):
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
     from fsdp_worlds import receiver_model, world_loopback
-    from weightsync.plugins.loopback_server import start_receiver_process
+    from weightsync.plugins.loopback.receiver import start_receiver_process
 
     client, handle = start_receiver_process(functools.partial(receiver_model), mp_context=CONTEXT)
     with handle:

@@ -222,7 +222,7 @@ def _expected(ck, hf) -> dict[str, torch.Tensor]:
     layers by test_moe_megatron's oracle, the vocabulary rows trimmed to hf's."""
     from test_moe_megatron import _expected_moe
 
-    from weightsync.sources.moe_names import HFMoENames
+    from weightsync.sources.megatron.moe_names import HFMoENames
 
     want = _expected_moe(ck, HFMoENames(hf), _moe_layers(hf))
     for i in range(hf.num_hidden_layers):
@@ -348,7 +348,7 @@ def _forward_world(rank, world_size):
     from megatron_side import allow_cpu_forward, megatron_logits
 
     from fsdp_worlds import pack
-    from weightsync.plugins.megatron_build import MegatronParallel
+    from weightsync.plugins.testbed.megatron_build import MegatronParallel
     from weightsync.sources import MegatronSource
 
     allow_cpu_forward()

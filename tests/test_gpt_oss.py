@@ -95,8 +95,8 @@ def test_fused_checkpoint_layout_is_read_off_the_experts_module():
     """The expert layout comes from transformers: its reversal keeps GPT-OSS's fused tensors (so the
     checkpoint holds them fused) and the experts module declares transposed, interleaved, biased;
     a declaration the shapes contradict raises naming the module instead of guessing."""
-    from weightsync.sources.core.errors import UnmappedParameterError
-    from weightsync.sources.core.experts import ExpertTransform
+    from weightsync.sources.core.ground.errors import UnmappedParameterError
+    from weightsync.sources.core.hf.experts import ExpertTransform
 
     model = _model()
     tr = ExpertTransform.for_module(model)
@@ -352,7 +352,7 @@ def _forward_world(rank, world_size):
     from megatron_side import allow_cpu_forward, megatron_logits
 
     from fsdp_worlds import pack
-    from weightsync.plugins.megatron_build import MegatronParallel
+    from weightsync.plugins.testbed.megatron_build import MegatronParallel
     from weightsync.sources import MegatronSource
 
     allow_cpu_forward()
@@ -466,7 +466,7 @@ def test_check_cli_fsdp_per_expert_bf16():
     from test_demo_cli import _saved
 
     from weightsync.plugins.cli.check import unfold_experts
-    from weightsync.plugins.presets import build_model, load_config
+    from weightsync.plugins.testbed.presets import build_model, load_config
 
     saved = _saved(build_model(load_config(PRESET)))
     per = unfold_experts({n: (None, s) for n, (_, s) in saved.items()})

@@ -79,7 +79,7 @@ def _hf_trainer_world(rank: int, world_size: int, url: str, port: int, out_dir: 
     from weightsync.plugins.accelerate import source_from_accelerator
     from weightsync.plugins.sync import VLLMHTTPClient, WeightSync
     from weightsync.plugins.loopback import LoopbackTrainerInitInfo
-    from weightsync.plugins.loopback_server import ReceiverClient
+    from weightsync.plugins.loopback.receiver import ReceiverClient
     from weightsync.plugins.transformers import WeightSyncCallback
 
     class Tokens(Dataset):
@@ -223,7 +223,7 @@ def test_hf_trainer_fsdp2_callback(tmp_path):
     import functools
 
 
-    from weightsync.plugins.loopback_server import start_receiver_process
+    from weightsync.plugins.loopback.receiver import start_receiver_process
 
     # The receiver starts from another init (seed 123): every value it ends with came over the wire.
     client, handle = start_receiver_process(functools.partial(_llama, 123), mp_context=CONTEXT)

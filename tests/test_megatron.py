@@ -365,7 +365,7 @@ def _rank_loopback(rank, world_size, url, port, family, tmp):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from weightsync.plugins.loopback import LoopbackTrainerInitInfo
-    from weightsync.plugins.loopback_server import ReceiverClient
+    from weightsync.plugins.loopback.receiver import ReceiverClient
     from weightsync.sources import MegatronSource
 
     cfg = mw.hf_config(family)
@@ -384,7 +384,7 @@ def test_loopback_engine_delivers_megatron_tp2_pp2(tmp_path):
     import functools
     import hashlib
 
-    from weightsync.plugins.loopback_server import start_receiver_process
+    from weightsync.plugins.loopback.receiver import start_receiver_process
 
     family = "qwen3"
     client, handle = start_receiver_process(functools.partial(_hf_receiver, family), mp_context=CONTEXT)

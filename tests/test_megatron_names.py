@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import megatron_worlds as mw
-from weightsync.sources.core.errors import UnmappedParameterError
+from weightsync.sources.core.ground.errors import UnmappedParameterError
 from weightsync.sources.families import megatron_to_hf
-from weightsync.sources.core.layout import vocab_is_chunked, vocab_rows
+from weightsync.sources.core.layouts.tp import vocab_is_chunked, vocab_rows
 
 
 @pytest.mark.parametrize("family", mw.FAMILIES)
@@ -64,7 +64,7 @@ def test_load_hf_weights_values_and_its_self_check():
     """``megatron_build._fill_values`` (rank 0 of ``load_hf_weights``): each exported id takes its HF
     value; an id exported twice (a split tensor taken for a copy), a non-vocabulary element never
     exported, or an HF tensor the export lacks is a problem in words, not a silent zero."""
-    from weightsync.plugins.megatron_build import _fill_values
+    from weightsync.plugins.testbed.megatron_build import _fill_values
 
     offsets = {(0, 0, "decoder.layers.0.linear_fc2.weight", 0): 0, (0, 0, "embedding.word_embeddings.weight", 0): 4}
     state = {"w": torch.tensor([[1.0, 2.0], [3.0, 4.0]]), "emb": torch.tensor([5.0, 6.0])}

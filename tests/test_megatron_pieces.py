@@ -45,8 +45,8 @@ def run_world(*a, **k):
 
 
 def _kinds():
-    """``(kind, full HF shapes, geometry)`` for every layout kind of ``core/layout.py``."""
-    from weightsync.sources.core import layout as L
+    """``(kind, full HF shapes, geometry)`` for every layout kind of ``core/layouts/tp.py``."""
+    from weightsync.sources.core.layouts import tp as L
 
     gdn = dict(gdn_heads=(2, 4, 4, 2))  # key heads 2 x 4, value heads 4 x 2
     return [
@@ -72,7 +72,7 @@ def test_layout_boxes_tile_what_concat_builds(tp):
     """For every kind: the boxes of TP shards 0..tp-1 (of TP rank 0 only for a kind every rank holds
     whole) cover each HF tensor exactly once with the values ``concat`` of all shards puts there;
     the vocabulary's trimmed rows (250 of 256 padded) sit at ``vocab_rows``."""
-    from weightsync.sources.core.layout import KINDS, VOCAB, vocab_rows
+    from weightsync.sources.core.layouts.tp import KINDS, VOCAB, vocab_rows
 
     covered = set()
     for kind, full, geo in _kinds():
@@ -113,7 +113,7 @@ def test_layout_boxes_tile_what_concat_builds(tp):
 
 def test_layout_boxes_refuse_a_piece_that_is_not_its_chunk():
     """A shard whose split does not have the torch.chunk shape of its rank raises naming the kind."""
-    from weightsync.sources.core.layout import COLUMN
+    from weightsync.sources.core.layouts.tp import COLUMN
 
     with pytest.raises(ValueError, match="column: TP shard 1 of 2"):
         COLUMN.boxes(torch.zeros(3, 2), full=((8, 2),), tp=2, tp_rank=1)
@@ -126,7 +126,7 @@ def _make(lay: dict):
     """This rank's chunks and the transformers config of one layout, from the one builder."""
     import mla_models as mm
 
-    from weightsync.plugins.megatron_build import MegatronParallel
+    from weightsync.plugins.testbed.megatron_build import MegatronParallel
 
     par = MegatronParallel(tp=lay.get("tp", 1), pp=lay.get("pp", 1), vpp=lay.get("vpp"), ep=lay.get("ep", 1))
     build = lay["build"]
@@ -310,7 +310,7 @@ def delta_rounds(src, chunks: list, seed: int) -> list[dict]:
 def gathered(kinds: tuple[str, ...]) -> Iterator[None]:
     """Inside the block, these layout kinds say they cannot place their shards (``Layout.boxed``
     False): ``iter_pieces`` takes its fallback, ``iter_full``'s point-to-point gather to rank 0."""
-    from weightsync.sources.core import layout as L
+    from weightsync.sources.core.layouts import tp as L
 
     try:
         for k in kinds:
@@ -438,7 +438,7 @@ def two_ranks():
 def test_two_ranks_pieces_tile_iter_full(two_ranks):
     _check(two_ranks, TWO_RANKS)
     kinds = set().union(*(f["kinds"] for f in two_ranks[0].values() if isinstance(f, dict) and "kinds" in f))
-    from weightsync.sources.core.layout import KINDS
+    from weightsync.sources.core.layouts.tp import KINDS
 
     # every layout kind but the indexer's other pairing (GLM-5) and the fused MLA down projection
     assert set(KINDS) - kinds <= {"indexer_rope_interleaved", "stack", "stack_column"}, sorted(set(KINDS) - kinds)

@@ -50,7 +50,7 @@ def _model(variant: str, seed: int = SEED) -> torch.nn.Module:
     from mla_models import VARIANTS as PRESET_OF
     from moe_models import tiny_model
 
-    from weightsync.plugins.presets import PRESETS
+    from weightsync.plugins.testbed.presets import PRESETS
 
     fields = {k: v for k, v in PRESETS[PRESET_OF[variant]].items() if k != "model_type"}
     return tiny_model("deepseek_v3", seed=seed, **fields)
@@ -67,7 +67,7 @@ def _world(rank: int, world_size: int, *, ports: dict[str, int], urls: dict[str,
     from family_worlds import fsdp_passes
     from fsdp_worlds import Untouchable, module_snapshot, pack, shard, snapshot_diff
     from weightsync.plugins.loopback import LoopbackTrainerInitInfo
-    from weightsync.plugins.loopback_server import ReceiverClient
+    from weightsync.plugins.loopback.receiver import ReceiverClient
     from weightsync.sources import FSDPSource
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -93,8 +93,8 @@ def _world(rank: int, world_size: int, *, ports: dict[str, int], urls: dict[str,
 def world():
     from fsdp_worlds import unpack
 
-    from weightsync.plugins.loopback_server import LoopbackReceiver
-    from weightsync.plugins.loopback_server import ReceiverServer
+    from weightsync.plugins.loopback.receiver import LoopbackReceiver
+    from weightsync.plugins.loopback.receiver import ReceiverServer
 
     servers = {v: ReceiverServer(LoopbackReceiver(_model(v, seed=RECEIVER_SEED))).start() for v in VARIANTS}
     try:

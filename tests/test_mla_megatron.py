@@ -136,7 +136,7 @@ def _forward_world(rank, world_size):
     """One rank, TP1: Megatron's forward vs transformers' DeepseekV3 loaded from the export."""
     import mla_models as mm
 
-    from weightsync.plugins.megatron_build import MegatronParallel
+    from weightsync.plugins.testbed.megatron_build import MegatronParallel
     from weightsync.sources import MegatronSource
 
     out = {}
@@ -176,7 +176,7 @@ def _has(ck, suffix, layer) -> bool:
 
 def _expected(ck, hf) -> dict[str, torch.Tensor]:
     """Every HF tensor cut from megatron's own full checkpoint ``ck`` by the documented layout."""
-    from weightsync.sources.moe_names import HFMoENames
+    from weightsync.sources.megatron.moe_names import HFMoENames
 
     want: dict[str, torch.Tensor] = {}
     first = hf.first_k_dense_replace
@@ -349,7 +349,7 @@ def test_sparse_attention_variant_is_refused_by_name():
 
     import mla_models as mm
 
-    from weightsync.sources.core.errors import UnmappedParameterError
+    from weightsync.sources.core.ground.errors import UnmappedParameterError
     from weightsync.sources.megatron.mla import mla_geometry
 
     mcfg = SimpleNamespace(multi_latent_attention=True, qk_layernorm=True, rotary_interleaved=False,

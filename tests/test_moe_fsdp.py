@@ -25,7 +25,7 @@ def _world(rank, world_size, *, families):
     from torch.distributed.tensor import Shard
 
     from weightsync.sources import FSDPSource
-    from weightsync.sources.core.experts import ExpertTransform
+    from weightsync.sources.core.hf.experts import ExpertTransform
 
     mesh = init_device_mesh("cpu", (world_size,))
     facts = {}

@@ -187,7 +187,7 @@ def _expected_moe(ck, names, moe_layers) -> dict[str, torch.Tensor]:
 
 
 def _check(res, ckpt, family, moe_layers, *, experts, **kw):
-    from weightsync.sources.moe_names import HFMoENames
+    from weightsync.sources.megatron.moe_names import HFMoENames
 
     ck = _oracle(ckpt)
     r0 = res[0]
@@ -408,7 +408,7 @@ def _check_same_wire_dtypes_as_fsdp(res, hf):
 
 
 def _check_source(res, ckpt, tmp, family, moe_layers, **kw):
-    from weightsync.sources.moe_names import HFMoENames
+    from weightsync.sources.megatron.moe_names import HFMoENames
 
     r0 = res[0]
     assert r0["moe_layers"] == moe_layers

@@ -11,8 +11,8 @@ import pytest
 import torch
 from moe_models import FAMILIES, fused_params, saved_state_dict, tiny_model
 
-from weightsync.sources.core.errors import UnmappedParameterError
-from weightsync.sources.core.experts import (
+from weightsync.sources.core.ground.errors import UnmappedParameterError
+from weightsync.sources.core.hf.experts import (
     ExpertLayerSpec,
     ExpertTransform,
     FusedExpertBuffer,
@@ -131,7 +131,7 @@ def test_bad_input_names_the_parameter():
 def test_megatron_side_names_equal_save_pretrained(family):
     """HFMoENames (used by the Megatron exporter, built from hf_config alone on a meta model) names
     every MLP tensor save_pretrained writes for each MoE layer -- no more, no fewer, same shapes."""
-    from weightsync.sources.moe_names import HFMoENames
+    from weightsync.sources.megatron.moe_names import HFMoENames
 
     model = tiny_model(family)
     saved = saved_state_dict(model)

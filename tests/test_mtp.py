@@ -59,7 +59,7 @@ def _hf(kind: str) -> Any:
 def _build(hf: Any, layout: str) -> list[torch.nn.Module]:
     from mla_models import build_megatron
 
-    from weightsync.plugins.megatron_build import MegatronParallel
+    from weightsync.plugins.testbed.megatron_build import MegatronParallel
 
     tp, pp, ep = PAR[layout]
     return build_megatron(hf, MegatronParallel(tp, pp, None, ep), seed=5, overrides={"mtp_num_layers": 1})
@@ -388,7 +388,7 @@ def world() -> Iterator[dict[int, Any]]:
     holds them) and one without. Rank 0's facts carry the receivers' models, state and POST calls."""
     from transformers import AutoModelForCausalLM
 
-    from weightsync.plugins.loopback_server import LoopbackReceiver, ReceiverServer, TensorsModel
+    from weightsync.plugins.loopback.receiver import LoopbackReceiver, ReceiverServer, TensorsModel
 
     hf = _hf("dsv3")
     table = {k: torch.zeros_like(t) for k, t in _fused(_hf_mtp("dsv3", hf), hf).items()}
@@ -635,7 +635,7 @@ def test_draft_round_through_the_ray_client(world):
 def test_tensors_model_holds_exactly_the_declared_names(world):
     """``TensorsModel.from_metadata`` (what a receiver's draft is built from): state-dict names, shapes
     and dtypes are the draft source's metadata, in order; a name that is another's prefix is refused."""
-    from weightsync.plugins.loopback_server import TensorsModel
+    from weightsync.plugins.loopback.receiver import TensorsModel
 
     meta = world[0]["dsv3/tp2"]["draft_meta"]
     m = TensorsModel.from_metadata([type("M", (), {"name": n, "shape": s, "dtype": torch.float32}) for n, s, _ in meta])
@@ -681,7 +681,7 @@ def test_export_mtp_writes_the_policy_and_the_draft_in_one_checkpoint(world):
     from transformers import AutoModelForCausalLM
 
     from weightsync.plugins.cli.build import checkpoint_state
-    from weightsync.plugins.presets import build_model, load_config
+    from weightsync.plugins.testbed.presets import build_model, load_config
 
     cli, folder = world[0]["cli"], world[0]["cli_dir"]
     code, text = cli["export"]

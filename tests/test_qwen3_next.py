@@ -157,7 +157,7 @@ def _moe_layers(hf) -> list[int]:
 def _expected(ck, hf) -> dict[str, torch.Tensor]:
     from test_moe_megatron import _expected_moe
 
-    from weightsync.sources.moe_names import HFMoENames
+    from weightsync.sources.megatron.moe_names import HFMoENames
 
     moe = _moe_layers(hf)
     want = _expected_moe(ck, HFMoENames(hf), moe) if moe else {}
@@ -439,7 +439,7 @@ def _forward_world(rank, world_size, *, presets, device="cpu"):
     from megatron_side import allow_cpu_forward, megatron_logits
 
     from fsdp_worlds import pack
-    from weightsync.plugins.megatron_build import MegatronParallel
+    from weightsync.plugins.testbed.megatron_build import MegatronParallel
     from weightsync.sources import MegatronSource
 
     allow_cpu_forward()

@@ -215,7 +215,7 @@ def cli_usage_error(argv: list[str]) -> str | None:
     folders), without running anything; ``None`` when it would start."""
     from weightsync.plugins.cli.entry import _parser
     from weightsync.plugins.cli.validate import validate_args as _validate
-    from weightsync.plugins.presets import UserError
+    from weightsync.plugins.testbed.presets import UserError
 
     try:
         _validate(_parser().parse_args(argv))
@@ -304,7 +304,7 @@ import json, sys
 from weightsync.plugins.cli import main
 from weightsync.plugins.cli.entry import _parser
 from weightsync.plugins.cli.validate import validate_args as _validate
-from weightsync.plugins.presets import UserError
+from weightsync.plugins.testbed.presets import UserError
 for i, (argv, run) in enumerate(json.loads(sys.argv[1])):
     print("@@@ start %d %s" % (i, json.dumps(argv)), flush=True)
     try:

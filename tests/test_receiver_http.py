@@ -61,7 +61,7 @@ def _client_loop(kind: str, url: str, rounds: int, failures: list, counts: list)
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     from weightsync.plugins.sync import VLLMHTTPClient
-    from weightsync.plugins.loopback_server import ReceiverClient
+    from weightsync.plugins.loopback.receiver import ReceiverClient
 
     session = requests.Session()  # pooled: the shape of client that lost calls
     ours = VLLMHTTPClient(url, timeout=60, transfer_timeout=60)
@@ -93,7 +93,7 @@ def _client_loop(kind: str, url: str, rounds: int, failures: list, counts: list)
 
 
 def test_receiver_answers_every_concurrent_call_while_the_cpu_is_saturated():
-    from weightsync.plugins.loopback_server import start_receiver_process
+    from weightsync.plugins.loopback.receiver import start_receiver_process
 
     client, handle = start_receiver_process(functools.partial(_tiny_model), mp_context=CONTEXT)
     failures: list[str] = []
@@ -124,8 +124,8 @@ def test_receiver_answers_every_concurrent_call_while_the_cpu_is_saturated():
 
 def _open_groups_back_to_back(index: int, rounds: int, queue) -> None:
     """``rounds`` loopback transport groups in a row, sender on port 0, a receiver in a thread."""
-    from weightsync.plugins.loopback_server import LoopbackReceiver
-    from weightsync.plugins.loopback_server.transport import join_transport_group, open_transport_store
+    from weightsync.plugins.loopback.receiver import LoopbackReceiver
+    from weightsync.plugins.loopback.receiver.transport import join_transport_group, open_transport_store
 
     import torch.distributed as dist
 
@@ -162,8 +162,8 @@ def _open_groups_back_to_back(index: int, rounds: int, queue) -> None:
 
 
 def test_loopback_groups_open_back_to_back_in_parallel_on_port_0_without_a_collision():
-    from weightsync.plugins.loopback_server.transport import open_transport_store
-    from weightsync.sources.core.errors import WeightSyncError
+    from weightsync.plugins.loopback.receiver.transport import open_transport_store
+    from weightsync.sources.core.ground.errors import WeightSyncError
 
     procs, rounds = 3, 15
     queue = CONTEXT.Queue()

@@ -32,8 +32,8 @@ import torch
 from fsdp_worlds import Untouchable, drive_vllm_nccl, pack, unpack
 from worlds import CONTEXT, errors_of, run_world
 
-from weightsync.plugins.loopback_server import ReceiverClient, start_receiver_process
-from weightsync.plugins.presets import build_model, load_config
+from weightsync.plugins.loopback.receiver import ReceiverClient, start_receiver_process
+from weightsync.plugins.testbed.presets import build_model, load_config
 
 pytestmark = pytest.mark.slow
 

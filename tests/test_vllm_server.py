@@ -7,7 +7,7 @@ One server per module (``server``): a tiny Qwen3 (fp32, random weights, seed 0) 
 tokenizer built offline, started with ``VLLM_SERVER_DEV_MODE=1`` and
 ``--weight-transfer-config '{"backend": "loopback"}'``; bounded readiness wait, killed by process
 group, its log printed when a test fails. Folder, server start and oracle come from
-``weightsync.plugins.cli.vllm_server``, which ``weightsync demo --server vllm`` uses too.
+``weightsync.plugins.testbed.vllm_server``, which ``weightsync demo --server vllm`` uses too.
 
 Oracle: transformers' forward of the weights the trainer holds (built here from the same seed, never
 from the server): vLLM's greedy tokens must be equal, their logprobs within ``LOGPROB_ATOL`` (fp32
@@ -38,7 +38,7 @@ import torch
 
 from worlds import run_world
 
-from weightsync.plugins.cli.vllm_server import (
+from weightsync.plugins.testbed.vllm_server import (
     MAX_TOKENS,
     PROMPTS,
     READY_TIMEOUT_S,
@@ -65,7 +65,7 @@ if not VLLM_PYTHON or not os.path.exists(VLLM_PYTHON):
 #: fp32 on both sides; greedy tokens must be equal, their logprobs within this (absolute).
 LOGPROB_ATOL = 1e-3
 
-# The served model, its folder, the oracle and the server itself: weightsync.plugins.cli.vllm_server
+# The served model, its folder, the oracle and the server itself: weightsync.plugins.testbed.vllm_server
 # (shared with `weightsync demo --server vllm`).
 _config = served_config
 _model = served_model

@@ -40,10 +40,10 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from weightsync.sources import (
+from weightsync.sources import CheckpointError
+from weightsync.sources.toolkit import (
     DEFAULT_TIMEOUT_S,
     Board,
-    CheckpointError,
     get_logger,
     group_ranks,
     next_tag,

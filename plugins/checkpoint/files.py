@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from weightsync.sources import CheckpointError, get_logger
+from weightsync.sources import CheckpointError
+from weightsync.sources.toolkit import get_logger
 
 from .plan import CheckpointPlan, PlannedTensor
 

@@ -49,12 +49,12 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta
 
-from weightsync.sources import (
+from weightsync.sources import CheckpointError
+from weightsync.sources.toolkit import (
     INDEX_FILE,
     MAX_HEADER_BYTES,
     SAFETENSORS_DTYPES,
     SINGLE_FILE,
-    CheckpointError,
     get_logger,
 )
 

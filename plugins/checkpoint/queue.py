@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from weightsync.sources import get_logger
+from weightsync.sources.toolkit import get_logger
 
 from .files import StagedFolder
 from .plan import PlannedTensor

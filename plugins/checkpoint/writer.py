@@ -53,18 +53,15 @@ import torch.distributed as dist
 from torch import nn
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from weightsync.sources import (
+from weightsync.sources import CheckpointError, PeerFailedError, checked, verify_metadata_agreement
+from weightsync.sources.toolkit import (
     DEFAULT_TIMEOUT_S,
     Board,
-    CheckpointError,
-    PeerFailedError,
     active_board,
-    checked,
     get_logger,
     group_ranks,
     hf_root,
     next_tag,
-    verify_metadata_agreement,
 )
 
 from .files import StagedFolder

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightSource
 
-from ..presets import build_model
+from ..testbed.presets import build_model
 
 __all__ = [
     "build_model_and_source", "build_source", "checkpoint_state", "mtp_layers", "mtp_source", "PolicyAndDraft", "quantized", "shard_fsdp2",
@@ -65,7 +65,7 @@ def build_model_and_source(
 
         from weightsync.sources import MegatronSource
 
-        from ..megatron_build import MegatronParallel, build_megatron_gpt, load_hf_weights
+        from ..testbed.megatron_build import MegatronParallel, build_megatron_gpt, load_hf_weights
 
         par = MegatronParallel(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
         overrides = {"mtp_num_layers": mtp_layers(config)} if getattr(args, "mtp", False) else None
@@ -91,9 +91,9 @@ def mtp_layers(config: Any) -> int:
     ``num_nextn_predict_layers``); a config saying 0 (or nothing) is given 1 in place, so the written
     ``config.json`` states the MTP layers the folder holds. Raises ``UserError`` for a family without
     MTP names."""
-    from weightsync.sources import family_for
+    from weightsync.sources.toolkit import family_for
 
-    from ..presets import UserError
+    from ..testbed.presets import UserError
 
     names = family_for(config, check=False).mtp
     if names is None:

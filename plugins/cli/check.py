@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..presets import build_model, load_config
+from ..testbed.presets import build_model, load_config
 from .build import build_source
 from .demo import format_bytes
 
@@ -67,7 +67,7 @@ def checkpoint_index(model: torch.nn.Module) -> dict[str, tuple[torch.dtype, tup
     from safetensors import safe_open
     from transformers.utils import logging as hf_logging
 
-    from weightsync.sources import SAFETENSORS_DTYPES
+    from weightsync.sources.toolkit import SAFETENSORS_DTYPES
 
     hf_logging.disable_progress_bar()
 
@@ -158,7 +158,7 @@ def _owners(m: Any, world: int) -> str:
 
 def _folder_dtype(path: str) -> torch.dtype:
     """The floating dtype most of a checkpoint folder's tensors have (headers only)."""
-    from weightsync.sources import read_checkpoint
+    from weightsync.sources.toolkit import read_checkpoint
 
     counts = Counter(e.dtype for _, e in read_checkpoint(path).entries() if e.dtype.is_floating_point)
     return counts.most_common(1)[0][0] if counts else torch.float32
@@ -237,7 +237,7 @@ def run_check(args: argparse.Namespace) -> int:
     errors: list[Any] = [None] * world
     dist.all_gather_object(errors, load_error)
     if any(errors):  # a configuration error, on every rank alike: the cause, exit 2
-        from ..presets import UserError
+        from ..testbed.presets import UserError
 
         raise UserError(f"check --checkpoint {args.checkpoint}: {next(e for e in errors if e)} "
                         "(--names-only compares names, shapes and dtypes without loading the weights)")
@@ -438,7 +438,8 @@ class _Folder:
 
     @classmethod
     def open(cls, path: str, problems: list[str]) -> "_Folder | None":
-        from weightsync.sources import CheckpointError, read_checkpoint
+        from weightsync.sources import CheckpointError
+        from weightsync.sources.toolkit import read_checkpoint
 
         try:
             return cls(read_checkpoint(path))

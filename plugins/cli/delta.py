@@ -29,9 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.sources import get_logger
+from weightsync.sources.toolkit import get_logger
 
-from ..presets import build_model, load_config
+from ..testbed.presets import build_model, load_config
 from .build import build_model_and_source, shard_fsdp2
 from .demo import DemoResult, _share, format_bytes
 
@@ -62,7 +62,7 @@ def run_delta_demo(
     same ``DemoResult`` on every rank (``bytes``: the delta bytes sent). ``checksums=False`` skips
     the per-round dense pass: the syncs then count as not verified."""
     from ..loopback import LoopbackSparseTrainerInitInfo
-    from ..loopback_server import ReceiverClient, start_receiver_process
+    from ..loopback.receiver import ReceiverClient, start_receiver_process
     from ..sync import WeightSync
     from weightsync.sources import DeltaSource, FSDPSource
 
@@ -155,7 +155,7 @@ def run_check_delta(args: argparse.Namespace) -> int:
         load_checkpoint_weight_patches,
     )
 
-    from ..loopback_server.receiver import CheckpointLoader
+    from ..loopback.receiver.receiver import CheckpointLoader
     from .check import _layout
     from weightsync.sources import DeltaSource
 

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.sources import get_logger
+from weightsync.sources.toolkit import get_logger
 
-from ..presets import build_model, load_config
+from ..testbed.presets import build_model, load_config
 from .build import shard_fsdp2
 
 __all__ = ["DemoResult", "run_demo", "progress", "FP8_LOGITS_TOL"]
@@ -131,7 +131,7 @@ def run_demo(
     from weightsync.sources import FP8Source, FSDPSource
 
     from ..loopback import LoopbackTrainerInitInfo
-    from ..loopback_server import ReceiverClient
+    from ..loopback.receiver import ReceiverClient
 
     rank, world = dist.get_rank(), dist.get_world_size()
     say = out if rank == 0 else (lambda *a, **k: None)
@@ -209,7 +209,8 @@ def _start_receiver(config: Any, rank: int, quantization: dict | None = None) ->
     """Rank 0 starts the receiver process (the same architecture, other initial weights: seed 1;
     held as an FP8 checkpoint of ``quantization`` when given); every rank gets ``(handle or None,
     url, port)``. Port 0: the loopback sender binds a free port and tells the receiver."""
-    from ..loopback_server import build_fp8_model, start_receiver_process
+    from ..loopback.receiver import start_receiver_process
+    from ..testbed.fp8_model import build_fp8_model
 
     handle, where = None, None
     if rank == 0:

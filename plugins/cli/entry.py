@@ -78,7 +78,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ..presets import preset_names
+    from ..testbed.presets import preset_names
 
     presets = ", ".join(preset_names())
     p = _Parser(prog="weightsync", description=DESCRIPTION)
@@ -425,7 +425,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
         from .plan import run_plan
 
         return run_plan(args)
-    from ..presets import UserError
+    from ..testbed.presets import UserError
     from .validate import validate_args
 
     try:
@@ -433,7 +433,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
     except UserError as e:
         return _finish(_usage(str(e))) if _under_torchrun() else _usage(str(e))
     if args.command == "demo" and args.server == "vllm" and not _under_torchrun():
-        from .vllm_server import VLLMEnvError, vllm_cpu_python
+        from ..testbed.vllm_server import VLLMEnvError, vllm_cpu_python
 
         try:  # before the ranks start: a cold build prints its progress lines here
             os.environ["WEIGHTSYNC_VLLM_CPU_PYTHON"] = vllm_cpu_python()

@@ -36,7 +36,7 @@ import os
 import sys
 from typing import Any
 
-from ..presets import UserError, load_config
+from ..testbed.presets import UserError, load_config
 
 __all__ = ["run_export", "validate_export", "parse_size", "lora_model", "ADAPTER_DTYPES"]
 
@@ -113,7 +113,7 @@ def lora_model(config: Any, *, rank: int, alpha: float, targets: str | None, see
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from ..presets import build_model
+    from ..testbed.presets import build_model
 
     base = build_model(config, seed=seed)
     torch.manual_seed(seed + 1)

@@ -30,7 +30,7 @@ def validate_args(args: argparse.Namespace) -> Any:
     transformers or megatron-core is imported (a usage error answers at once). Fills the defaults
     of ``--nproc`` and, for ``--layout megatron``, ``--tp/--pp/--ep``. Returns the config's
     ``presets.ConfigFacts``; the ranks build the transformers config itself."""
-    from ..presets import UserError, config_facts
+    from ..testbed.presets import UserError, config_facts
 
     if args.config and args.model:
         raise UserError("pass --model or --config, not both")
@@ -87,7 +87,7 @@ def _layout_options(args: argparse.Namespace) -> None:
     """``--tp/--pp/--vpp/--ep`` belong to ``--layout megatron``: given with another layout they are
     a usage error naming the option (a run would silently ignore them); with megatron each must be
     >= 1 (``--tp/--pp/--ep`` default to 1)."""
-    from ..presets import UserError
+    from ..testbed.presets import UserError
 
     given = [flag for flag in MEGATRON_ONLY if getattr(args, flag) is not None]
     if args.layout != "megatron":
@@ -108,7 +108,7 @@ def _layout_options(args: argparse.Namespace) -> None:
 def checkpoint_config(args: argparse.Namespace) -> None:
     """``check --checkpoint PATH``: PATH must be a folder; without ``--model``/``--config`` the
     config is PATH/config.json (sets ``args.config``). Raises ``UserError``; idempotent."""
-    from ..presets import UserError
+    from ..testbed.presets import UserError
 
     path = getattr(args, "checkpoint", None)
     if path is None:
@@ -130,7 +130,7 @@ def _fp8_folder(path: str) -> None:
     tensor as different: a usage error naming what the folder declares."""
     import json
 
-    from ..presets import UserError
+    from ..testbed.presets import UserError
 
     try:
         with open(os.path.join(path, "config.json")) as f:
@@ -156,9 +156,9 @@ def _validate_mtp(args: argparse.Namespace, facts: Any) -> None:
     torch) whose MTP block the CPU builder builds, and none of the options it does not combine with."""
     import types
 
-    from weightsync.sources import family_for
+    from weightsync.sources.toolkit import family_for
 
-    from ..presets import UserError
+    from ..testbed.presets import UserError
 
     if args.layout != "megatron":
         raise UserError("--mtp needs --layout megatron (megatron-core's MTP block; transformers holds no MTP weights)")
@@ -182,7 +182,7 @@ def _validate_mtp(args: argparse.Namespace, facts: Any) -> None:
 def _validate_megatron(args: argparse.Namespace, facts: Any) -> None:
     """``--layout megatron`` sizes against the config's ``ConfigFacts`` (a fact the config file does
     not state is left to the ranks, which build the real config)."""
-    from ..presets import MEGATRON_MODEL_TYPES, UserError
+    from ..testbed.presets import MEGATRON_MODEL_TYPES, UserError
 
     heads, groups = facts.heads, facts.kv_heads
     if heads is not None and (heads % args.tp or (groups or heads) % args.tp):

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .build import shard_fsdp2
 from .demo import DemoResult, _share, format_bytes
-from .vllm_server import PROMPTS, greedy, save_served_model, served_model, start_vllm_server
+from ..testbed.vllm_server import PROMPTS, greedy, save_served_model, served_model, start_vllm_server
 
 __all__ = ["run_vllm_demo", "LOGPROB_ATOL"]
 

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from weightsync.sources import FSDPSource, LoRAAdapterSource, UnsupportedAdapterError, get_logger
+from weightsync.sources import FSDPSource, LoRAAdapterSource, UnsupportedAdapterError
+from weightsync.sources.toolkit import get_logger
 
 __all__ = ["source_from_accelerator", "wire_dtype_for"]
 

@@ -30,7 +30,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, Union
 
-from weightsync.sources import UnsupportedAdapterError, get_logger
+from weightsync.sources import UnsupportedAdapterError
+from weightsync.sources.toolkit import get_logger
 
 from ..lora_adapter import LoRAAdapterSync
 from ..sync.driver import WeightSync

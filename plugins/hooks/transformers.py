@@ -39,7 +39,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from weightsync.sources import get_logger
+from weightsync.sources.toolkit import get_logger
 
 from .late import AnySync, HookSync
 

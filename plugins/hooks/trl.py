@@ -34,7 +34,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from weightsync.sources import get_logger
+from weightsync.sources.toolkit import get_logger
 
 from ..sync.driver import LateSync, WeightSync
 

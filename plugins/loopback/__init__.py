@@ -1,29 +1,53 @@
-"""The CPU loopback transport, trainer end: the ``"loopback"`` engine for vLLM's
-``WeightTransferTrainerFactory``. Importing this package registers it::
+"""The CPU loopback transport, both ends: a test and demo transport that speaks vLLM's four-phase
+weight-transfer protocol over gloo, not a replacement for vLLM's NCCL / IPC engines.
 
-    import weightsync.plugins.loopback  # registers backends "loopback" and "loopback_sparse"
+* ``trainer/``  -- the trainer end: the ``"loopback"`` and ``"loopback_sparse"`` (delta rounds) engines
+  for vLLM's ``WeightTransferTrainerFactory``. Imports vLLM; importing it registers both engines.
+* ``receiver/`` -- the receiving end: ``LoopbackReceiver`` (a module that loads strictly and checks
+  checksums), its HTTP server and process, ``TensorsModel``, and the transport both ends agree on.
+  **Never imports vLLM** (an import-linter contract): a receiver process starts without paying
+  vLLM's import.
+* ``worker/``   -- the worker engine a real vLLM server runs, and weightsync's vLLM plugin entry
+  point that registers it.
 
-The receiving end (the receiver, its HTTP server and process, and the transport both ends share)
-is ``weightsync.plugins.loopback_server``, a separate package because it must not import vLLM: a
-receiver process imports in ~2 s instead of ~9 s (measured on a busy 2-core box). A test and demo transport, not a replacement for
-vLLM's NCCL / IPC engines.
+This package imports nothing at import time, so the receiver process (which must import it) stays
+light. A trainer-end name (``LoopbackTrainerInitInfo``, ...) or ``register`` imports ``trainer/``,
+which registers the engines in vLLM -- the info a ``trainer_init`` call needs therefore brings its
+engine with it. Receiver names come from ``receiver/``.
 """
 
 from __future__ import annotations
 
-from . import sparse as _sparse
-from .engine import BACKEND, LoopbackTrainerInitInfo, LoopbackTrainerWeightTransferEngine, register
-from .sparse import SPARSE_BACKEND, LoopbackSparseTrainerInitInfo, LoopbackSparseTrainerWeightTransferEngine
+import importlib
+from typing import Any
 
-__all__ = [
-    "BACKEND",
-    "SPARSE_BACKEND",
-    "LoopbackTrainerInitInfo",
-    "LoopbackTrainerWeightTransferEngine",
-    "LoopbackSparseTrainerInitInfo",
-    "LoopbackSparseTrainerWeightTransferEngine",
-    "register",
-]
+_LAZY: dict[str, str] = {
+    # trainer end (imports vLLM; registers "loopback" and "loopback_sparse" when first imported)
+    "BACKEND": ".trainer",
+    "SPARSE_BACKEND": ".trainer",
+    "LoopbackTrainerInitInfo": ".trainer",
+    "LoopbackTrainerWeightTransferEngine": ".trainer",
+    "LoopbackSparseTrainerInitInfo": ".trainer",
+    "LoopbackSparseTrainerWeightTransferEngine": ".trainer",
+    "register": ".trainer",
+    # receiving end (no vLLM)
+    "LoopbackReceiver": ".receiver",
+    "ChecksumMismatchError": ".receiver",
+    "ReceiverServer": ".receiver",
+    "ReceiverClient": ".receiver",
+    "ReceiverHandle": ".receiver",
+    "start_receiver_process": ".receiver",
+    "TensorsModel": ".receiver",
+}
 
-register()
-_sparse.register()
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -57,15 +57,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.sources import (
-    DEFAULT_TIMEOUT_S,
-    Board,
-    LoRAAdapterSource,
-    PreflightError,
-    WeightSyncError,
-    get_logger,
-    next_tag,
-)
+from weightsync.sources import LoRAAdapterSource, PreflightError, WeightSyncError
+from weightsync.sources.toolkit import DEFAULT_TIMEOUT_S, Board, get_logger, next_tag
 
 __all__ = ["LoRAAdapterSync", "AdapterSyncReport", "AdapterRefusedError", "MODES", "check_adapter",
            "server_limits", "write_adapter"]

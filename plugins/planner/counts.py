@@ -13,7 +13,7 @@ rules the sources document:
   ``ceil(rows / n)`` rows, 16-byte aligned). ``senders="owners"``: the tensors are cut into one
   contiguous run per replica balanced by wire bytes (``core/senders.split_contiguous``'s rule) and
   each replica gathers only its run.
-* Megatron ``mode="full"``, one sender (``sources/megatron/source.py``, ``moe.py``, ``core/p2p.py``):
+* Megatron ``mode="full"``, one sender (``sources/megatron/source.py``, ``moe.py``, ``core/comm/p2p.py``):
   every unit (one Megatron parameter: q/k/v fused, gate/up fused; the family table says which) goes
   point to point from its holders to rank 0: one receive on rank 0 and one send on the holder per
   piece not already on rank 0; MoE layers' routers, routed experts (``etp`` pieces each of fc1, fc2)
@@ -51,7 +51,7 @@ GATHER_ALIGN = 16
 VOCAB_DIVISIBLE_BY = 128
 #: ``MegatronSource`` casts rank 0's small whole tensors in one buffer (``megatron/whole_units.py``).
 PRECAST_MAX_NUMEL, PRECAST_CAP_BYTES = 1 << 20, 64 << 20
-#: ``MegatronMoEExporter`` moves routed experts in batches of at most this many bytes (``core/experts.py``).
+#: ``MegatronMoEExporter`` moves routed experts in batches of at most this many bytes (``core/hf/experts.py``).
 EXPERT_BATCH_BYTES = 256 << 20
 _LAYER = re.compile(r"^(.*?\blayers\.(\d+))\.")
 

@@ -1,7 +1,7 @@
 """``plan(...)``: what one refit of a model moves and costs, before anyone runs it.
 
 Invariant: nothing here runs a collective, allocates a weight or needs a process group. The model is
-built on the meta device from its config (a preset of ``plugins/presets.py`` or a ``config.json``);
+built on the meta device from its config (a preset of ``plugins/testbed/presets.py`` or a ``config.json``);
 the checkpoint tensors, their wire dtypes and shapes are ``FSDPSource(model).metadata`` (and
 ``FP8Source``'s over it for FP8) -- the sources' own metadata code, run in one process. What the
 layout adds (gathers, point-to-point pieces, per-rank bytes) follows the sources' documented rules
@@ -98,7 +98,7 @@ def _pos(name: str, value: Any, *, zero: bool = False) -> int:
 
 def _config(model: Any) -> tuple[str, Any]:
     """``(label, transformers config)`` of a preset name, a config.json (file or folder) or a config."""
-    from ..presets import PRESETS, load_config
+    from ..testbed.presets import PRESETS, load_config
 
     if not isinstance(model, str):
         if not hasattr(model, "model_type"):
@@ -216,7 +216,7 @@ def plan(
         lay = {"kind": "fsdp", "world": world, "replicas": replicas, "shard": shard,
                "units": "each decoder layer + the root"}
     else:
-        from weightsync.sources import family_for
+        from weightsync.sources.toolkit import family_for
 
         family = family_for(config)
         if family.hybrid is not None or family.attention != "dense":

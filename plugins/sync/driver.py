@@ -93,15 +93,8 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 
 import torch
 
-from weightsync.sources import (
-    DEFAULT_TIMEOUT_S,
-    Board,
-    WeightSyncError,
-    broadcast_ranks,
-    checked,
-    get_logger,
-    next_tag,
-)
+from weightsync.sources import WeightSyncError, checked
+from weightsync.sources.toolkit import DEFAULT_TIMEOUT_S, Board, broadcast_ranks, get_logger, next_tag
 
 from .preflight import check_engine
 from .report import SyncReport

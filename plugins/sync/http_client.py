@@ -52,7 +52,8 @@ from urllib.parse import urlsplit
 from vllm.distributed.weight_transfer.base import WeightTransferUpdatePayload
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-from weightsync.sources import WeightSyncError, broadcast_ranks, get_logger
+from weightsync.sources import WeightSyncError
+from weightsync.sources.toolkit import broadcast_ranks, get_logger
 
 __all__ = [
     "ADDED_FIELDS",

@@ -34,15 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.sources import (  # noqa: F401 (PreflightError, SilentTransportError: re-exported)
-    DEFAULT_TIMEOUT_S,
-    broadcast_ranks,
-    PreflightError,
-    SilentTransportError,
-    WeightSyncError,
-    control_group,
-    get_logger,
-)
+from weightsync.sources import PreflightError, SilentTransportError, WeightSyncError
+from weightsync.sources.toolkit import DEFAULT_TIMEOUT_S, broadcast_ranks, control_group, get_logger
 
 __all__ = ["PreflightError", "PreflightReport", "check_engine", "check_weights_changed"]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 
-from weightsync.sources import get_logger
+from weightsync.sources.toolkit import get_logger
 
 __all__ = ["RayDraftWeightSyncClient"]
 

@@ -66,11 +66,11 @@ import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from ..core.errors import CheckpointError
-from ..core.waits import DEFAULT_TIMEOUT_S, Board, group_ranks, next_tag
-from ..core.logs import get_logger
-from ..core.stats import PassStats
-from ..core.dtype_policy import WirePolicy
+from ..core.ground.errors import CheckpointError
+from ..core.comm.waits import DEFAULT_TIMEOUT_S, Board, group_ranks, next_tag
+from ..core.ground.logs import get_logger
+from ..core.ground.stats import PassStats
+from ..core.ground.dtype_policy import WirePolicy
 
 __all__ = [
     "SafetensorsSource",
@@ -378,7 +378,7 @@ class SafetensorsSource(WeightSource):
     Args:
         path: the checkpoint folder (read on rank 0 only).
         dtype: wire dtype of floating tensors (None: the checkpoint's own dtypes); MoE routers and
-            gates keep theirs (``core.dtype_policy.DEFAULT_KEEP_FP32``), as in ``FSDPSource``.
+            gates keep theirs (``core.ground.dtype_policy.DEFAULT_KEEP_FP32``), as in ``FSDPSource``.
         device: where ``iter_full`` puts each tensor (``"cuda"`` for vLLM's IPC/NCCL engines).
 
     Attributes: ``layout`` (rank 0: the validated ``CheckpointLayout``; None elsewhere),

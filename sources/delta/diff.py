@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..core.pieces import Piece
+from ..core.layouts.pieces import Piece
 
 __all__ = ["Snapshots", "Changed", "bits", "has_nan", "changed_positions"]
 

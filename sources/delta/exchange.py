@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..core.pieces import flat_indices
-from ..core.waits import bounded_group, group_ranks, wait_bounded
+from ..core.layouts.pieces import flat_indices
+from ..core.comm.waits import bounded_group, group_ranks, wait_bounded
 from .diff import Changed
 
 __all__ = ["COLS", "NAN", "BAD", "exchange_counts", "pack", "segment_sizes", "unpack"]

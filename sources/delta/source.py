@@ -15,7 +15,7 @@ Invariants:
   element of every tensor, which brings a receiver in any state to the exact current weights.
   Whether a round is an anchor is agreed by every rank before it starts.
 * **Diff where the shard lives.** A source with ``iter_pieces()`` (``FSDPSource``,
-  ``MegatronSource``; protocol in ``core/pieces.py``) is diffed on the rank that owns each shard,
+  ``MegatronSource``; protocol in ``core/layouts/pieces.py``) is diffed on the rank that owns each shard,
   against that rank's snapshot of it; per group of tensors (``group_bytes`` of full tensors) the
   ranks exchange counts, then send rank 0 only their changed elements (``delta/exchange.py``), so
   the trainer's own links carry O(changed elements). Any other source (vLLM's ``ModuleSource``,
@@ -45,11 +45,10 @@ import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from ..core.check import DEFAULT_TIMEOUT_S
-from ..core.errors import WeightSyncError
-from ..core.logs import current_rank, get_logger
-from ..core.pieces import Piece, whole_piece
-from ..core.waits import bounded_group, group_ranks, wait_bounded
+from ..core.comm.waits import DEFAULT_TIMEOUT_S, bounded_group, group_ranks, wait_bounded
+from ..core.ground.errors import WeightSyncError
+from ..core.ground.logs import current_rank, get_logger
+from ..core.layouts.pieces import Piece, has_pieces, whole_piece
 from .diff import Changed, Snapshots, has_nan
 from .exchange import BAD, BOXES, CHANGED, COLS, HELD, NAN, exchange_counts, pack, segment_sizes, unpack
 
@@ -209,7 +208,7 @@ class DeltaSource:
         """Whether the source is diffed where its shards live (it has ``iter_pieces``)."""
         # the class's own method: a wrapper that forwards attributes (FP8Source) must not lend its
         # source's pieces, which are not what the wrapper sends
-        return callable(getattr(type(self.source), "iter_pieces", None))
+        return has_pieces(self.source)
 
     @property
     def anchor_next(self) -> bool:
@@ -237,7 +236,7 @@ class DeltaSource:
             diff = next(((a, b) for a, b in zip(mine, new) if a != b), (len(mine), len(new)))
             raise DeltaError(f"rank {current_rank()}: DeltaSource.swap: the new source's tensors differ "
                              f"(first: {diff[0]} vs {diff[1]}); build a new DeltaSource (its first round is an anchor)")
-        if callable(getattr(type(source), "iter_pieces", None)) != self.pieces_native:
+        if has_pieces(source) != self.pieces_native:
             raise DeltaError(f"rank {current_rank()}: DeltaSource.swap: {type(source).__name__} is diffed "
                              f"{'without' if self.pieces_native else 'with'} pieces, the snapshots were made the other way")
         self.source = source
@@ -510,9 +509,9 @@ class DeltaSource:
     def _move(self, changes: dict[int, list[Changed]], plan: list[str | None], table: list,
               lo: int, hi: int, rank: int, world: int, stats: DeltaStats) -> dict[int, torch.Tensor]:
         """Send this rank's segments to rank 0 / receive every rank's there: ``{rank: buffer}`` on 0."""
-        from ..core.p2p import Piece as Transfer
-        from ..core.p2p import gather_to
-        from ..core.stats import PassStats
+        from ..core.comm.p2p import Piece as Transfer
+        from ..core.comm.p2p import gather_to
+        from ..core.ground.stats import PassStats
 
         metas = self.metadata
         sizes = []
@@ -585,7 +584,7 @@ class DeltaSource:
             if whole_ok:
                 return Delta(meta.name, None, flat, shape)
             return Delta(meta.name, torch.arange(flat.numel(), dtype=torch.int32, device=dev), flat, shape)
-        from ..core.pieces import flat_indices
+        from ..core.layouts.pieces import flat_indices
 
         idx = [flat_indices(c.pos, tuple(c.piece.offsets), tuple(c.piece.tensor.shape), shape).to(torch.int32)
                for c in own if c.count]

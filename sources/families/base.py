@@ -6,7 +6,7 @@ A ``Family`` is data over one shared table of Megatron-core ``GPTModel`` names (
 (``megatron``), its MoE roles, and what it refuses. A family whose attention is not the fused
 ``linear_qkv`` (DeepSeek-V3's latent attention) brings its own ``layer_table``.
 
-Every Megatron name maps to an ``Entry``: its TP layout kind (``sources/core/layout.py``) and the HF
+Every Megatron name maps to an ``Entry``: its TP layout kind (``sources/core/layouts/tp.py``) and the HF
 tensor(s) it fuses, in HF order. Transformer-Engine spec names (fused norms) are aliases of the
 local-spec names (``TE_ALIASES``), so both specs export the same checkpoint.
 
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ..core.errors import UnmappedParameterError
+from ..core.ground.errors import UnmappedParameterError
 
 __all__ = [
     "ATTENTION",
@@ -64,7 +64,7 @@ class Field(NamedTuple):
 class MoERoles:
     """Layer-relative transformers in-memory names of each MoE role (``None``: the family has none).
     Experts themselves are found by shape (``mlp.experts.gate_up_proj``); every checkpoint name is
-    then read off transformers' own save-time reversal (``sources/moe_names.py``)."""
+    then read off transformers' own save-time reversal (``sources/megatron/moe_names.py``)."""
 
     router: str = "mlp.gate.weight"
     #: the score-correction bias that only steers expert choice (DeepSeek ``e_score_correction_bias``;

@@ -21,7 +21,7 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ..core.errors import UnmappedParameterError
+from ..core.ground.errors import UnmappedParameterError
 from .base import Entry, Family, Field, MoERoles, MTPNames, moe_fields, rope_theta
 
 __all__ = ["FAMILY", "MLA", "MLATensor", "MEGATRON_REFUSALS", "MTP", "hf_rope", "sigmoid_moe_fields"]

@@ -14,7 +14,7 @@ transformers 5.20 ``DeepseekV32Indexer``), docs/families.md has the detail:
   *first* ones in half-split pairs; the rows of ``wq_b`` (per head), ``wk`` and the ``k_norm``
   weight and bias (the one key head; a LayerNorm is equivariant under a channel permutation applied
   to its weight and bias too) are permuted as the Megatron config says: layout kind
-  ``indexer_rope_half`` (``sources/core/layout.py``; the identity on 0.19 without the flag).
+  ``indexer_rope_half`` (``sources/core/layouts/tp.py``; the identity on 0.19 without the flag).
   ``weights_proj`` is the same tensor. GLM-5 (``glm_moe_dsa.py``) is this with interleaved pairs.
 * Refused on every rank (``megatron_mismatch`` / ``mla_refusals``): a Megatron MLA without the DSA
   variant (it has no indexer), other indexer sizes or top-k, and DeepSeek-V3's MLA refusals
@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..core.layout import indexer_megatron_rope
+from ..core.layouts.tp import indexer_megatron_rope
 from . import deepseek_v3 as v3
 from .base import Entry, Family, Field
 

@@ -7,7 +7,7 @@ in memory and in ``save_pretrained`` alike: ``mlp.experts.gate_up_proj`` ``[E, H
 first, gate and up columns interleaved), ``gate_up_proj_bias`` ``[E, 2I]``, ``down_proj``
 ``[E, I, H]``, ``down_proj_bias`` ``[E, H]``. The expert layout is read off transformers (its
 reversal keeps those tensors; the experts module declares transposed / interleaved / biased), not
-written here (``sources/core/experts.py``); vLLM's gpt_oss loader reads those fused tensors, and
+written here (``sources/core/hf/experts.py``); vLLM's gpt_oss loader reads those fused tensors, and
 each one's slice per expert (``mlp.experts.{e}.gate_up_proj`` ..., its streamed names).
 
 Megatron (local spec, megatron-core 0.16.1 and 0.19.2; ``SequentialMLP`` or TE's grouped experts):

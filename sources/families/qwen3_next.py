@@ -15,7 +15,7 @@ fields, ``attention_output_gate=True``, ``qk_layernorm=True``, ``rotary_percent`
   ``A_log`` / ``dt_bias`` one per value head, split by head; ``out_norm`` replicated, ``out_proj``
   row-parallel (``ssm/gated_delta_net.py``: ``forward``'s ``torch.split`` and
   ``sharded_state_dict``'s ``_split_tensor_factory``). Layout kinds ``gdn_qkvz_ba`` / ``gdn_qkv_z_b_a``
-  / ``gdn_conv`` (``core/layout.py``, class ``GatedDeltaNet``).
+  / ``gdn_conv`` (``core/layouts/tp.py``, class ``GatedDeltaNet``).
 * Gated attention: ``linear_qkv`` rows per query group ``[q x hpg | gate x hpg | k | v]``
   (``Attention.get_query_key_value_tensors(output_gate=True)``); HF ``q_proj`` rows per head
   ``[q_h | gate_h]`` (``Qwen3NextAttention.forward``): layout kind ``qkv_gated``.

@@ -44,10 +44,10 @@ import torch
 from torch import nn
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from ..core.check import DEFAULT_TIMEOUT_S, check_stream, verify_metadata_agreement
-from ..core.errors import AdapterStateError, UnsupportedAdapterError
-from ..core.logs import current_rank, get_logger
-from ..core.stats import PassStats
+from ..core.check.stream import DEFAULT_TIMEOUT_S, check_stream, verify_metadata_agreement
+from ..core.ground.errors import AdapterStateError, UnsupportedAdapterError
+from ..core.ground.logs import current_rank, get_logger
+from ..core.ground.stats import PassStats
 from .gather import BatchedGather, ShardPiece, fallback_full, local_of
 from .lora import own_type
 from .plan import fsdp_units, is_dtensor, is_member, plan_steps
@@ -130,7 +130,7 @@ class LoRAAdapterSource(WeightSource):
         return UnsupportedAdapterError(f"rank {self.rank}: PEFT module {module!r}: {reason}")
 
     def _discover(self, adapter: str | None) -> None:
-        from ..core.naming import _wrapper_paths, checkpoint_name
+        from ..core.hf.naming import _wrapper_paths, checkpoint_name
 
         try:
             from peft import PeftModel

@@ -32,7 +32,7 @@ import threading
 
 import torch
 
-from ..core.stats import PassStats
+from ..core.ground.stats import PassStats
 
 __all__ = ["BufferPool", "capacity"]
 

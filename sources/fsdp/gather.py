@@ -52,11 +52,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..core.layout import chunk_rows
+from ..core.layouts.tp import chunk_rows
 from .buffers import capacity
-from ..core.overlap import overlap_default
-from ..core.logs import get_logger
-from ..core.stats import PassStats
+from ..core.ground.overlap import overlap_default
+from ..core.ground.logs import get_logger
+from ..core.ground.stats import PassStats
 
 __all__ = [
     "chunk_rows",
@@ -514,7 +514,7 @@ def _wait_all_gather(work, group, *, what: str, timeout_s: float) -> None:
     absent ranks, or ``PeerFailedError`` as soon as a checked pass's board reports another rank's
     failure, instead of blocking for the group's timeout. Device backends are left to their own
     watchdog: polling would synchronize the host."""
-    from ..core.waits import wait_bounded
+    from ..core.comm.waits import wait_bounded
 
     wait_bounded(work, ranks=dist.get_process_group_ranks(group), what=what, timeout_s=timeout_s)
 

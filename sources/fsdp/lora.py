@@ -58,8 +58,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..core.errors import AdapterStateError, UnsupportedAdapterError
-from ..core.logs import current_rank, get_logger
+from ..core.ground.errors import AdapterStateError, UnsupportedAdapterError
+from ..core.ground.logs import current_rank, get_logger
 
 __all__ = [
     "UnsupportedAdapterError",
@@ -175,7 +175,7 @@ class LoraPlan:
         from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
         from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 
-        from ..core.naming import _wrapper_paths, checkpoint_name
+        from ..core.hf.naming import _wrapper_paths, checkpoint_name
 
         self._rank = rank
         wrappers = _wrapper_paths(module)

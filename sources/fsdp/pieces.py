@@ -1,6 +1,6 @@
 """``FSDPSource.iter_pieces``: each rank's FSDP shard as boxes of the checkpoint tensors, no gather.
 
-The protocol is ``core/pieces.py``'s. How an ``FSDPSource`` entry becomes pieces:
+The protocol is ``core/layouts/pieces.py``'s. How an ``FSDPSource`` entry becomes pieces:
 
 * **A DTensor with plain placements** (FSDP2 ``Shard(0)``, HSDP ``(Replicate, Shard(0))``, any mix
   of ``Shard``/``Replicate``): the local shard, cast to the wire dtype, is the box DTensor itself
@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from ..core.pieces import Piece, marker, whole_piece
-from ..core.stats import PassStats
+from ..core.layouts.pieces import Piece, marker, whole_piece
+from ..core.ground.stats import PassStats
 from .gather import fallback_full, gather_device, local_of
 from .plan import is_dtensor, is_member
 
@@ -101,7 +101,7 @@ def _entry_pieces(src, e, t, wd, names, merges, all_tensors, stats, rank, i) -> 
                 hasattr(e.transform, "pieces") and _dim0_only(t, box[0]))):
             offsets, answers = box
             if answers:
-                local = local_of(t)  # in its own dtype: the consumer casts (core/pieces.py)
+                local = local_of(t)  # in its own dtype: the consumer casts (core/layouts/pieces.py)
                 if e.transform is None:
                     items.append(Piece(e.name, offsets, local))
                 else:

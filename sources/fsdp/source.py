@@ -4,7 +4,7 @@ Invariants (each is tested multi-rank in ``tests/test_fsdp.py``):
 
 * **Names** are Hugging Face checkpoint names (``naming.checkpoint_entries``): wrappers stripped,
   tied duplicates dropped exactly where ``save_pretrained`` drops them, transformers' own save-time
-  conversions reverted with its code (``core/conversions.py``); what cannot be reverted while
+  conversions reverted with its code (``core/hf/conversions.py``); what cannot be reverted while
   streaming raises ``UnmappedParameterError`` at ``metadata`` time, on every rank.
 * **Metadata** is computed from global shapes and module structure only: no collective, no tensor
   data, identical on every rank. ``dtype`` is the wire dtype (``wire.WirePolicy``), ``shape`` the
@@ -51,7 +51,7 @@ Invariants (each is tested multi-rank in ``tests/test_fsdp.py``):
   the first pass verifies cross-rank metadata agreement before any gather (``agree=True``).
 * **Many senders** (``senders="owners"``, vLLM 0.34's NCCL engine; HSDP only, ``plan.hsdp_replicas``):
   each replica's shard group gathers and its first rank sends one contiguous, byte-balanced run of
-  the stream; no gather crosses replicas; plain FSDP is refused (``core/senders.py`` says why).
+  the stream; no gather crosses replicas; plain FSDP is refused (``core/comm/senders.py`` says why).
 * **PEFT LoRA** (``lora.LoraPlan``): a PEFT model exports its base checkpoint, merged. The tensors
   gathered are *items*: every checkpoint entry, each LoRA-merged base weight followed by its
   adapters' ``lora_A``/``lora_B`` (same FSDP unit, hence the same batched gather, in the usual
@@ -71,7 +71,7 @@ import torch
 from torch import nn
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from ..core.check import DEFAULT_TIMEOUT_S, check_stream, local_shape, verify_metadata_agreement
+from ..core.check.stream import DEFAULT_TIMEOUT_S, check_stream, local_shape, verify_metadata_agreement
 from .gather import (
     BatchedGather,
     ShardPiece,
@@ -84,15 +84,15 @@ from .gather import (
 )
 from .prefetch import GatherPipeline
 from .pieces import fsdp_pieces
-from ..core.pieces import Piece
+from ..core.layouts.pieces import Piece
 from .plan import dtensor_layout, fsdp_units, hsdp_replicas, is_dtensor, is_member, plan_steps
-from ..core.logs import current_rank, get_logger
+from ..core.ground.logs import current_rank, get_logger
 from .lora import LoraMerge, LoraPlan, UnsupportedAdapterError, merge_lora
-from ..core.naming import CheckpointEntry, TensorTransform, checkpoint_entries
-from ..core.stats import PassStats
-from ..core.dtype_policy import WirePolicy
-from ..core.receiver_writes import copy_written, written_by_receiver
-from ..core.senders import Senders, check_senders, require_many_senders, split_contiguous
+from ..core.hf.naming import CheckpointEntry, TensorTransform, checkpoint_entries
+from ..core.ground.stats import PassStats
+from ..core.ground.dtype_policy import WirePolicy
+from ..core.hf.receiver_writes import copy_written, written_by_receiver
+from ..core.comm.senders import Senders, check_senders, require_many_senders, split_contiguous
 
 __all__ = ["FSDPSource", "DEFAULT_GROUP_BYTES"]
 
@@ -112,7 +112,7 @@ class FSDPSource(WeightSource):
         dtype: wire dtype for floating tensors (None: each tensor's own dtype). Cast happens on
             the local shard, before the gather.
         keep_fp32: extra regular expressions (``re.search`` on the checkpoint name) of tensors
-            that keep their own dtype, on top of ``core.dtype_policy.DEFAULT_KEEP_FP32`` (MoE routers/gates).
+            that keep their own dtype, on top of ``core.ground.dtype_policy.DEFAULT_KEEP_FP32`` (MoE routers/gates).
         group_bytes: split a unit's gather into groups of at most this many wire bytes (default
             ``DEFAULT_GROUP_BYTES``, 64 MiB; None: one gather per contiguous run of a unit; a
             single larger tensor still gathers alone). The bound is what overlap pipelines: the
@@ -142,7 +142,7 @@ class FSDPSource(WeightSource):
         senders: ``"rank0"`` (default: every rank iterates every tensor, rank 0 sends) or
             ``"owners"`` (vLLM 0.34's NCCL engine; HSDP only): the tensors, in stream order, are cut
             into one contiguous run per replica, balanced by wire bytes
-            (``core.senders.split_contiguous``); each replica's shard group gathers only its own
+            (``core.comm.senders.split_contiguous``); each replica's shard group gathers only its own
             run, among its own ranks, and the replica's first rank sends it -- no gather across
             replicas. Metadata owners are that replica's ranks. Plain FSDP, FSDP+TP or per-parameter
             meshes raise ``ValueError`` naming HSDP (``plan.hsdp_replicas`` says why); so does a
@@ -209,7 +209,7 @@ class FSDPSource(WeightSource):
         self.timeout_s = timeout_s
         self._agreed = False
         self.last_pass = PassStats()
-        #: who sends each tensor (``core/senders.py``)
+        #: who sends each tensor (``core/comm/senders.py``)
         self.senders: Senders = check_senders(senders, rank=self.rank, who="FSDPSource")
         if senders == "owners":
             require_many_senders(rank=self.rank, who="FSDPSource")
@@ -342,7 +342,7 @@ class FSDPSource(WeightSource):
     @cached_property
     def _item_replica(self) -> list[int]:
         """``senders="owners"``: the replica that gathers and sends each item -- contiguous runs of
-        items in stream order balanced by wire bytes (``core.senders.split_contiguous``: a replica
+        items in stream order balanced by wire bytes (``core.comm.senders.split_contiguous``: a replica
         sends at most total / replicas + the largest tensor); a LoRA base travels with its A/B."""
         tensors = self._resolve()
         sizes = [t.numel() * wd.itemsize for t, wd in zip(tensors, self._wire_dtypes)]
@@ -627,7 +627,7 @@ class FSDPSource(WeightSource):
     def iter_pieces(self) -> Iterator[Piece]:
         """This rank's shard of every checkpoint tensor as boxes in checkpoint coordinates, cast to
         the wire dtype, gathering only what cannot be cut into boxes (``fsdp/pieces.py``; the
-        protocol: ``core/pieces.py``). What ``DeltaSource`` diffs where the shard lives."""
+        protocol: ``core/layouts/pieces.py``). What ``DeltaSource`` diffs where the shard lives."""
         stats = self._start_pass()
         yield from fsdp_pieces(self, stats, self.rank)
         stats.stop()
@@ -657,12 +657,12 @@ def _expert_transform(
     ``transforms`` entry handles, so a dense model or a caller's own hook is untouched. Built from
     names and global shapes only (no collective), so every rank decides the same way. By default,
     experts of a transformers-defined module it cannot map take the generic conversion path
-    (``core/conversions.py``: exactly what ``save_pretrained`` writes); other experts it cannot map
+    (``core/hf/conversions.py``: exactly what ``save_pretrained`` writes); other experts it cannot map
     raise here, on every rank, before bytes move.
     """
-    from ..core.errors import UnmappedParameterError
-    from ..core.experts import ExpertTransform, check_expert_layout, is_fused_expert_param
-    from ..core.naming import _wrapper_paths, checkpoint_name, defined_by_transformers
+    from ..core.ground.errors import UnmappedParameterError
+    from ..core.hf.experts import ExpertTransform, check_expert_layout, is_fused_expert_param
+    from ..core.hf.naming import _wrapper_paths, checkpoint_name, defined_by_transformers
 
     check_expert_layout(expert_layout)
     if expert_layout is None:
@@ -686,7 +686,7 @@ def _expert_transform(
         if expert_layout is None and defined_by_transformers(module, fused):
             # transformers' own experts in a layout ExpertTransform does not stream (Llama 4's
             # [E, H, 2I], Step3.7's stacked projections): the generic conversion path sends exactly
-            # what save_pretrained writes (core/conversions.py).
+            # what save_pretrained writes (core/hf/conversions.py).
             logger.info("fused experts (e.g. %s) go out as save_pretrained writes them: %s", fused[0], e)
             return None
         if not isinstance(e, UnmappedParameterError):

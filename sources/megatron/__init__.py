@@ -11,7 +11,7 @@ Face checkpoint tensors.
 * ``mla``         -- multi-head latent attention as DeepSeek-V3 attention: geometry checks, TP kinds.
 
 Family facts (names, config mapping, refusals) live in ``sources/families/``, layout kinds in
-``sources/core/layout.py``, the point-to-point mover in ``sources/core/p2p.py``.
+``sources/core/layouts/tp.py``, the point-to-point mover in ``sources/core/comm/p2p.py``.
 """
 
 from .source import MegatronSource

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..core.p2p import PostedGather
+from ..core.comm.p2p import PostedGather
 
 __all__ = ["AHEAD_BYTES", "AHEAD_BYTES_MANY_CORES", "SplitAhead", "cores_per_local_rank", "default_ahead_bytes"]
 

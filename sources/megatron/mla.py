@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.errors import UnmappedParameterError
+from ..core.ground.errors import UnmappedParameterError
 from ..families import Entry, family_for
 from ..families.deepseek_v3 import FAMILY as DEEPSEEK_V3
 from ..families.deepseek_v3 import MEGATRON_REFUSALS, MLA

@@ -2,7 +2,7 @@
 
 One MoE layer of a ``GPTModel`` exports: router weight, the router linear's bias (``add_bias_linear``:
 GPT-OSS), router expert bias (a buffer), the routed experts with their biases if any (``per_expert``
-or ``fused`` wire layout, ``sources/core/experts.py``), shared experts and the shared-expert gate. Names come from ``HFMoENames`` (transformers' own reversal), layout math from
+or ``fused`` wire layout, ``sources/core/hf/experts.py``), shared experts and the shared-expert gate. Names come from ``HFMoENames`` (transformers' own reversal), layout math from
 ``experts.py`` / ``layout.py``; this file only knows where Megatron keeps each piece:
 
 * routed experts live on the expert-parallel (EP) x expert-tensor-parallel (ETP) grid: global expert
@@ -41,8 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core.errors import UnmappedParameterError
-from ..core.experts import (
+from ..core.ground.errors import UnmappedParameterError
+from ..core.hf.experts import (
     DEFAULT_EXPERT_BATCH_BYTES,
     ExpertLayout,
     FusedExpertBuffer,
@@ -50,13 +50,13 @@ from ..core.experts import (
     default_expert_layout,
     expert_batches,
 )
-from ..core.waits import DEFAULT_TIMEOUT_S
-from ..core.layout import GLU_LAYOUT, ROW
-from ..core.logs import get_logger
-from ..moe_names import HFMoELayer, HFMoENames
-from ..core.p2p import Piece, gather_to
-from ..core.stats import PassStats
-from ..core.dtype_policy import WirePolicy
+from ..core.comm.waits import DEFAULT_TIMEOUT_S
+from ..core.layouts.tp import GLU_LAYOUT, ROW
+from ..core.ground.logs import get_logger
+from .moe_names import HFMoELayer, HFMoENames
+from ..core.comm.p2p import Piece, gather_to
+from ..core.ground.stats import PassStats
+from ..core.ground.dtype_policy import WirePolicy
 
 __all__ = [
     "expert_format",
@@ -398,11 +398,11 @@ class MegatronMoEExporter:
     def spreadable(self, layers: list[int]) -> bool:
         """Whether routed experts can leave from a rank holding them whole (expert TP 1, per-expert
         wire layout); otherwise they are gathered by replica 0's stage sender, and the dense units
-        stay with replica 0 too, so that no rank serves two senders (``core/senders.py``)."""
+        stay with replica 0 too, so that no rank serves two senders (``core/comm/senders.py``)."""
         return self.etp == 1 and all(self.layout_of(self.hf_layer(L).experts) != "fused" for L in layers)
 
     def plan_owners(self, stage_of: dict[int, int], topo: Any, *, spread: bool) -> None:
-        """Choose the sender of every MoE tensor (``core/senders.py`` says why each rule):
+        """Choose the sender of every MoE tensor (``core/comm/senders.py`` says why each rule):
 
         * router, its biases, shared experts and gate: replica 0's stage sender (the stage's first
           rank), gathered from its TP peers as before;
@@ -458,7 +458,7 @@ class MegatronMoEExporter:
     def _placement(self) -> None:
         if self._coords is not None:
             return
-        from ..core.check import control_group
+        from ..core.check.stream import control_group
 
         mine = Coords.mine()
         coords: list[Any] = [None] * dist.get_world_size()
@@ -587,7 +587,7 @@ class MegatronMoEExporter:
 
     def _local_piece(self, mlp: torch.nn.Module, p: _Piece, *, own_dtype: bool = False) -> torch.Tensor:
         """This rank's tensor of ``p`` (shape checked) in ``p.dtype``, contiguous; ``own_dtype``: a
-        floating tensor as Megatron holds it (``iter_pieces``: its consumer casts, ``core/pieces.py``)."""
+        floating tensor as Megatron holds it (``iter_pieces``: its consumer casts, ``core/layouts/pieces.py``)."""
         from megatron.core import parallel_state as ps
 
         if p.kind == "router":

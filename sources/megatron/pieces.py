@@ -1,6 +1,6 @@
 """``MegatronSource.iter_pieces``: each rank's Megatron shards as boxes of the checkpoint tensors.
 
-The protocol is ``core/pieces.py``'s: a collective call; every rank passes every metadata name, in
+The protocol is ``core/layouts/pieces.py``'s: a collective call; every rank passes every metadata name, in
 metadata order, as its pieces of that name or one ``marker``; over all ranks the pieces of a name
 tile it exactly once; values in the wire dtype; the same boxes every pass. How the plan's units
 become pieces:
@@ -11,7 +11,7 @@ become pieces:
   for the units of its own pipeline stage (VPP chunks included); a kind with ``dim is None``
   (norms, duplicated linears, shifted norms, DSA indexer rows) only from TP rank 0. Its shard,
   vocabulary-trimmed and through the kind's ``to_wire`` (cast, or shift then cast), is cut by the
-  kind itself: ``Layout.boxes`` (``core/layout.py``) says where each piece of the shard's split sits
+  kind itself: ``Layout.boxes`` (``core/layouts/tp.py``) says where each piece of the shard's split sits
   in the HF tensors -- the one place that layout math lives, next to ``concat``. No collective.
 * **A kind that cannot place its shards** (``Layout.boxed`` False; none today): the point-to-point
   gather to rank 0 that ``iter_full`` uses (``MegatronSource._gather_to``, ``p2p.gather_to``);
@@ -50,10 +50,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core.layout import GLU_LAYOUT, ROW, Box
-from ..core.logs import get_logger
-from ..core.pieces import Piece, marker, whole_piece
-from ..core.stats import PassStats
+from ..core.layouts.tp import GLU_LAYOUT, ROW, Box
+from ..core.ground.logs import get_logger
+from ..core.layouts.pieces import Piece, marker, whole_piece
+from ..core.ground.stats import PassStats
 from .moe import _expert_biases, _expert_full, _Piece
 from .plan import Unit
 
@@ -113,7 +113,7 @@ def _unit_boxes(src: MegatronSource, unit: Unit) -> list[list[Piece]]:
             return out  # a vocabulary shard of padding only
         param = param[:rows]
     wd = src._wd[unit.key]
-    # A plain cast is the consumer's (core/pieces.py: it casts into memory it reuses); a kind whose
+    # A plain cast is the consumer's (core/layouts/pieces.py: it casts into memory it reuses); a kind whose
     # to_wire changes values (a shifted norm) applies it here, as iter_full does.
     plain = not kind.shifts_values and param.is_floating_point() and wd.is_floating_point
     shard = param if plain else kind.to_wire(param, wd)

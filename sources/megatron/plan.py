@@ -31,9 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.errors import UnmappedParameterError
+from ..core.ground.errors import UnmappedParameterError
 from ..families.base import DENSE_MLP, GLOBAL, HF_LAYER_PREFIX, Entry, Family
-from ..core.layout import VOCAB, Layout, layout
+from ..core.layouts.tp import VOCAB, Layout, layout
 from .mla import MLAGeometry, mla_full_shapes
 
 __all__ = [
@@ -74,7 +74,7 @@ class Unit:
     key: tuple  # ("embed",) | ("norm",) | ("lm_head",) | ("layer", global_layer, megatron_suffix)
     stage: int  # pipeline rank holding it
     chunk: int  # virtual-pipeline chunk on that stage
-    kind: Layout  # its TP layout kind (sources/core/layout.py)
+    kind: Layout  # its TP layout kind (sources/core/layouts/tp.py)
     names: tuple[str, ...]  # HF names, in order
     shapes: tuple[tuple[int, ...], ...]  # full HF shapes
     shard_shape: tuple[int, ...]  # the Megatron parameter's shape on each TP rank

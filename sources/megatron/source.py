@@ -14,7 +14,7 @@ Invariants:
   (all of its stage at tp=1, replicated norms at any tp) skip all of that: a loop planned at
   construction (``sources/megatron/whole_units.py``) exports them, because such an export is bound by
   host work per tensor, not by bytes.
-* ``senders="owners"`` (vLLM 0.34's NCCL engine, ``core/senders.py``): each unit is gathered by the
+* ``senders="owners"`` (vLLM 0.34's NCCL engine, ``core/comm/senders.py``): each unit is gathered by the
   TP group of one model-parallel replica and sent by that replica's first rank of the unit's stage
   (owners ``(that rank,)``); each stage's units are split in contiguous, byte-balanced runs over the
   data-parallel replicas; MoE experts follow ``moe.MegatronMoEExporter.plan_owners``. Rank 0 yields
@@ -54,7 +54,7 @@ Invariants:
   replica, because with expert parallelism they hold other experts -- so every rank walks the MoE
   layers in the same order even when it has no dense unit to send. ``mode="local"`` does not
   support MoE (raises ``NotImplementedError`` naming the MoE layers at construction).
-* ``iter_pieces()`` (delta sync; ``megatron/pieces.py``, protocol ``core/pieces.py``): every rank
+* ``iter_pieces()`` (delta sync; ``megatron/pieces.py``, protocol ``core/layouts/pieces.py``): every rank
   yields its own shards as boxes of the checkpoint tensors, in the wire dtype -- the replica
   ``iter_full`` reads answers, one element once -- with no collective after the first pass.
 * Parts (``part=``): ``"policy"`` (default) streams the model as transformers holds it and ignores a
@@ -76,12 +76,12 @@ from typing import Any, Literal
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, Replicate, Shard, WeightSource
 
-from ..core.check import DEFAULT_TIMEOUT_S, check_stream, local_shape, verify_metadata_agreement
-from ..core.errors import UnmappedParameterError
+from ..core.check.stream import DEFAULT_TIMEOUT_S, check_stream, local_shape, verify_metadata_agreement
+from ..core.ground.errors import UnmappedParameterError
 from ..families import Family, family_for
 from ..families.base import DENSE_MLP, Entry
-from ..core.layout import VOCAB, vocab_is_chunked, vocab_rows
-from ..core.logs import get_logger
+from ..core.layouts.tp import VOCAB, vocab_is_chunked, vocab_rows
+from ..core.ground.logs import get_logger
 from .whole_units import LocalStep, local_step, mark_precast, nbytes, precast
 from .ahead import SplitAhead, default_ahead_bytes
 from .moe import MegatronMoEExporter, expert_format, megatron_moe_suffixes
@@ -90,13 +90,13 @@ from .plan import Geometry, Unit, build_mtp_plan, build_plan, mlp_kind, mtp_laye
 from .pieces import megatron_pieces
 from .topology import Topology, megatron_topology
 from .walk import Bound, model_chunks, walk_chunks
-from ..core.overlap import overlap_default
-from ..core.p2p import Piece, PostedGather, gather_to, post_gather
-from ..core import pieces as checkpoint_pieces
-from ..core.experts import DEFAULT_EXPERT_BATCH_BYTES, ExpertLayout
-from ..core.stats import PassStats
-from ..core.dtype_policy import WirePolicy
-from ..core.senders import Senders, check_senders, require_many_senders, split_contiguous
+from ..core.ground.overlap import overlap_default
+from ..core.comm.p2p import Piece, PostedGather, gather_to, post_gather
+from ..core.layouts import pieces as checkpoint_pieces
+from ..core.hf.experts import DEFAULT_EXPERT_BATCH_BYTES, ExpertLayout
+from ..core.ground.stats import PassStats
+from ..core.ground.dtype_policy import WirePolicy
+from ..core.comm.senders import Senders, check_senders, require_many_senders, split_contiguous
 
 __all__ = ["MegatronSource"]
 
@@ -175,7 +175,7 @@ class MegatronSource(WeightSource):
         hf_config: the transformers config of the target checkpoint (decides names and shapes).
         dtype: wire dtype; default Megatron's ``params_dtype``. Shards are cast before they move.
         keep_fp32: extra regular expressions (``re.search`` on the checkpoint name) of tensors that
-            keep their own dtype, on top of ``core.dtype_policy.DEFAULT_KEEP_FP32`` (routers, shared-expert gate,
+            keep their own dtype, on top of ``core.ground.dtype_policy.DEFAULT_KEEP_FP32`` (routers, shared-expert gate,
             expert bias): the same policy as ``FSDPSource``. A Megatron tensor's own dtype is the
             one its config builds it in (``params_dtype``; the router's expert bias: fp32), so every
             rank declares it without holding the tensor.
@@ -184,7 +184,7 @@ class MegatronSource(WeightSource):
         expert_layout: MoE routed experts on the wire: ``"per_expert"``
             (``...experts.{e}.gate_proj.weight``) or ``"fused"`` (``experts.gate_up_proj``
             ``[E, 2I, H]`` / ``experts.down_proj`` ``[E, H, I]``), both accepted by vLLM 0.33 and 0.34;
-            None (default): the checkpoint's (per expert; fused for GPT-OSS, ``core/experts.py``).
+            None (default): the checkpoint's (per expert; fused for GPT-OSS, ``core/hf/experts.py``).
         expert_batch_bytes: bound on the expert bytes rank 0 receives at once (MoE only).
         check: check each pass's stream against ``metadata`` on this rank.
         timeout_s: bound on the first pass's cross-rank metadata agreement.
@@ -236,7 +236,7 @@ class MegatronSource(WeightSource):
         #: ``"policy"`` or ``"mtp"`` (the speculative draft; module docstring)
         self.part: Part = part
         _rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        #: who sends each tensor (``core/senders.py``): ``"rank0"`` or ``"owners"``
+        #: who sends each tensor (``core/comm/senders.py``): ``"rank0"`` or ``"owners"``
         self.senders: Senders = check_senders(senders, rank=_rank, who="MegatronSource")
         if senders == "owners":
             if mode != "full":
@@ -366,7 +366,7 @@ class MegatronSource(WeightSource):
         self._unit_replica: dict[tuple, int] = {}
         if self.senders == "owners":
             # Data-parallel replicas hold the same dense weights: each stage's units are cut into one
-            # contiguous run per replica, balanced by bytes (core.senders.split_contiguous), unless
+            # contiguous run per replica, balanced by bytes (core.comm.senders.split_contiguous), unless
             # experts must travel to replica 0 (expert TP > 1, fused layout: moe.spreadable).
             spread = self._moe is None or self._moe.spreadable(self.moe_layers)
             if spread and len(self._topo.replicas) > 1:
@@ -599,7 +599,7 @@ class MegatronSource(WeightSource):
 
     def iter_pieces(self) -> Iterator[checkpoint_pieces.Piece]:
         """This rank's shards as boxes of the checkpoint tensors, in the wire dtype, in metadata
-        order; collective over every rank (``core/pieces.py`` is the protocol,
+        order; collective over every rank (``core/layouts/pieces.py`` is the protocol,
         ``megatron/pieces.py`` how units, experts and vocabulary padding become boxes). What
         ``DeltaSource`` diffs where the shard lives."""
         yield from megatron_pieces(self)

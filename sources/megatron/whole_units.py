@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.layout import Layout
+from ..core.layouts.tp import Layout
 
 __all__ = ["LocalStep", "local_step", "with_views", "mark_precast", "precast", "PRECAST_MAX_NUMEL", "PRECAST_CAP_BYTES"]
 

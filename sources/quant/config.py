@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ..core.errors import FP8ConfigError
+from ..core.ground.errors import FP8ConfigError
 from .fp8 import RULES, SCALE_FORMATS, scale_shape
 
 __all__ = ["FP8Config", "QuantPlan", "DEFAULT_NOT_CONVERTED"]

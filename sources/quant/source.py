@@ -40,10 +40,10 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, Shard, WeightSource
 
-from ..core.check import check_stream, local_shape
-from ..core.layout import chunk_rows
-from ..core.logs import current_rank, get_logger
-from ..core.errors import FP8ConfigError
+from ..core.check.stream import check_stream, local_shape
+from ..core.layouts.tp import chunk_rows
+from ..core.ground.logs import current_rank, get_logger
+from ..core.ground.errors import FP8ConfigError
 from .config import _FUSED_EXPERTS, FP8Config, QuantPlan
 from .fp8 import FP8_DTYPE, quantize_blocks, quantize_many
 

@@ -57,7 +57,7 @@ FAMILIES = {
     "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
 }
 
-#: family -> the ``weightsync.plugins.presets`` preset its tiny config is (gated delta net hybrids,
+#: family -> the ``weightsync.plugins.testbed.presets`` preset its tiny config is (gated delta net hybrids,
 #: DSA), with overrides: the DSA configs take ``rms_norm_eps=1e-6`` because megatron's indexer
 #: ``k_norm`` uses ``layernorm_epsilon`` and transformers' a fixed 1e-6 (docs/families.md).
 FRONTIER = {
@@ -85,7 +85,7 @@ def tiny_config(family: str, *, layers: int = 2, **overrides: Any) -> Any:
     if family in FRONTIER:
         from transformers import AutoConfig
 
-        from weightsync.plugins.presets import PRESETS
+        from weightsync.plugins.testbed.presets import PRESETS
 
         preset, over = FRONTIER[family]
         kw = {**PRESETS[preset], **over, **overrides}

@@ -202,7 +202,7 @@ def run_source(kind: str, family: str, device: str, mode: str, client, facts: Fa
         except ImportError as e:
             facts.skip("lora", f"peft is not importable here ({e}): run bash .ci/kit-extras before shipping .kit")
             return
-    from weightsync.sources.core.dtype_policy import WirePolicy
+    from weightsync.sources.core.ground.dtype_policy import WirePolicy
 
     cfg = tiny_config(family)
     ids = fixed_batch(cfg.vocab_size, device="cpu")

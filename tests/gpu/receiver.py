@@ -133,7 +133,7 @@ def _receiver_main(conn: Any, mode: str, device_str: str) -> None:
                 recv = HFReceiver(build_hf(config, device=device, dtype=dtype, seed=seed), track=track)
                 engine = _ipc_worker_engine(device, recv) if mode == "ipc" else _LoopbackWorkerEngine(recv)
             elif method == "build_fp8":  # an FP8 checkpoint's tensors (weightsync's FP8CheckpointModel)
-                from weightsync.plugins.loopback_server import FP8CheckpointModel
+                from weightsync.plugins.testbed.fp8_model import FP8CheckpointModel
 
                 config, dtype, seed, track, quantization = arg
                 recv = HFReceiver(FP8CheckpointModel(build_hf(config, device=device, dtype=dtype, seed=seed),

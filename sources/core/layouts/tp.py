@@ -47,7 +47,7 @@ pieces as ``Shard(dim)`` without gathering. The fused layouts:
   ``torch.chunk`` piece depends on the numbers (``vocab_is_chunked``).
 
 * Boxes (``Layout.boxes``): where TP shard ``r``'s split sits inside the full HF tensors, for
-  consumers that work where the shard lives (``core/pieces.py``, delta sync). For every chunked kind
+  consumers that work where the shard lives (``core/layouts/pieces.py``, delta sync). For every chunked kind
   the split's piece ``i`` is ``torch.chunk`` piece ``r`` of HF tensor ``i`` along ``dim``
   (``chunk_rows``); replicated kinds give whole tensors; the vocabulary's trimmed rows start at
   ``vocab_rows``; the non-chunked gated-delta-net kinds give one box per block (``[q_r; k_r; v_r]``

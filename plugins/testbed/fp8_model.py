@@ -82,7 +82,7 @@ class FP8CheckpointModel(nn.Module):
 def build_fp8_model(config: Any, seed: int, quantization_config: dict[str, Any]) -> FP8CheckpointModel:
     """A module-level factory (picklable for ``start_receiver_process``): ``presets.build_model`` of
     ``config`` with ``seed``, held as an FP8 checkpoint of ``quantization_config``."""
-    from ..presets import build_model
+    from .presets import build_model
 
     return FP8CheckpointModel(build_model(config, seed), quantization_config)
 

@@ -18,8 +18,8 @@ Invariants:
   the stream) -- so it never leaves the sender blocked mid-stream and the transport stays aligned
   for the next round of the same engine. Handshake, chunk plan and checksums are
   ``receiving.receive_dense``, shared with the worker engine inside a real vLLM server
-  (``vllm_engine.py``).
-* With ``checksums`` on, ``weightsync.sources.core.integrity.checksum_tensor`` of every received
+  (``loopback/worker/engine.py``).
+* With ``checksums`` on, ``weightsync.sources.core.check.integrity.checksum_tensor`` of every received
   parameter (its bytes as received, before loading) is compared with the sender's after the stream;
   a mismatch raises ``ChecksumMismatchError`` (an ``IntegrityError``) naming the parameter(s) and
   marks the round failed. The receiver also reports them (``weight_checksums()``, the
@@ -28,7 +28,7 @@ Invariants:
 vLLM's own receivers verify nothing end to end: the NCCL/IPC engines load whatever bytes arrive.
 The closest vLLM 0.33 / 0.34 offer is the dev-mode ``/weight_checker`` route, a SHA-256 per *vLLM-layout*
 parameter computed after loading (fused ``qkv_proj`` etc.), which a trainer cannot compute from its
-checkpoint-named tensors without re-doing vLLM's fusion (see ``weightsync.sources.core.integrity``). The
+checkpoint-named tensors without re-doing vLLM's fusion (see ``weightsync.sources.core.check.integrity``). The
 loopback checksums cover the wire.
 
 **Sparse mode** (the sender's ``LoopbackSparseTrainerInitInfo``; delta rounds): each
@@ -63,12 +63,8 @@ from typing import Any
 
 import torch
 
-from weightsync.sources import (
-    MetadataMismatchError,
-    WeightSyncError,
-    checksum,
-    get_logger,
-)
+from weightsync.sources import MetadataMismatchError, WeightSyncError
+from weightsync.sources.toolkit import checksum, get_logger
 
 from .receiving import ChecksumMismatchError, DenseRound, handshake, receive_dense, typed
 from .transport import (
@@ -482,5 +478,5 @@ class LoopbackReceiver:
 
     def weight_checksums(self) -> dict[str, str]:
         """``{checkpoint name: integrity.checksum}`` of what the last round received, as received
-        (``weightsync.sources.core.integrity.ReportsChecksums``)."""
+        (``weightsync.sources.core.check.integrity.ReportsChecksums``)."""
         return dict(self._checksums)

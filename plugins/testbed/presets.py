@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from weightsync.sources import model_types
+from weightsync.sources.toolkit import model_types
 
 __all__ = [
     "PRESETS", "MEGATRON_MODEL_TYPES", "preset_names", "raw_config", "config_facts", "ConfigFacts", "load_config",

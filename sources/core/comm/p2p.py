@@ -25,8 +25,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .logs import get_logger
-from .stats import PassStats
+from ..ground.logs import get_logger
+from ..ground.stats import PassStats
 from .waits import wait_p2p
 
 __all__ = ["Piece", "PostedGather", "gather_to", "post_gather"]

@@ -1,7 +1,7 @@
 """weightsync's vLLM plugin (``vllm.general_plugins`` entry point ``weightsync``, in ``pyproject.toml``).
 
 vLLM calls ``register()`` in each of its processes (API server, engine core, workers). It registers
-the worker side of the ``"loopback"`` weight-transfer backend (``loopback_server.vllm_engine``) in
+the worker side of the ``"loopback"`` weight-transfer backend (``loopback.worker.engine``) in
 vLLM's ``WeightTransferEngineFactory`` by module path, so nothing of weightsync is imported until a
 worker actually builds the engine (``--weight-transfer-config '{"backend": "loopback"}'``).
 Idempotent, and a no-op on a vLLM without the weight-transfer factory.
@@ -21,5 +21,5 @@ def register() -> None:
         return
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            BACKEND, "weightsync.plugins.loopback_server.vllm_engine", "LoopbackWorkerEngine"
+            BACKEND, "weightsync.plugins.loopback.worker.engine", "LoopbackWorkerEngine"
         )

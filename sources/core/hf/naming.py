@@ -26,7 +26,7 @@ Three things separate an in-memory name from a checkpoint name:
   ``TensorTransform`` (``experts.ExpertTransform``) already handles the name. The conversions are
   looked up on the unwrapped class tree (``conversion_view``), as ``save_pretrained`` of the
   unsharded model would; what cannot be reverted while streaming raises ``UnmappedParameterError``
-  (``core/conversions.py``).
+  (``core/hf/conversions.py``).
 
 PEFT names (``base_model.model.``, ``.base_layer.``, ``lora_A/B``, ``modules_to_save``) are mapped
 by the caller: ``rename`` (``lora.LoraPlan.rename``) turns a de-wrapped path into the base
@@ -44,8 +44,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from .errors import UnmappedParameterError
-from .logs import current_rank, get_logger
+from ..ground.errors import UnmappedParameterError
+from ..ground.logs import current_rank, get_logger
 
 __all__ = [
     "WRAPPER_SEGMENTS",

@@ -44,8 +44,8 @@ from typing import Any, Literal
 
 import torch
 
-from .errors import UnmappedParameterError
-from .logs import get_logger
+from ..ground.errors import UnmappedParameterError
+from ..ground.logs import get_logger
 
 __all__ = [
     "ExpertLayout",
@@ -619,7 +619,7 @@ class ExpertTransform:
         """``(checkpoint name, offsets, tensor)`` boxes of experts ``start .. start + len(local) - 1``
         (``local``: a dim-0 slice of the fused tensor, e.g. an FSDP shard): the slice itself at
         ``(start, 0, ...)`` of the fused tensor, or each expert's whole per-expert tensors -- the
-        same bytes ``apply`` yields for those experts (``core/pieces.py``: what delta sync diffs
+        same bytes ``apply`` yields for those experts (``core/layouts/pieces.py``: what delta sync diffs
         where the shard lives)."""
         spec, part = self._spec_part(name)
         if self.layout_of(spec) == "fused":

@@ -3,7 +3,7 @@ the chunk plan and the checksums.
 
 Used by both receivers of the ``"loopback"`` backend: ``LoopbackReceiver`` (our stand-in for a vLLM
 worker, ``receiver.py``) and ``LoopbackWorkerEngine`` (the worker side inside a real vLLM server,
-``vllm_engine.py``). What each receiver does with a tensor (copy it into a module, or hand it to
+``loopback/worker/engine.py``). What each receiver does with a tensor (copy it into a module, or hand it to
 vLLM's ``model.load_weights``) is its own ``load`` callback; what shapes the byte stream is here.
 
 Invariants (both receivers):
@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 import torch
 
-from weightsync.sources import IntegrityError, WeightSyncError, checksum_tensor
+from weightsync.sources import IntegrityError, WeightSyncError
+from weightsync.sources.toolkit import checksum_tensor
 
 from .transport import (
     LoopbackWorkerInitInfo,

@@ -2,7 +2,7 @@
 
 vLLM's worker builds it through ``WeightTransferEngineFactory`` when the server runs with
 ``--weight-transfer-config '{"backend": "loopback"}'``; the registration comes from weightsync's
-``vllm.general_plugins`` entry point (``weightsync.plugins.vllm_plugin``), so installing weightsync
+``vllm.general_plugins`` entry point (``weightsync.plugins.loopback.worker.plugin``), so installing weightsync
 into the server's environment is all it takes. The trainer side is unchanged
 (``LoopbackTrainerInitInfo``, vLLM's HTTP dev-mode routes, gloo on CPU).
 
@@ -58,10 +58,11 @@ import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from weightsync.sources import MetadataMismatchError, get_logger
+from weightsync.sources import MetadataMismatchError
+from weightsync.sources.toolkit import get_logger
 
-from .receiving import DenseRound, Plan, receive_dense, typed
-from .transport import LoopbackWorkerInitInfo, open_transport_group
+from ..receiver.receiving import DenseRound, Plan, receive_dense, typed
+from ..receiver.transport import LoopbackWorkerInitInfo, open_transport_group
 
 __all__ = ["LoopbackWorkerEngine", "reload_mode", "served_checkpoint_table"]
 

@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import UnmappedParameterError
-from .logs import get_logger
+from ..ground.errors import UnmappedParameterError
+from ..ground.logs import get_logger
 
 __all__ = [
     "ConversionTransform",

@@ -19,7 +19,7 @@ our transport:
 * a patch may be **whole** (``indices=None``: the values are the whole tensor, flattened; the update
   info's ``whole`` list says which), as ``DeltaSource.iter_deltas(whole_when_cheaper=True)`` yields;
 * the receiver applies each chunk through vLLM's own ``load_checkpoint_weight_patches``
-  (``weightsync.plugins.loopback_server.receiver``), after the same go/no-go handshake as the dense
+  (``weightsync.plugins.loopback.receiver.receiver``), after the same go/no-go handshake as the dense
   loopback (a receiver that rejects a name, dtype or shape makes the sender raise before any byte);
 * **verification** (``checksums=True``, the default): ``verify_round()``, called on every rank after
   a round's last chunk (``WeightSync`` does), runs one dense ``iter_full`` pass of the source the
@@ -46,9 +46,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-from weightsync.sources import IntegrityError, PassStats, WeightSyncError, checksum, get_logger
+from weightsync.sources import IntegrityError, PassStats, WeightSyncError
+from weightsync.sources.toolkit import checksum, get_logger
 
-from ..loopback_server.transport import (
+from ..receiver.transport import (
     DEFAULT_TIMEOUT_S,
     LoopbackWorkerInitInfo,
     SparseEntry,

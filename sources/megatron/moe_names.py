@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from . import families
-from .core.errors import UnmappedParameterError
-from .core.experts import ExpertLayerSpec, expert_names, is_fused_expert_param
+from .. import families
+from ..core.ground.errors import UnmappedParameterError
+from ..core.hf.experts import ExpertLayerSpec, expert_names, is_fused_expert_param
 
 __all__ = ["HFMoELayer", "HFMoENames"]
 

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-from .errors import CrossRankMismatchError, MetadataMismatchError, WeightSyncError
-from .waits import (
+from ..ground.errors import CrossRankMismatchError, MetadataMismatchError, WeightSyncError
+from ..comm.waits import (
     DEFAULT_TIMEOUT_S,
     Board,
     PeerFailedError,
@@ -53,8 +53,8 @@ from .waits import (
     next_tag,
 )
 from .integrity import checksum_tensor, resolve_checksums
-from .layout import chunk_rows
-from .logs import get_logger
+from ..layouts.tp import chunk_rows
+from ..ground.logs import get_logger
 
 __all__ = [
     "check_stream",

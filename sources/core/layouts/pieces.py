@@ -35,11 +35,12 @@ piece per box.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Piece", "marker", "whole_piece", "flat_indices", "piece_flat_range"]
+__all__ = ["Piece", "PiecesSource", "has_pieces", "marker", "whole_piece", "flat_indices", "piece_flat_range"]
 
 
 class Piece(NamedTuple):
@@ -49,6 +50,22 @@ class Piece(NamedTuple):
     name: str
     offsets: tuple[int, ...]
     tensor: torch.Tensor | None
+
+
+@runtime_checkable
+class PiecesSource(Protocol):
+    """A ``WeightSource`` that also yields its rank's pieces, as this module's docstring states.
+
+    The one declaration of the protocol: a stream transform asks ``has_pieces(source)``, a source
+    implements ``iter_pieces`` (``FSDPSource``, ``MegatronSource``), and nothing probes for it in
+    any other way."""
+
+    def iter_pieces(self) -> Iterator[Piece]: ...
+
+
+def has_pieces(source: object) -> bool:
+    """Whether ``source`` implements the pieces protocol (its class defines ``iter_pieces``)."""
+    return callable(getattr(type(source), "iter_pieces", None))
 
 
 def marker(name: str) -> Piece:

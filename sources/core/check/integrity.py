@@ -33,7 +33,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .errors import IntegrityError, WeightSyncError  # noqa: F401 (re-export)
+from ..ground.errors import IntegrityError, WeightSyncError  # noqa: F401 (re-export)
 
 __all__ = [
     "IntegrityError",

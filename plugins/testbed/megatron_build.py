@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from weightsync.sources import family_for, get_logger, model_types
+from weightsync.sources.toolkit import family_for, get_logger, model_types
 
 __all__ = [
     "MegatronParallel",
@@ -577,7 +577,7 @@ def _probe_targets(chunks: list[torch.nn.Module], hf: Any) -> list[tuple[tuple, 
     the ranks it is replicated over are not)."""
     from megatron.core import parallel_state as ps
 
-    from weightsync.sources import tp_split_dim
+    from weightsync.sources.toolkit import tp_split_dim
 
     pp = ps.get_pipeline_model_parallel_rank()
     out: list[tuple[tuple, bool, torch.Tensor]] = []

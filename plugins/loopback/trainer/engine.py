@@ -18,7 +18,7 @@ trainer-side gathers line up. What it adds, and why:
   that all ranks hold the same metadata, so a divergent rank raises instead of hanging;
 * a go/no-go handshake before the first byte: a receiver that rejects the update info (unknown
   name, wrong shape or dtype) makes the sender raise before anything is broadcast;
-* optional per-parameter checksum (``weightsync.sources.core.integrity.checksum_tensor``) of the bytes
+* optional per-parameter checksum (``weightsync.sources.core.check.integrity.checksum_tensor``) of the bytes
   sent, shipped after the stream and checked by the receiver (vLLM's receivers verify nothing end
   to end);
 * the outcome is agreed across trainer ranks at the end of ``send_weights``: if the sender failed,
@@ -42,17 +42,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-from weightsync.sources import (
-    PassStats,
-    WeightSyncError,
-    check_stream,
-    checksum_tensor,
-    control_group,
-    get_logger,
-    verify_metadata_agreement,
-)
+from weightsync.sources import PassStats, WeightSyncError, check_stream, verify_metadata_agreement
+from weightsync.sources.toolkit import checksum_tensor, control_group, get_logger
 
-from ..loopback_server.transport import (
+from ..receiver.transport import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_TIMEOUT_S,
     LoopbackWorkerInitInfo,

@@ -42,7 +42,8 @@ from typing import Any, Callable
 
 import torch
 
-from weightsync.sources import WeightSyncError, get_logger
+from weightsync.sources import WeightSyncError
+from weightsync.sources.toolkit import get_logger
 
 from .receiver import LoopbackReceiver
 

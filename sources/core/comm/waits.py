@@ -34,8 +34,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .errors import ExchangeError, PeerFailedError, SyncTimeoutError, WeightSyncError  # noqa: F401 (re-export)
-from .logs import get_logger
+from ..ground.errors import ExchangeError, PeerFailedError, SyncTimeoutError, WeightSyncError  # noqa: F401 (re-export)
+from ..ground.logs import get_logger
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

@@ -1,0 +1,56 @@
+"""weightsync.sources.toolkit: what ``weightsync.plugins`` builds on, besides the sources themselves.
+
+``weightsync.sources`` holds what a user imports (the sources, the stream transforms, the check and the
+errors); this module holds the plumbing a driver, a transport, the checkpoint writer or the CLI needs
+from the sources' side and that a training loop never touches: bounded cross-rank waits and the
+failure board, integrity checksums, Hugging Face naming, the safetensors format, the model families'
+lookup, the transfer group of many senders, the "is this a multi-rank run?" test.
+
+The import contracts (``pyproject.toml``) let plugins import ``weightsync.sources`` and this module,
+never the sub-packages behind them. Names load lazily (PEP 562): importing the toolkit costs nothing
+until a name is used. To export another name, add one line to ``_LAZY``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY: dict[str, str] = {
+    # ranks, logging, bounded waits and the failure board (sources/core/ground, sources/core/comm)
+    "multi_rank": "weightsync.sources.core.ground.ranks",
+    "get_logger": "weightsync.sources.core.ground.logs",
+    "DEFAULT_TIMEOUT_S": "weightsync.sources.core.comm.waits",
+    "Board": "weightsync.sources.core.comm.waits",
+    "active_board": "weightsync.sources.core.comm.waits",
+    "group_ranks": "weightsync.sources.core.comm.waits",
+    "next_tag": "weightsync.sources.core.comm.waits",
+    "control_group": "weightsync.sources.core.check.stream",
+    # many senders (vLLM 0.34's NCCL engine): who is in the transfer group
+    "broadcast_ranks": "weightsync.sources.core.comm.senders",
+    # integrity checksums (sources/core/check/integrity.py)
+    "checksum": "weightsync.sources.core.check.integrity",
+    "checksum_tensor": "weightsync.sources.core.check.integrity",
+    # Hugging Face naming, the safetensors format, the model families
+    "hf_root": "weightsync.sources.core.hf.naming",
+    "INDEX_FILE": "weightsync.sources.checkpoint.reader",
+    "SINGLE_FILE": "weightsync.sources.checkpoint.reader",
+    "MAX_HEADER_BYTES": "weightsync.sources.checkpoint.reader",
+    "SAFETENSORS_DTYPES": "weightsync.sources.checkpoint.reader",
+    "read_checkpoint": "weightsync.sources.checkpoint.reader",
+    "family_for": "weightsync.sources.families",
+    "model_types": "weightsync.sources.families",
+    "tp_split_dim": "weightsync.sources.megatron.walk",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
