@@ -61,7 +61,7 @@ def _rank(rank: int, world_size: int, *, cfg_dir: str, reps: int, layout: str) -
 
     config = load_config(None, cfg_dir)
     if layout == "megatron":  # MegatronSource(mode="full") at TP = world size
-        from weightsync.plugins.testbed.megatron_build import MegatronParallel, build_megatron_gpt
+        from weightsync.plugins.testbed.megatron import MegatronParallel, build_megatron_gpt
         from weightsync.sources import MegatronSource
 
         chunks = build_megatron_gpt(config, MegatronParallel(tp=world_size), seed=0)

@@ -186,7 +186,7 @@ def megatron_layouts(
     from megatron_worlds import dcp_save, gather_local_pieces
     from worlds import errors_of
 
-    from weightsync.plugins.testbed.megatron_build import MegatronParallel
+    from weightsync.plugins.testbed.megatron import MegatronParallel
     from weightsync.sources import MegatronSource
 
     facts: dict[str, Any] = {}

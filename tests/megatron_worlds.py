@@ -73,11 +73,11 @@ def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
 
 def megatron_model(cfg, *, divisible_by: int = 128, dtype=torch.float32, spec=None):
     """This rank's GPTModel chunk(s) for HF config ``cfg`` under the current parallel_state, from the
-    one builder (``weightsync.plugins.testbed.megatron_build``: the family's own config table); ``spec``
+    one builder (``weightsync.plugins.testbed.megatron``: the family's own config table); ``spec``
     replaces the layer spec. The importer below stays independent of the code under test."""
     from megatron.core import parallel_state as ps
 
-    from weightsync.plugins.testbed.megatron_build import MegatronParallel, build_chunks, megatron_config
+    from weightsync.plugins.testbed.megatron import MegatronParallel, build_chunks, megatron_config
 
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     par = MegatronParallel(

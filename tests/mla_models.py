@@ -8,7 +8,7 @@ forwards the logits oracle compares (helpers, no tests).
   ``q_proj``. Every size differs, so a transposed or swapped tensor fails its shape check.
 * ``unsupported(variant)``: why this megatron-core cannot build the variant (0.17+ without
   q_lora_rank), else None -- report it as a skip.
-* ``build_megatron(hf, par)``: this rank's GPTModel chunks via ``weightsync.plugins.testbed.megatron_build``
+* ``build_megatron(hf, par)``: this rank's GPTModel chunks via ``weightsync.plugins.testbed.megatron``
   (local spec; parallel state initialized), norms / expert bias moved off 1 / 0 so a swapped
   tensor shows. ``par`` is ``MegatronParallel(tp, pp, vpp, ep)``.
 * ``megatron_logits(model, ids, vocab_size)`` (TP1 / PP1) and ``hf_logits(hf, exported, ids)`` (the export
@@ -163,7 +163,7 @@ def build_megatron(hf: Any, par: Any, *, seed: int = 0, dtype: torch.dtype = tor
     (``overrides`` / ``spec_hook``: as ``build_megatron_gpt`` takes them)."""
     from megatron_worlds import randomize_norms_and_biases
 
-    from weightsync.plugins.testbed.megatron_build import build_megatron_gpt
+    from weightsync.plugins.testbed.megatron import build_megatron_gpt
 
     chunks = build_megatron_gpt(hf, par, dtype=dtype, seed=seed, overrides=overrides, spec_hook=spec_hook)
     randomize_norms_and_biases(chunks)

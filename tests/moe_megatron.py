@@ -1,6 +1,6 @@
 """Test-side helpers for megatron-core MoE ``GPTModel``s on CPU gloo worlds (no tests).
 
-Models come from the one builder (``weightsync.plugins.testbed.megatron_build``: the family table of the
+Models come from the one builder (``weightsync.plugins.testbed.megatron``: the family table of the
 test's transformers config), with scenario knobs as ``TransformerConfig`` overrides; this module
 only adds what tests need around it: megatron's legacy ``GroupedMLP`` (it asserts that the
 ``grouped_gemm`` package is importable at construction only -- its forward needs it, its
@@ -55,11 +55,11 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None)
 def moe_config(hf, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
                expert_format: str = "sequential", **overrides: Any):
     """The megatron-core ``TransformerConfig`` of transformers config ``hf`` from the one builder
-    (``weightsync.plugins.testbed.megatron_build.megatron_config``: the family table the source checks
+    (``weightsync.plugins.testbed.megatron.megatron_config``: the family table the source checks
     against), at TP/PP/EP/ETP, with test-only knobs as ``TransformerConfig`` overrides
     (``moe_shared_expert_gate=False``, ``moe_router_enable_expert_bias=True``...).
     ``expert_format="grouped"``: megatron's legacy ``GroupedMLP``."""
-    from weightsync.plugins.testbed.megatron_build import MegatronParallel, megatron_config
+    from weightsync.plugins.testbed.megatron import MegatronParallel, megatron_config
 
     build = dict(expert_tensor_parallel_size=etp if etp is not None else tp)
     if expert_format == "grouped":
@@ -72,7 +72,7 @@ def build_gpt(hf, cfg, *, expert_format: str = "sequential", seed: int = 0):
     (``build_chunks``) under the parallel state ``init_parallel`` set; every float parameter (and the
     router's expert bias) then refilled with distinct random values per rank and tensor (megatron's
     init leaves zeros and ones), which megatron's own checkpoint (the oracle) records as they are."""
-    from weightsync.plugins.testbed.megatron_build import MegatronParallel, build_chunks
+    from weightsync.plugins.testbed.megatron import MegatronParallel, build_chunks
 
     torch.manual_seed(seed + int(os.environ.get("RANK", "0")) * 1000)
     patch = None

@@ -46,7 +46,7 @@ def world_plan(rank: int, world_size: int, *, dense_dir: str, moe_dir: str) -> d
     from many_senders_worlds import skip_reason
     from torch.distributed.device_mesh import init_device_mesh
 
-    from weightsync.plugins.testbed.megatron_build import MegatronParallel, build_megatron_gpt
+    from weightsync.plugins.testbed.megatron import MegatronParallel, build_megatron_gpt
     from weightsync.plugins.testbed.presets import load_config
     from weightsync.sources import DeltaSource, FP8Source, FSDPSource, MegatronSource
 

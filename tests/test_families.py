@@ -43,7 +43,7 @@ def test_registry_lists_one_module_per_family_without_importing_torch():
 def test_the_builder_builds_exactly_the_family_table(preset):
     """Every field of the family's table is set on the builder's config to the table's value: there
     is no second mapping from HF config to TransformerConfig (the source checks the same table)."""
-    from weightsync.plugins.testbed.megatron_build import MegatronParallel, SUPPORTED_MODEL_TYPES, megatron_config
+    from weightsync.plugins.testbed.megatron import MegatronParallel, SUPPORTED_MODEL_TYPES, megatron_config
     from weightsync.plugins.testbed.presets import MEGATRON_MODEL_TYPES, load_config
 
     assert SUPPORTED_MODEL_TYPES == MEGATRON_MODEL_TYPES == families.model_types()
@@ -65,7 +65,7 @@ def test_minimax_m2_is_refused_naming_the_whole_width_qk_norm():
     the family refuses at family_for (MegatronSource, every rank) and in the builder."""
     from transformers import AutoConfig
 
-    from weightsync.plugins.testbed.megatron_build import MegatronParallel, megatron_config
+    from weightsync.plugins.testbed.megatron import MegatronParallel, megatron_config
     from weightsync.sources.core.ground.errors import UnmappedParameterError
 
     hf = AutoConfig.for_model("minimax_m2", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,

@@ -348,7 +348,7 @@ def _forward_world(rank, world_size):
     from megatron_side import allow_cpu_forward, megatron_logits
 
     from fsdp_worlds import pack
-    from weightsync.plugins.testbed.megatron_build import MegatronParallel
+    from weightsync.plugins.testbed.megatron import MegatronParallel
     from weightsync.sources import MegatronSource
 
     allow_cpu_forward()

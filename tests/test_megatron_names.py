@@ -61,20 +61,20 @@ def test_vocab_chunking_rule_matches_torch_chunk():
 
 
 def test_load_hf_weights_values_and_its_self_check():
-    """``megatron_build._fill_values`` (rank 0 of ``load_hf_weights``): each exported id takes its HF
+    """``megatron.hf_weights.fill_values`` (rank 0 of ``load_hf_weights``): each exported id takes its HF
     value; an id exported twice (a split tensor taken for a copy), a non-vocabulary element never
     exported, or an HF tensor the export lacks is a problem in words, not a silent zero."""
-    from weightsync.plugins.testbed.megatron_build import _fill_values
+    from weightsync.plugins.testbed.megatron.hf_weights import fill_values
 
     offsets = {(0, 0, "decoder.layers.0.linear_fc2.weight", 0): 0, (0, 0, "embedding.word_embeddings.weight", 0): 4}
     state = {"w": torch.tensor([[1.0, 2.0], [3.0, 4.0]]), "emb": torch.tensor([5.0, 6.0])}
     values = torch.full((7,), float("nan"))
     ok = {"w": torch.tensor([3, 2, 1, 0]), "emb": torch.tensor([4, 5])}  # element 6: vocab padding
-    assert _fill_values(values, ok, state, offsets, 7) == ""
+    assert fill_values(values, ok, state, offsets, 7) == ""
     assert values[:6].tolist() == [4.0, 3.0, 2.0, 1.0, 5.0, 6.0] and values[6].isnan()
     twice = {"w": torch.tensor([3, 2, 1, 1]), "emb": torch.tensor([4, 5])}
-    assert "linear_fc2.weight" in _fill_values(values, twice, state, offsets, 7)
-    assert "exported twice" in _fill_values(values, twice, state, offsets, 7)
+    assert "linear_fc2.weight" in fill_values(values, twice, state, offsets, 7)
+    assert "exported twice" in fill_values(values, twice, state, offsets, 7)
     never = {"w": torch.tensor([3, 2, 1, 4]), "emb": torch.tensor([5, 6])}  # element 0 of fc2: never
-    assert "never exported" in _fill_values(values, never, state, offsets, 7)
-    assert "does not have: ['emb']" in _fill_values(values, {"w": ok["w"]}, state, offsets, 7)
+    assert "never exported" in fill_values(values, never, state, offsets, 7)
+    assert "does not have: ['emb']" in fill_values(values, {"w": ok["w"]}, state, offsets, 7)

@@ -126,7 +126,7 @@ def _make(lay: dict):
     """This rank's chunks and the transformers config of one layout, from the one builder."""
     import mla_models as mm
 
-    from weightsync.plugins.testbed.megatron_build import MegatronParallel
+    from weightsync.plugins.testbed.megatron import MegatronParallel
 
     par = MegatronParallel(tp=lay.get("tp", 1), pp=lay.get("pp", 1), vpp=lay.get("vpp"), ep=lay.get("ep", 1))
     build = lay["build"]

@@ -136,7 +136,7 @@ def _forward_world(rank, world_size):
     """One rank, TP1: Megatron's forward vs transformers' DeepseekV3 loaded from the export."""
     import mla_models as mm
 
-    from weightsync.plugins.testbed.megatron_build import MegatronParallel
+    from weightsync.plugins.testbed.megatron import MegatronParallel
     from weightsync.sources import MegatronSource
 
     out = {}

@@ -59,7 +59,7 @@ def _hf(kind: str) -> Any:
 def _build(hf: Any, layout: str) -> list[torch.nn.Module]:
     from mla_models import build_megatron
 
-    from weightsync.plugins.testbed.megatron_build import MegatronParallel
+    from weightsync.plugins.testbed.megatron import MegatronParallel
 
     tp, pp, ep = PAR[layout]
     return build_megatron(hf, MegatronParallel(tp, pp, None, ep), seed=5, overrides={"mtp_num_layers": 1})

@@ -3,8 +3,8 @@
 Invariant: a preset (or config) is **one model whatever the layout**: the transformers model of the
 config with seed 0 (``presets.build_model``). ``--layout fsdp``: that model, FSDP2 over every rank
 (each decoder layer, then the root) and ``FSDPSource``. ``--layout megatron``: a megatron-core
-``GPTModel`` built from the same config at ``--tp/--pp/--vpp/--ep`` (``megatron_build``), loaded
-with that model's checkpoint tensors (``megatron_build.load_hf_weights``), and
+``GPTModel`` built from the same config at ``--tp/--pp/--vpp/--ep`` (``testbed.megatron``), loaded
+with that model's checkpoint tensors (``load_hf_weights``), and
 ``MegatronSource(mode="full")``: rank 0 owns every tensor. So ``export`` in one layout and
 ``check --checkpoint`` in the other compare equal bytes. Both honour ``--dtype`` (wire dtype),
 ``--expert-layout`` and ``--quantize fp8`` (the source wrapped in ``FP8Source``).
@@ -65,7 +65,7 @@ def build_model_and_source(
 
         from weightsync.sources import MegatronSource
 
-        from ..testbed.megatron_build import MegatronParallel, build_megatron_gpt, load_hf_weights
+        from ..testbed.megatron import MegatronParallel, build_megatron_gpt, load_hf_weights
 
         par = MegatronParallel(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
         overrides = {"mtp_num_layers": mtp_layers(config)} if getattr(args, "mtp", False) else None

@@ -34,7 +34,7 @@ initialization, compared with the folder's straight from its safetensors files: 
 layout). The report gives the MTP count and how many are byte-equal.
 
 Layouts: ``fsdp`` (the HF model, FSDP2 over every rank, ``FSDPSource``) and ``megatron`` (a
-megatron-core ``GPTModel`` built on CPU from the same config by ``megatron_build``, ``MegatronSource``
+megatron-core ``GPTModel`` built on CPU from the same config by ``testbed.megatron``, ``MegatronSource``
 in ``mode="full"``: rank 0 is the only owner).
 
 Rank 0 prints a table of what would be sent (tensors, bytes, dtypes, owners) and every unmapped

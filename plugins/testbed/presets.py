@@ -21,7 +21,7 @@ __all__ = [
     "build_model", "UserError",
 ]
 
-#: model_types ``megatron_build`` can build on CPU (dense, MoE, MLA): the family registry's, which
+#: model_types ``testbed.megatron`` can build on CPU (dense, MoE, MLA): the family registry's, which
 #: lists its modules without importing torch or megatron-core (the CLI checks ``--layout megatron`` first).
 MEGATRON_MODEL_TYPES: tuple[str, ...] = model_types()
 

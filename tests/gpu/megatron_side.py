@@ -82,14 +82,14 @@ def padded_vocab(vocab: int, multiple: int = 128) -> int:
 
 def megatron_config(hf_config: Any, *, dtype: torch.dtype, cpu: bool, init: bool = True) -> Any:
     """The ``TransformerConfig`` of ``hf_config`` from weightsync's one builder
-    (``weightsync.plugins.testbed.megatron_build.megatron_config``: the family table the CLI builds from and
+    (``weightsync.plugins.testbed.megatron.megatron_config``: the family table the CLI builds from and
     ``MegatronSource`` checks against), so this oracle tests that table's mapping -- if a family
     field were mapped wrong, Megatron's forward would not be transformers'. On top of it only what
     this oracle needs of a forward (``ORACLE_OVERRIDES``): no dropout, no fused kernels, fp32
     attention softmax and router, no load-balancing loss. ``forward_conditions`` refuses, naming the
     field, the configs the two frameworks compute differently although the export is right."""
-    from weightsync.plugins.testbed.megatron_build import MegatronParallel
-    from weightsync.plugins.testbed.megatron_build import megatron_config as builder_config
+    from weightsync.plugins.testbed.megatron import MegatronParallel
+    from weightsync.plugins.testbed.megatron import megatron_config as builder_config
 
     forward_conditions(hf_config)
     overrides = dict(
@@ -299,7 +299,7 @@ def build_frontier(
     overrides: dict[str, Any] | None = None,
 ) -> torch.nn.Module:
     """A TP1 ``GPTModel`` of a frontier family (``FRONTIER_TYPES``) from weightsync's one builder
-    (``weightsync.plugins.testbed.megatron_build.build_megatron_gpt``: the local-spec hybrid block of
+    (``weightsync.plugins.testbed.megatron.build_megatron_gpt``: the local-spec hybrid block of
     ``GatedDeltaNet`` and gated attention, or MLA with megatron's ``DSAttention`` / ``DSAIndexer``),
     with ``ORACLE_OVERRIDES`` and ``init_method_std`` 0.1 (sharper attention, routing and indexer
     scores, so a mistake shows), built on the CPU (``use_cpu_initialization``) and moved to
@@ -314,7 +314,7 @@ def build_frontier(
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import mla_models as mm
 
-    from weightsync.plugins.testbed.megatron_build import MegatronParallel, build_megatron_gpt
+    from weightsync.plugins.testbed.megatron import MegatronParallel, build_megatron_gpt
 
     over = dict(ORACLE_OVERRIDES, init_method_std=0.1, **(overrides or {}))
     if hf_config.model_type.startswith("qwen3"):
