@@ -69,6 +69,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from ..core.ground.errors import CheckpointError
 from ..core.comm.waits import DEFAULT_TIMEOUT_S, Board, group_ranks, next_tag
 from ..core.ground.logs import get_logger
+from ..core.ground.ranks import multi_rank
 from ..core.ground.stats import PassStats
 from ..core.ground.dtype_policy import WirePolicy
 
@@ -393,7 +394,7 @@ class SafetensorsSource(WeightSource):
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
     ) -> None:
-        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        multi = multi_rank()
         self.rank = dist.get_rank() if multi else 0
         self.last_pass = PassStats()
         self.layout: CheckpointLayout | None = None

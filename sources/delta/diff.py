@@ -53,7 +53,7 @@ def changed_positions(cur: torch.Tensor, snap: torch.Tensor) -> torch.Tensor:
 
     Compared 8 bytes at a time where the layout allows (4 bf16 per int64 word), then lane by lane only
     in the words that differ: with a few percent of elements changed, the scan and ``nonzero`` run over
-    a quarter of the elements (CPU, 15M bf16: 16 ms instead of 41 ms for cast + compare + nonzero)."""
+    a quarter of the elements (figures: docs/evidence.md, "Delta sync")."""
     n, es = cur.numel(), cur.element_size()
     k = 8 // es
     if (k > 1 and n % k == 0 and cur.is_contiguous() and snap.is_contiguous()
@@ -124,10 +124,6 @@ class Snapshots:
         return (frozenset(t.device.type for t in held),
                 all(t.is_pinned() for t in held if t.device.type == "cpu"))
 
-    @property
-    def scratch_bytes(self) -> int:
-        return sum(t.numel() for t in self._scratch.values())
-
     def clear(self) -> None:
         self._store.clear()
         self._groups.clear()
@@ -136,8 +132,7 @@ class Snapshots:
 
     def _cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``t`` in ``dtype``, flattened, in a scratch buffer reused across pieces and rounds: a fresh
-        allocation per piece costs page faults larger than the cast itself (CPU, 15M fp32 -> bf16:
-        21 ms fresh, 3 ms into reused memory)."""
+        allocation per piece costs page faults larger than the cast itself."""
         nbytes = t.numel() * torch.empty((), dtype=dtype).element_size()
         buf = self._scratch.get(t.device)
         if buf is None or buf.numel() < nbytes:

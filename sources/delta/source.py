@@ -37,20 +37,20 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from ..core.comm.waits import DEFAULT_TIMEOUT_S, bounded_group, group_ranks, wait_bounded
-from ..core.ground.errors import WeightSyncError
 from ..core.ground.logs import current_rank, get_logger
-from ..core.layouts.pieces import Piece, has_pieces, whole_piece
+from ..core.ground.ranks import multi_rank
+from ..core.layouts.pieces import has_pieces, whole_piece
 from .diff import Changed, Snapshots, has_nan
-from .exchange import BAD, BOXES, CHANGED, COLS, HELD, NAN, exchange_counts, pack, segment_sizes, unpack
+from .pieces_round import PiecesRound
+from .records import Delta, DeltaError, DeltaStats
 
 __all__ = ["DeltaSource", "Delta", "DeltaStats", "DeltaError", "INDEX_LIMIT"]
 
@@ -63,65 +63,6 @@ DEFAULT_GROUP_BYTES = 64 << 20
 #: Default group size on hosts with CUDA, where the diff kernels need no scratch of the group's size: a
 #: round's host work is per group (one count exchange, one size sync, launches), so fewer, larger groups.
 DEFAULT_CUDA_GROUP_BYTES = 512 << 20
-
-
-class DeltaError(WeightSyncError):
-    """A delta round cannot be exact (NaN among new values, pieces that do not tile a tensor, ...)."""
-
-
-class Delta(NamedTuple):
-    """One tensor's change: ``indices`` (int32, 1-D, unique flat indices into the full tensor) and
-    ``values`` (1-D, wire dtype), or ``indices=None`` and ``values`` = the whole tensor, flattened."""
-
-    name: str
-    indices: torch.Tensor | None
-    values: torch.Tensor
-    full_shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes on the wire: values, plus int32 indices when sparse."""
-        n = self.values.numel()
-        return n * self.values.element_size() + (0 if self.indices is None else 4 * n)
-
-
-@dataclass
-class DeltaStats:
-    """One round on this rank (``changed`` / ``elements`` / ``tensors`` / ``wire_bytes`` are the
-    round's totals; rank 0's are what it yielded, other ranks learn them from the counts)."""
-
-    round: int = 0
-    anchor: bool = False
-    changed: int = 0
-    elements: int = 0
-    tensors: int = 0
-    wire_bytes: int = 0
-    dense_bytes: int = 0
-    collective_bytes: int = 0
-    snapshot_bytes: int = 0
-    #: buckets (a group's pieces of one wire dtype on one device) diffed by the Triton kernels
-    #: (``diff_triton``; CUDA) rather than the torch ops
-    kernel_buckets: int = 0
-    seconds: float = 0.0
-    completed: bool = False
-
-    @property
-    def changed_fraction(self) -> float:
-        return self.changed / self.elements if self.elements else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "changed_fraction": self.changed_fraction}
-
-
-def _multi() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _comm_device() -> torch.device:
-    """Where payloads travel: the default group's device (CPU for gloo)."""
-    if _multi() and "nccl" in str(dist.get_backend()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class DeltaSource:
@@ -290,7 +231,7 @@ class DeltaSource:
     def _start_round(self) -> bool:
         """Agree on every rank whether this round is an anchor (any rank needing one decides)."""
         mine = self.anchor_next
-        if not _multi():
+        if not multi_rank():
             return mine
         ranks = group_ranks()
         group = bounded_group(ranks, timeout_s=self.timeout_s, purpose="pass")
@@ -332,7 +273,7 @@ class DeltaSource:
                     yield d
                 except GeneratorExit:  # finish the source's pass so peers complete its collectives
                     draining = True
-        if _multi():
+        if multi_rank():
             ranks = group_ranks()
             got = [None] * len(ranks)
             dist.all_gather_object(got, failure, group=bounded_group(ranks, timeout_s=self.timeout_s, purpose="pass"))
@@ -356,258 +297,11 @@ class DeltaSource:
             return Delta(name, None, ch.whole(meta.dtype).reshape(-1), shape)
         return Delta(name, ch.pos.to(torch.int32), ch.values, shape)
 
-    # ---- a source diffed where its shards live ---------------------------------------------------------
+    # ---- a source diffed where its shards live (pieces_round.py) -----------------------------------------
 
     def _pieces_round(self, anchor: bool, whole_ok: bool, stats: DeltaStats) -> Iterator[Delta]:
-        rank = current_rank()
-        multi = _multi()
-        world = dist.get_world_size() if multi else 1
-        metas = self.metadata
-        items = iter(self.source.iter_pieces())
-        ahead: list[Piece] = []
-        draining = False
-
-        def pull() -> Piece | None:
-            if ahead:
-                return ahead.pop()
-            return next(items, None)
-
-        try:
-            for lo, hi in self._groups:
-                # 1. this rank's pieces of tensors lo..hi-1, diffed against the snapshot
-                changes: dict[int, list[Changed]] = {}
-                mine: list[tuple[int, Piece]] = []
-                # per tensor counts as Python lists (one tensor built per group: indexing a tensor per
-                # tensor cost ~2.5 us a call, a few ms a round at a few hundred tensors)
-                rows_l = [[0] * COLS for _ in range(hi - lo)]
-                problem: str | None = None
-                last = lo
-                while True:
-                    p = pull()
-                    if p is None:
-                        break
-                    i = self._index.get(p.name)
-                    if i is None:
-                        problem = problem or f"the source yielded {p.name!r}, which its metadata does not declare"
-                        continue
-                    if i >= hi:
-                        ahead.append(p)
-                        break
-                    if i < last:
-                        problem = problem or f"{p.name!r} comes out of metadata order (after {metas[last].name!r})"
-                        continue
-                    last = i
-                    if p.tensor is None:
-                        continue
-                    k = i - lo
-                    why = _box_problem(p, metas[i])
-                    if why is not None:
-                        rows_l[k][BAD] = 1
-                        problem = problem or why
-                        continue
-                    mine.append((i, p))
-                # one diff for the group's pieces (``Snapshots.diff_group``), then its counts
-                found = self._snap.diff_group(lo, [(p, metas[i].dtype) for i, p in mine], everything=anchor)
-                nan = has_nan(torch.cat([ch.values for ch in found])) if found and not anchor else (
-                    any(has_nan(ch.values) for ch in found))
-                for (i, p), ch in zip(mine, found):
-                    row = rows_l[i - lo]
-                    if nan and has_nan(ch.values):
-                        row[NAN] = 1
-                    changes.setdefault(i, []).append(ch)
-                    row[CHANGED] += ch.count
-                    row[HELD] += p.tensor.numel()
-                    row[BOXES] += 1
-                mine.clear()
-                if problem is not None:
-                    for row in rows_l:
-                        row[BAD] = 1
-                    logger.error("rank %d: DeltaSource: %s", rank, problem)
-                rows = torch.tensor(rows_l, dtype=torch.int64).view(hi - lo, COLS)
-                # 2. every rank's counts
-                table = exchange_counts(rows, timeout_s=self.timeout_s, what=f"the delta counts of "
-                                        f"{metas[lo].name!r}..") if multi else rows[None]
-                stats.collective_bytes += rows.numel() * 8 * (world - 1) if multi else 0
-                self._raise_for(table, lo, rank, problem, stats.round, self._names)
-                self._check_tiling(table, lo, hi, rank)
-                tab = table.tolist()  # [rank][tensor][column], read per tensor below
-                totals = table[:, :, CHANGED].sum(0).tolist()
-                # 3. the transfer plan: per tensor skip / sparse / whole, the same on every rank
-                plan: list[str | None] = []
-                for k in range(hi - lo):
-                    m = metas[lo + k]
-                    total = totals[k]
-                    n = math.prod(m.shape)
-                    if anchor:
-                        plan.append("whole")
-                    elif total == 0:
-                        plan.append(None)
-                    elif whole_ok and total * (4 + m.dtype.itemsize) >= n * m.dtype.itemsize:
-                        plan.append("whole")
-                    else:
-                        plan.append("sparse")
-                # 4. payloads to rank 0
-                got = self._move(changes, plan, tab, lo, hi, rank, world, stats) if multi else {}
-                # 5. the snapshot becomes what this round delivers
-                self._snap.commit_group()
-                # 6. rank 0 assembles and yields (unless its consumer closed the round: then it only
-                #    finishes the exchanges, so peers complete the round instead of timing out)
-                if rank == 0 and not draining:
-                    cursors: dict[int, int] = {}
-                    for k, how in enumerate(plan):
-                        if how is None:
-                            continue
-                        i = lo + k
-                        d = self._assemble(metas[i], how, changes.get(i, []), got, cursors, tab, k, whole_ok, world)
-                        changes.pop(i, None)
-                        stats.changed += totals[k]
-                        stats.tensors += 1
-                        stats.wire_bytes += d.nbytes
-                        try:
-                            yield d
-                        except GeneratorExit:
-                            draining = True
-                            break
-                        del d
-                elif rank != 0:
-                    for k, how in enumerate(plan):
-                        if how is not None:
-                            stats.changed += totals[k]
-                            stats.tensors += 1
-                changes.clear()
-                got = {}
-            rest = pull()
-            if rest is not None:
-                raise DeltaError(f"rank {rank}: DeltaSource: the source yielded {rest.name!r} after the last "
-                                 "group (out of metadata order)")
-            if draining:
-                logger.warning("rank %d: delta round %d closed by its consumer: finished its exchanges without "
-                               "yielding; the next round is an anchor", rank, stats.round)
-                raise GeneratorExit
-        finally:
-            self._snap.drop_pending()
-            close = getattr(items, "close", None)
-            if callable(close):
-                close()
-
-    @staticmethod
-    def _raise_for(table: torch.Tensor, lo: int, rank: int, problem: str | None, rnd: int, names: list[str]) -> None:
-        """Raise on every rank for a NaN, a bad piece or a tiling error anywhere in this group."""
-        bad = (table[:, :, BAD] > 0).nonzero().tolist()
-        if bad:
-            r, _ = bad[0]
-            mine = f" ({problem})" if problem and r == rank else ""
-            raise DeltaError(f"rank {rank}: DeltaSource round {rnd}: rank {r} yielded a piece that does not fit "
-                             f"the metadata{mine}; no value of this group was sent")
-        nan = (table[:, :, NAN] > 0).nonzero().tolist()
-        if nan:
-            r, k = nan[0]
-            raise DeltaError(f"rank {rank}: DeltaSource round {rnd}: {names[lo + k]!r} has NaN among its new "
-                             f"values (seen on rank {r}); vLLM's sparse apply would keep the old values there. "
-                             "No value of this group was sent")
-
-    def _move(self, changes: dict[int, list[Changed]], plan: list[str | None], table: list,
-              lo: int, hi: int, rank: int, world: int, stats: DeltaStats) -> dict[int, torch.Tensor]:
-        """Send this rank's segments to rank 0 / receive every rank's there: ``{rank: buffer}`` on 0."""
-        from ..core.comm.p2p import Piece as Transfer
-        from ..core.comm.p2p import gather_to
-        from ..core.ground.stats import PassStats
-
-        metas = self.metadata
-        sizes = []
-        for r in range(world):
-            n = 0
-            for k, how in enumerate(plan):
-                if how is not None:
-                    m = metas[lo + k]
-                    n += segment_sizes(table[r][k], whole=how == "whole", ndim=len(m.shape),
-                                       itemsize=m.dtype.itemsize)
-            sizes.append(n)
-        senders = [r for r in range(1, world) if sizes[r]]
-        if not senders:
-            return {}
-        dev = _comm_device()
-        mine: torch.Tensor | None = None
-        if rank in senders:
-            segs: list[torch.Tensor] = []
-            for k, how in enumerate(plan):
-                if how is not None:
-                    pack(changes.get(lo + k, []), whole=how == "whole", full_shape=tuple(metas[lo + k].shape),
-                         dtype=metas[lo + k].dtype, out=segs)
-            mine = torch.cat([s.to(dev) for s in segs])
-            assert mine.numel() == sizes[rank], (mine.numel(), sizes[rank])
-            stats.collective_bytes += mine.numel()
-        if rank != 0 and mine is None:
-            return {}
-        transfers = [Transfer(r, (sizes[r],), torch.uint8) for r in senders]
-        out = gather_to(transfers, 0, local=lambda i: mine, device=dev, timeout_s=self.timeout_s,
-                        what=f"delta values of {metas[lo].name!r}..", stats=PassStats())
-        if rank != 0:
-            return {}
-        stats.collective_bytes += sum(sizes[r] for r in senders)
-        return dict(zip(senders, out))
-
-    def _check_tiling(self, table: torch.Tensor, lo: int, hi: int, rank: int) -> None:
-        held = table[:, :, HELD].sum(0).tolist()
-        for k, h in enumerate(held):
-            n = math.prod(self.metadata[lo + k].shape)
-            if h != n:
-                raise DeltaError(
-                    f"rank {rank}: DeltaSource: the pieces of {self.metadata[lo + k].name!r} cover {h} elements "
-                    f"over all ranks, the tensor has {n} ({type(self.source).__name__}.iter_pieces must tile "
-                    "each tensor exactly once)"
-                )
-
-    def _assemble(self, meta: ParamMeta, how: str, own: list[Changed], got: dict[int, torch.Tensor],
-                  cursors: dict[int, int], table: list, k: int, whole_ok: bool, world: int) -> Delta:
-        """Rank 0: tensor ``meta``'s delta from its own changes and every sender's segment
-        (``cursors``: where each sender's buffer is read next)."""
-        shape = tuple(meta.shape)
-        parts: list[tuple[int, Any]] = []
-        for r in range(1, world):
-            buf = got.get(r)
-            if buf is None:
-                continue
-            at = cursors.get(r, 0)
-            at, seg = unpack(buf, at, table[r][k], whole=how == "whole", full_shape=shape, dtype=meta.dtype)
-            cursors[r] = at
-            parts.append((r, seg))
-        if how == "whole":
-            dev = own[0].values.device if own else (next(iter(got.values())).device if got else torch.device("cpu"))
-            full = torch.empty(shape, dtype=meta.dtype, device=dev)
-            boxes = [(tuple(c.piece.offsets), c.whole(meta.dtype)) for c in own]
-            for _, seg in parts:
-                boxes += seg
-            for offsets, vals in boxes:
-                full[tuple(slice(o, o + s) for o, s in zip(offsets, vals.shape))] = vals.to(dev)
-            flat = full.view(-1)
-            if whole_ok:
-                return Delta(meta.name, None, flat, shape)
-            return Delta(meta.name, torch.arange(flat.numel(), dtype=torch.int32, device=dev), flat, shape)
-        from ..core.layouts.pieces import flat_indices
-
-        idx = [flat_indices(c.pos, tuple(c.piece.offsets), tuple(c.piece.tensor.shape), shape).to(torch.int32)
-               for c in own if c.count]
-        vals = [c.values for c in own if c.count]
-        for _, (ind, v) in parts:
-            if ind.numel():
-                idx.append(ind)
-                vals.append(v)
-        dev = vals[0].device
-        if len(vals) == 1:  # one box (a whole tensor on one rank): no copy
-            return Delta(meta.name, idx[0].to(dev), vals[0], shape)
-        return Delta(meta.name, torch.cat([i.to(dev) for i in idx]), torch.cat([v.to(dev) for v in vals]), shape)
+        return PiecesRound(self.source, self.metadata, names=self._names, index=self._index, groups=self._groups,
+                           snapshots=self._snap, timeout_s=self.timeout_s).run(anchor, whole_ok, stats)
 
     def __repr__(self) -> str:
         return f"DeltaSource({self.source!r}, anchor_every={self.anchor_every}, snapshot={self._snap.where!r})"
-
-
-def _box_problem(p: Piece, meta: ParamMeta) -> str | None:
-    t = p.tensor
-    if t.dtype != meta.dtype and not (t.dtype.is_floating_point and meta.dtype.is_floating_point):
-        return f"a piece of {p.name!r} is {t.dtype}, metadata declares {meta.dtype}"
-    shape = tuple(meta.shape)
-    if len(p.offsets) != len(shape) or t.dim() != len(shape) or any(
-            o < 0 or o + s > f for o, s, f in zip(p.offsets, t.shape, shape)):
-        return f"a piece of {p.name!r} at {tuple(p.offsets)} of shape {tuple(t.shape)} is outside {shape}"
-    return None

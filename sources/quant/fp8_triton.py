@@ -170,7 +170,7 @@ def _batched_kernel(x_base, q_base, s_base, desc_ptr, m, BN: tl.constexpr, BK: t
     tl.store(s_base + pid, stored)
 
 
-#: warps per 128x128 block program of ``_batched_kernel`` (measured on the H200: bench_gpu_fp8 --profile).
+#: warps per 128x128 block program of ``_batched_kernel`` (chosen with ``bench_gpu_fp8 --profile``; docs/evidence.md).
 _BATCHED_WARPS = 8
 
 
@@ -185,8 +185,9 @@ def batched(xs: list[torch.Tensor], bn: int, bk: int, *, transformers: bool) -> 
     """``[(codes, float32 scales)]`` of ``batchable`` tensors of one dtype on one device, in one launch. The outputs are
     views of two buffers (one of codes, one of scales) that live as long as any view.
 
-    Host work is what bounds a pass of small projections (the kernel reads 256 MiB in ~0.25 ms on an H200, a launch costs 150-350 us of host time), so
-    the per-tensor part is one descriptor row in an ``array`` and two views, nothing else."""
+    Host work is what bounds a pass of small projections (a launch costs more host time than the
+    device needs for a large window), so the per-tensor part is one descriptor row in an ``array``
+    and two views, nothing else."""
     x0 = xs[0]
     dev, esz = x0.device, x0.element_size()
     base = x0.data_ptr()
@@ -208,7 +209,7 @@ def batched(xs: list[torch.Tensor], bn: int, bk: int, *, transformers: bool) -> 
     s_all = torch.empty(soff, dtype=torch.float32, device=dev)
     # Pinned, so the copy is truly asynchronous: from pageable memory the driver stages it and may wait
     # for the stream, which serialized each window's host work behind the previous window's kernel
-    # (measured on the H200). The caching host allocator keeps the block until the copy is done.
+    # (seen in the H200 profile). The caching host allocator keeps the block until the copy is done.
     table = torch.frombuffer(desc, dtype=torch.int64)
     if dev.type == "cuda":
         table = table.pin_memory()

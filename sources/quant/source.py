@@ -13,9 +13,8 @@ Invariants:
   local) tensor the wrapped source yields is quantized on its own device as it arrives and dropped.
   On CUDA, consecutive 2-D weights (and the small tensors between them) up to ``batch_bytes``
   (default 512 MiB of inputs) are quantized in one Triton launch and then yielded in order: a launch
-  costs 150-350 us of host time (the hosts lent with the H200 differ 2x), about what the device needs
-  for 256 MiB, so smaller windows leave quantization host-bound (H200, a Qwen3-1.7B's 196 projections:
-  256 MiB windows 1.79x a D2D copy on one host and 2.79x on a slower one). Peak extra memory:
+  costs about as much host time as the device needs for a few hundred MiB, so smaller windows leave
+  quantization host-bound (window sizes measured: docs/evidence.md, "FP8 rollouts"). Peak extra memory:
   ``batch_bytes`` of held inputs plus their codes (half that for BF16) and scales. Never a
   model-size buffer. A source that overlaps (FSDP's next gather already posted, Megatron's next
   receives) keeps doing so while a tensor is quantized and consumed.

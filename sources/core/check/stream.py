@@ -8,7 +8,7 @@ collective or ships garbage. The guarantees here:
   ``owned_names(rank)`` -- same name, wire dtype, full shape (``iter_local``: also contiguous, see
   ``check_stream``) -- and the count matches.
   The error names the rank, the index, the declared and the actual parameter. It costs one
-  comparison per tensor (about 1-3 us), never synchronizes the device, and holds no tensor longer
+  comparison per tensor, never synchronizes the device, and holds no tensor longer
   than its consumer does.
 * ``verify_metadata_agreement``: before the first collective, every rank compares a digest of its
   metadata (names, dtypes, shapes, owners, mesh, placements) in one exchange on the default store,
@@ -55,6 +55,7 @@ from ..comm.waits import (
 from .integrity import checksum_tensor, resolve_checksums
 from ..layouts.tp import chunk_rows
 from ..ground.logs import get_logger
+from ..ground.ranks import multi_rank
 
 __all__ = [
     "check_stream",
@@ -319,7 +320,7 @@ class CheckedSource(WeightSource):
         self.passes = 0
         #: the wrapped source sends from many ranks (``senders="owners"``): no exchange inside a pass
         self.many_senders = getattr(source, "senders", "rank0") == "owners"
-        if self.many_senders and agree and _distributed() and dist.get_world_size() > 1:
+        if self.many_senders and agree and multi_rank():
             verify_metadata_agreement(self.metadata, timeout_s=timeout_s, what="metadata (many senders)")
             self._agreed = True
 
@@ -331,7 +332,7 @@ class CheckedSource(WeightSource):
     def rank(self) -> int:
         if self._rank is not None:
             return self._rank
-        return dist.get_rank() if _distributed() else 0
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     def implements_iter_full(self) -> bool:
         return self.source.implements_iter_full()
@@ -354,7 +355,7 @@ class CheckedSource(WeightSource):
         return self._pass("iter_local", self.source.iter_local, local=True)
 
     def _pass(self, what: str, make_iter: Any, *, local: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        multi = _distributed() and dist.get_world_size() > 1
+        multi = multi_rank()
         self.passes += 1
         board = Board(next_tag("pass")) if multi else None
         count, last = 0, None
@@ -416,18 +417,6 @@ class CheckedSource(WeightSource):
             if board is not None:
                 deactivate(board)
 
-    def fail_unstarted_pass(self, reason: str, *, passes_before: int) -> None:
-        """Tell the peers of a pass this rank never started (its engine failed before iterating) that
-        it failed, so they raise ``PeerFailedError`` at once instead of waiting out ``timeout_s``.
-
-        Every rank takes one pass per sync; call it on a failed sync with ``passes_before =
-        source.passes`` read before ``send_weights``. No-op if a pass did start (it reported itself).
-        """
-        if self.passes != passes_before or not _distributed() or dist.get_world_size() == 1:
-            return
-        self.passes += 1
-        Board(next_tag("pass")).fail(f"rank {self.rank}: failed before iterating its source: {reason}")
-
     def _end_of_pass(self, board: Board, what: str, count: int, metadata: list[ParamMeta]) -> None:
         ranks = group_ranks(None)
         counts = board.exchange(
@@ -446,10 +435,6 @@ class CheckedSource(WeightSource):
         if name == "source":
             raise AttributeError(name)
         return getattr(self.source, name)
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def local_shape(m: ParamMeta, rank: int) -> tuple[int, ...]:
