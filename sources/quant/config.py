@@ -142,7 +142,7 @@ class FP8Config:
     def from_checkpoint(cls, folder: str, *, rule: str = "vllm") -> "FP8Config":
         """An FP8 checkpoint folder: its ``config.json``'s ``quantization_config``, and exactly the
         modules it holds a ``weight_scale_inv`` for (with those scales' shapes, checked later)."""
-        from ..checkpoint.reader import read_checkpoint  # noqa: PLC0415 - reader imports safetensors
+        from ..checkpoint.format import read_checkpoint  # noqa: PLC0415 - reader imports safetensors
 
         with open(os.path.join(folder, "config.json")) as f:
             base = cls.from_hf(json.load(f), rule=rule)
