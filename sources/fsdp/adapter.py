@@ -48,9 +48,10 @@ from ..core.check.stream import DEFAULT_TIMEOUT_S, check_stream, verify_metadata
 from ..core.ground.errors import AdapterStateError, UnsupportedAdapterError
 from ..core.ground.logs import current_rank, get_logger
 from ..core.ground.stats import PassStats
-from .gather import BatchedGather, ShardPiece, fallback_full, local_of
+from .gather import BatchedGather, GatherShard
 from .lora import own_type
 from .plan import fsdp_units, is_dtensor, is_member, plan_steps
+from .shards import fallback_full, local_of
 
 __all__ = ["LoRAAdapterSource", "AdapterModule", "ADAPTER_DTYPES"]
 
@@ -130,7 +131,7 @@ class LoRAAdapterSource(WeightSource):
         return UnsupportedAdapterError(f"rank {self.rank}: PEFT module {module!r}: {reason}")
 
     def _discover(self, adapter: str | None) -> None:
-        from ..core.hf.naming import _wrapper_paths, checkpoint_name
+        from ..core.hf.naming import checkpoint_name, wrapper_paths
 
         try:
             from peft import PeftModel
@@ -141,7 +142,7 @@ class LoRAAdapterSource(WeightSource):
         except ImportError as e:  # pragma: no cover - peft is a test dependency
             raise UnsupportedAdapterError(f"rank {self.rank}: LoRAAdapterSource needs peft: {e}") from e
 
-        wrappers = _wrapper_paths(self._module)
+        wrappers = wrapper_paths(self._module)
         mods = [(p, checkpoint_name(p, wrappers), m) for p, m in self._module.named_modules()]
         roots = [(d, m) for _, d, m in mods if isinstance(m, PeftModel)]
         if not roots:
@@ -329,9 +330,9 @@ class LoRAAdapterSource(WeightSource):
                     for i in step.indices:
                         yield names[i], local_of(tensors[i]).to(device=step.device, dtype=wds[i]).contiguous()
                     continue
-                pieces = [ShardPiece(names[i], local_of(tensors[i]), tuple(tensors[i].shape), wds[i])
+                shards = [GatherShard(names[i], local_of(tensors[i]), tuple(tensors[i].shape), wds[i])
                           for i in step.indices]
-                gather = BatchedGather(pieces, group=mesh.get_group(axis), n=mesh.size(axis),
+                gather = BatchedGather(shards, group=mesh.get_group(axis), n=mesh.size(axis),
                                        index=mesh.get_local_rank(axis), device=step.device, stats=stats,
                                        timeout_s=self.timeout_s)
                 yield from gather  # (name, full tensor), in step order

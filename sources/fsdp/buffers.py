@@ -2,10 +2,10 @@
 
 Why: a batched gather on CPU needs two scratch buffers -- this rank's send block and the gathered
 ``[n, block]`` buffer -- that nobody outside the source ever sees. Allocated fresh for every group,
-each is new memory from the kernel (glibc maps allocations over 32 MB, and any size once the
-mmap threshold is lowered), so every byte is page-faulted and zeroed before gloo or the packing copy
-writes it: measured here 18 ms per 26 MB against 3 ms for the same copy into memory already
-touched. The groups of one pass repeat the same sizes (one per decoder layer), so the buffers of
+each is new memory from the kernel (glibc maps large allocations, and any size once the mmap
+threshold is lowered), so every byte is page-faulted and zeroed before gloo or the packing copy
+writes it, several times the cost of the same copy into memory already touched (docs/evidence.md
+has the measurement). The groups of one pass repeat the same sizes (one per decoder layer), so the buffers of
 group ``k`` are what group ``k + 2`` needs: handing them back and taking them again turns a
 per-group page-fault bill into a per-pass one. CUDA needs none of this (the caching allocator
 already recycles, and stream semantics are its business), so only CPU gathers use a pool.

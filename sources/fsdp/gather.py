@@ -15,8 +15,10 @@ to the gather device, so CPU-offloaded shards are staged by the same copy. HSDP'
 ``(Replicate, Shard(0))`` is the same gather over the shard dimension's group.
 
 Anything else -- ``_StridedShard`` (FSDP+TP), ``Partial``, ``Shard(d>0)``, two sharded mesh dims --
-goes through ``DTensor.full_tensor()`` (``fallback_full``), which is correct there where a
-hand-rolled concat is not; the local shard is cast (and staged) first, without ``redistribute``.
+goes through ``DTensor.full_tensor()`` (``shards.fallback_full``).
+
+Names: a ``GatherShard`` is one parameter's local shard inside one batched gather (not a
+``core.layouts.pieces.Piece``, which is a box of a checkpoint tensor).
 
 Posting and collecting. ``BatchedGather.post()`` packs and issues the collective without waiting
 for it; iterating waits for it (bounded on gloo) and unpacks. ``FSDPSource`` posts the next group
@@ -54,67 +56,23 @@ import torch.distributed as dist
 
 from ..core.layouts.tp import chunk_rows
 from .buffers import capacity
-from ..core.ground.overlap import overlap_default
 from ..core.ground.logs import get_logger
 from ..core.ground.stats import PassStats
 
 __all__ = [
-    "chunk_rows",
-    "gather_device",
-    "ShardPiece",
+    "GatherShard",
     "BatchedGather",
-    "fallback_full",
-    "batchable_axis",
-    "local_of",
     "after_default_stream",
     "side_stream",
-    "overlap_default",
 ]
 
 _ALIGN = 16
 
-#: Pieces smaller than this (full bytes) are unpacked in place even with an ``unpacker``: a thread
-#: hand-off (~50 us) costs more than their copy.
+#: Shards whose full tensor is smaller than this (bytes) are unpacked in place even with an
+#: ``unpacker``: a thread hand-off costs more than their copy.
 _HANDOFF_BYTES = 256 << 10
 
 logger = get_logger(__name__)
-
-
-def local_of(dt) -> torch.Tensor:
-    """A DTensor's local shard, detached (read only). ``_local_tensor`` skips the autograd
-    function ``to_local()`` runs, a measurable per-parameter cost with ~1,000 parameters."""
-    local = getattr(dt, "_local_tensor", None)
-    if local is None:
-        local = dt.to_local()
-    return local.detach()
-
-
-def gather_device(mesh) -> torch.device:
-    """The device collectives of ``mesh`` run on: cpu for gloo meshes, the current accelerator
-    device otherwise (what FSDP2 itself gathers on, also under ``CPUOffloadPolicy``)."""
-    kind = mesh.device_type
-    if kind == "cpu":
-        return torch.device("cpu")
-    mod = torch.get_device_module(kind)
-    return torch.device(kind, mod.current_device())
-
-
-def batchable_axis(dt) -> int | None:
-    """The mesh axis of a DTensor's single ``Shard(0)`` placement when every other axis is
-    ``Replicate`` (FSDP2, HSDP), else None. Subclasses (``_StridedShard``) do not qualify."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    axis = None
-    for i, p in enumerate(dt.placements):
-        if type(p) is Shard and p.dim == 0 and axis is None:
-            axis = i
-        elif type(p) is Replicate:
-            continue
-        else:
-            return None
-    if axis is None or dt.ndim == 0:
-        return None
-    return axis
 
 
 def _sync_from(stream_of_work, device: torch.device) -> None:
@@ -136,8 +94,8 @@ def after_default_stream(device: torch.device) -> None:
 
 
 @dataclass
-class ShardPiece:
-    """One parameter of a batched gather: its local shard and where its bytes go."""
+class GatherShard:
+    """One parameter of a batched gather: this rank's local shard of it and where its bytes go."""
 
     key: object  # caller's handle, returned with the result
     local: torch.Tensor  # this rank's rows (module storage: read only)
@@ -165,17 +123,17 @@ _SIDE_STREAMS: dict[int, object] = {}
 
 
 class BatchedGather:
-    """One all-gather for ``pieces`` over ``group`` (``n`` ranks, this rank at ``index``).
+    """One all-gather for ``shards`` over ``group`` (``n`` ranks, this rank at ``index``).
 
     ``post()`` packs and issues it (at most once); iterating posts it if needed, waits for it and
-    yields each piece's full tensor; ``drain()`` waits for a posted gather nobody will iterate.
+    yields each shard's full tensor; ``drain()`` waits for a posted gather nobody will iterate.
     Memory accounted in ``stats``: from ``post()`` the send block (released once the collective
     completed) and the gathered buffer (released when iteration ends or ``drain()`` returns).
     """
 
     def __init__(
         self,
-        pieces: list[ShardPiece],
+        shards: list[GatherShard],
         *,
         group,
         n: int,
@@ -185,7 +143,7 @@ class BatchedGather:
         timeout_s: float,
         stream=None,
     ) -> None:
-        self.pieces = pieces
+        self.shards = shards
         self.timeout_s = timeout_s
         self.group = group
         self.n = n
@@ -198,7 +156,7 @@ class BatchedGather:
         self._work = None
         self._event = None
         self._posted_on = None
-        #: CPU overlap: an executor that unpacks the next piece while this one is consumed (the host
+        #: CPU overlap: an executor that unpacks the next tensor while this one is consumed (the host
         #: copy then overlaps the consumer too); set by ``GatherPipeline``. None: unpack in place.
         self.unpacker = None
         #: CPU: the pass's two ``buffers.BufferPool`` (send blocks, gathered buffers) this gather's
@@ -207,7 +165,7 @@ class BatchedGather:
         self._send_cost = 0
         self._recv_cost = 0
         self._completed = False  # the collective was waited for and succeeded
-        self._early = None  # CPU overlap: (piece, future) of an unpack started before iteration
+        self._early = None  # CPU overlap: (shard index, future) of an unpack started before iteration
         self._early_stop: threading.Event | None = None  # stops ``_early``'s wait (``drain``)
         #: CPU overlap: called (by the iterating thread) once this gather has nothing left to unpack
         #: ahead; returns True when no further call is needed. Set by ``GatherPipeline``.
@@ -215,7 +173,7 @@ class BatchedGather:
         self._packing = None  # CPU: the send block being packed ahead on a helper thread
         self._state = "new"  # new -> posted -> done (waited) -> released
         off = 0
-        for p in pieces:
+        for p in shards:
             rows = p.full_shape[0]
             p.rows_per_rank = -(-rows // n)
             p.row_numel = math.prod(p.full_shape[1:])
@@ -237,13 +195,13 @@ class BatchedGather:
 
     @property
     def adoptable(self) -> bool:
-        """One piece filling its blocks exactly: its full tensor is the gathered buffer (``_adopt``)."""
-        return len(self.pieces) == 1 and self.pieces[0].nbytes == self.block_bytes
+        """One shard filling its blocks exactly: its full tensor is the gathered buffer (``_adopt``)."""
+        return len(self.shards) == 1 and self.shards[0].nbytes == self.block_bytes
 
     @property
     def what(self) -> str:
         return (
-            f"all-gather of {len(self.pieces)} tensor(s) {self.pieces[0].key!r}..{self.pieces[-1].key!r}"
+            f"all-gather of {len(self.shards)} tensor(s) {self.shards[0].key!r}..{self.shards[-1].key!r}"
         )
 
     def _buffer(self, nbytes: int, role: int) -> tuple[torch.Tensor, int]:
@@ -271,7 +229,7 @@ class BatchedGather:
     def _pack(self) -> None:
         send, self._send_cost = self._buffer(self.block_bytes, 0)
         self._send = send
-        for p in self.pieces:
+        for p in self.shards:
             seg = send[p.offset : p.offset + p.nbytes].view(p.wire_dtype).view(
                 p.rows_per_rank, p.row_numel
             )
@@ -356,7 +314,7 @@ class BatchedGather:
             self._drop(send, self._send_cost, 0)
         self._state = "released"
 
-    def _unpack(self, p: ShardPiece) -> torch.Tensor:
+    def _unpack(self, p: GatherShard) -> torch.Tensor:
         """``p``'s full tensor, a fresh allocation, read rank-major out of the gathered buffer."""
         n = self.n
         cols = self._recv.view(n, self.block_bytes)[:, p.offset : p.offset + p.nbytes].view(p.wire_dtype)
@@ -364,8 +322,8 @@ class BatchedGather:
         out.view(n, p.rows_per_rank * p.row_numel).copy_(cols)
         return out[: p.full_shape[0]].view(p.full_shape)
 
-    def _adopt(self, p: ShardPiece) -> torch.Tensor:
-        """A gather of one piece that fills its blocks exactly (no alignment padding): the gathered
+    def _adopt(self, p: GatherShard) -> torch.Tensor:
+        """A gather of one shard that fills its blocks exactly (no alignment padding): the gathered
         buffer, read rank-major, IS the full tensor (padding rows, if any, at its end). Hand it
         over instead of copying it out: the consumer owns the buffer from here (it is neither
         recycled nor counted as held by this gather any more)."""
@@ -393,14 +351,14 @@ class BatchedGather:
             self._release()
 
     def _next_big(self, start: int) -> int | None:
-        """The first piece from ``start`` on worth a thread hand-off, or None."""
-        for j in range(start, len(self.pieces)):
-            if self.n * self.pieces[j].nbytes >= _HANDOFF_BYTES:
+        """The first shard from ``start`` on worth a thread hand-off, or None."""
+        for j in range(start, len(self.shards)):
+            if self.n * self.shards[j].nbytes >= _HANDOFF_BYTES:
                 return j
         return None
 
     def start_early(self) -> bool:
-        """CPU overlap: have ``unpacker`` unpack this posted gather's first large piece as soon as its
+        """CPU overlap: have ``unpacker`` unpack this posted gather's first large tensor as soon as its
         collective completes, before anyone iterates it (called by the previous group's iteration
         once that has nothing left to unpack ahead, so the helper's queue already holds that
         group's unpacks). Never blocks the caller. True once such an unpack is queued (or there is
@@ -408,15 +366,15 @@ class BatchedGather:
 
         Why the helper waits instead of the caller polling: with one group ahead and a consumer
         as slow as the gathers, the collective of this group completes at about the time the
-        consumer finishes the previous group -- after the previous group's last piece was handed
-        out, so a completion check made by the iterating thread at piece boundaries finds it still
-        in flight and the unpack of this group's first piece (a copy of the whole tensor, ~35 ms
-        for 50 MB) then ran in the iterating thread, on the critical path, once per group
-        (bench_overlap at hidden 2048 x 4 layers: ~0.3 s of gaps in a 2.0 s pass). The helper's
-        job (``_unpack_when_done``) only polls ``work.is_completed()`` -- it never calls ``wait``,
-        never touches the board (whose step numbers the iterating thread's waits hand out in plan
-        order) and never issues anything: the iterating thread still makes the collective's
-        bounded wait when it reaches this group, and raises its error there."""
+        consumer finishes the previous group -- after the previous group's last tensor was handed
+        out, so a completion check made by the iterating thread at tensor boundaries finds it still
+        in flight and the unpack of this group's first large tensor (a copy of the whole tensor)
+        then ran in the iterating thread, on the critical path, once per group (docs/evidence.md
+        has the measured gaps). The helper's job (``_unpack_when_done``) only polls
+        ``work.is_completed()`` -- it never calls ``wait``, never touches the board (whose step
+        numbers the iterating thread's waits hand out in plan order) and never issues anything: the
+        iterating thread still makes the collective's bounded wait when it reaches this group, and
+        raises its error there."""
         if self._early is not None or self._state != "posted" or self.unpacker is None:
             return True  # queued already, or nothing left to start early
         j = None if self.adoptable else self._next_big(0)
@@ -424,11 +382,11 @@ class BatchedGather:
             return True
         self._early_stop = threading.Event()
         self._early = (
-            j, self.unpacker.submit(self._unpack_when_done, self._work, self.pieces[j], self._early_stop)
+            j, self.unpacker.submit(self._unpack_when_done, self._work, self.shards[j], self._early_stop)
         )
         return True
 
-    def _unpack_when_done(self, work, p: ShardPiece, stop: threading.Event) -> torch.Tensor | None:
+    def _unpack_when_done(self, work, p: GatherShard, stop: threading.Event) -> torch.Tensor | None:
         """Helper thread: wait (polling, bounded by ``timeout_s``, stopped by ``stop``) until the
         collective ``work`` completed, then unpack ``p``; None when stopped or timed out (the
         iterating thread then unpacks ``p`` itself after its own bounded wait, which reports the
@@ -448,20 +406,20 @@ class BatchedGather:
 
     def __iter__(self) -> Iterator[tuple[object, torch.Tensor]]:
         self.post()
-        # CPU overlap: at most one piece unpacked ahead, on ``unpacker``: the next one worth a
-        # thread hand-off (pieces under ``_HANDOFF_BYTES`` in between are unpacked in place), so a
+        # CPU overlap: at most one tensor unpacked ahead, on ``unpacker``: the next one worth a
+        # thread hand-off (tensors under ``_HANDOFF_BYTES`` in between are unpacked in place), so a
         # large tensor after a run of norms is ready when the consumer reaches it. Once this gather
         # has nothing left to unpack ahead, ``tail_hook`` queues the next posted gather's first
         # unpack on the helper, which starts it once that collective completed (``start_early``):
         # still one tensor ahead in all.
-        pending, self._early = self._early, None  # (piece index, future)
+        pending, self._early = self._early, None  # (shard index, future)
         tail_done = False
         try:
             self._wait()
             recv = self._recv
             gathered_on = self._posted_on
-            pieces = self.pieces
-            for i, p in enumerate(pieces):
+            shards = self.shards
+            for i, p in enumerate(shards):
                 # Unpack lazily, on the stream current at this resume, after the gather's stream.
                 if self._event is not None:
                     torch.cuda.current_stream(self.device).wait_event(self._event)
@@ -476,7 +434,7 @@ class BatchedGather:
                 if pending is None and self.unpacker is not None:
                     j = self._next_big(i + 1)
                     if j is not None:
-                        pending = (j, self.unpacker.submit(self._unpack, pieces[j]))
+                        pending = (j, self.unpacker.submit(self._unpack, shards[j]))
                     elif not tail_done and self.tail_hook is not None:
                         tail_done = self.tail_hook()
                 if self.device.type == "cuda":
@@ -517,29 +475,3 @@ def _wait_all_gather(work, group, *, what: str, timeout_s: float) -> None:
     from ..core.comm.waits import wait_bounded
 
     wait_bounded(work, ranks=dist.get_process_group_ranks(group), what=what, timeout_s=timeout_s)
-
-
-def fallback_full(dt, wire_dtype: torch.dtype, device: torch.device, stats: PassStats) -> torch.Tensor:
-    """``dt.full_tensor()`` in ``wire_dtype``, casting (and staging) the local shard first.
-
-    Counts one collective per non-Replicate mesh axis (what DTensor's redistribution issues).
-    The result is contiguous; for a Replicate-only DTensor already in the wire dtype on the gather
-    device it aliases the module's storage (nothing was gathered).
-    """
-    from torch.distributed.tensor import DTensor, Replicate
-
-    after_default_stream(device)
-    local = local_of(dt)
-    staged = local.to(device=device, dtype=wire_dtype)
-    src = DTensor.from_local(
-        staged, dt.device_mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride()
-    )
-    full = src.full_tensor()
-    wait = getattr(full, "wait", None)  # an AsyncCollectiveTensor: materialize it
-    if callable(wait):
-        full = wait()
-    n_coll = sum(1 for p in dt.placements if not isinstance(p, Replicate))
-    stats.collectives += n_coll
-    if n_coll:
-        stats.bytes_received += full.numel() * full.element_size() - staged.numel() * staged.element_size()
-    return full.contiguous()

@@ -167,6 +167,7 @@ class LoraPlan:
     ``rename(path)``: de-wrapped in-memory path -> checkpoint name, or None for tensors that are not
     exported (``lora_*``, ``original_module``, inactive ``modules_to_save`` copies).
     ``merges``: in-memory path of a base weight -> its ``LoraMerge`` (only layers with terms).
+    ``lora_layers`` / ``modules_to_save``: what was found, by module path (counted in the log).
     """
 
     def __init__(self, module: nn.Module, *, rank: int | None = None) -> None:
@@ -175,10 +176,10 @@ class LoraPlan:
         from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
         from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 
-        from ..core.hf.naming import _wrapper_paths, checkpoint_name
+        from ..core.hf.naming import checkpoint_name, wrapper_paths
 
         self._rank = rank
-        wrappers = _wrapper_paths(module)
+        wrappers = wrapper_paths(module)
         mods = [(p, checkpoint_name(p, wrappers), m) for p, m in module.named_modules(remove_duplicate=False)]
 
         tuners = [(d, m) for _, d, m in mods if isinstance(m, BaseTuner)]
@@ -200,8 +201,11 @@ class LoraPlan:
             owner_paths.setdefault(id(t), set()).add(checkpoint_name(p, wrappers))
 
         self._transparent: set[str] = set()  # in-memory rel paths whose 'base_layer' child is skipped
-        self._lora_layers: set[str] = set()
-        self._mts: dict[str, str | None] = {}  # rel path -> adapter copy exported (None: original)
+        #: module paths (relative to ``hf_model``) of the LoRA layers
+        self.lora_layers: set[str] = set()
+        #: module path (relative to ``hf_model``) of each ``modules_to_save`` wrapper -> the adapter
+        #: copy exported (None: ``original_module``)
+        self.modules_to_save: dict[str, str | None] = {}
         self._state: list[tuple[str, nn.Module, tuple]] = []
         self.merges: dict[str, LoraMerge] = {}
         seen: set[int] = set()
@@ -223,7 +227,7 @@ class LoraPlan:
                     if others and not n.startswith("modules_to_save."):
                         raise self._err(dpath, f"modules_to_save on a tied weight ({n} is also {sorted(others)[0]}): "
                                         "the trained copy would untie it; export cannot match the model")
-                self._mts[rel] = use
+                self.modules_to_save[rel] = use
                 self._state.append((dpath, m, self._state_of(m)))
                 continue
             if not isinstance(m, BaseTunerLayer):
@@ -267,7 +271,7 @@ class LoraPlan:
 
     def _add_linear(self, raw: str, dpath: str, m: nn.Module, owner_paths: dict[int, set[str]]) -> None:
         rel = self._rel(dpath)
-        self._lora_layers.add(rel)
+        self.lora_layers.add(rel)
         self._transparent.add(rel)
         base, braw, brel = m, raw, rel
         while hasattr(base, "base_layer"):
@@ -324,8 +328,8 @@ class LoraPlan:
                 prefix = f"{prefix}.{seg}" if prefix else seg
                 i += 1
                 continue
-            if prefix in self._mts:
-                use = self._mts[prefix]
+            if prefix in self.modules_to_save:
+                use = self.modules_to_save[prefix]
                 if seg == "original_module" and use is None:
                     prefix, i = f"{prefix}.{seg}", i + 1
                     continue
@@ -359,6 +363,6 @@ class LoraPlan:
         plan = cls(module, rank=rank)
         logger.info(
             "PEFT LoRA: %d base weight(s) merged on export (%d LoRA layer(s), %d modules_to_save)",
-            len(plan.merges), len(plan._lora_layers), len(plan._mts),
+            len(plan.merges), len(plan.lora_layers), len(plan.modules_to_save),
         )
         return plan

@@ -20,19 +20,53 @@ The protocol is ``core/layouts/pieces.py``'s. How an ``FSDPSource`` entry become
 Values are exactly what ``iter_full`` sends for those elements once cast to the wire dtype: boxes of
 the local shard are yielded in the parameter's own dtype and the consumer casts them (casting is
 elementwise, so cast-then-cut equals cut-then-cast); gathered tensors are already in the wire dtype.
+
+What the producer reads of the source is exactly ``FSDPPiecesView``: the source builds it and hands
+it over, so this module depends on no private member of ``FSDPSource``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
-from ..core.layouts.pieces import Piece, marker, whole_piece
+import torch
+
 from ..core.ground.stats import PassStats
-from .gather import fallback_full, gather_device, local_of
+from ..core.hf.naming import CheckpointEntry
+from ..core.layouts.pieces import Piece, marker, whole_piece
+from .lora_items import LoraItems
 from .plan import is_dtensor, is_member
+from .shards import fallback_full, gather_device, local_of
 
-__all__ = ["fsdp_pieces"]
+__all__ = ["FSDPPiecesView", "fsdp_pieces"]
+
+
+@dataclass(frozen=True)
+class FSDPPiecesView:
+    """What ``fsdp_pieces`` needs of an ``FSDPSource``, handed over explicitly.
+
+    ``entries``: the checkpoint entries, in metadata order. ``out_dtypes``: each entry's wire dtype.
+    ``resolve()``: every gathered item's tensor as registered now (FSDP2 re-registers parameters,
+    so it is called afresh each pass). ``lora``: a PEFT model's items (entries among them, which go
+    out LoRA-merged), or None. ``boxes``: this view's cache of ``_plain_box`` results, kept across
+    passes for as long as the source keeps the view.
+    """
+
+    entries: Sequence[CheckpointEntry]
+    out_dtypes: Sequence[torch.dtype]
+    resolve: Callable[[], list[torch.Tensor]]
+    lora: LoraItems | None = None
+    boxes: dict[tuple, tuple[tuple[int, ...], bool] | None] = field(default_factory=dict, compare=False, repr=False)
+
+    def box_of(self, i: int, t) -> tuple[tuple[int, ...], bool] | None:
+        """``_plain_box`` of entry ``i``, computed once per (global shape, mesh, placements):
+        DTensor's placement arithmetic runs in Python, which a delta round would otherwise pay for
+        every parameter, every round."""
+        key = (i, tuple(t.shape), id(t.device_mesh), tuple(t.placements))
+        if key not in self.boxes:
+            self.boxes[key] = _plain_box(t)
+        return self.boxes[key]
 
 
 def _plain_box(t) -> tuple[tuple[int, ...], bool] | None:
@@ -53,50 +87,39 @@ def _plain_box(t) -> tuple[tuple[int, ...], bool] | None:
     return tuple(int(o) for o in offsets), answers
 
 
-def _box_of(src: Any, i: int, t) -> tuple[tuple[int, ...], bool] | None:
-    """``_plain_box`` of entry ``i``, computed once per (global shape, mesh, placements): DTensor's
-    placement arithmetic costs ~0.15 ms a parameter in Python, which a delta round would pay for
-    every parameter, every round."""
-    cache = src.__dict__.setdefault("_piece_boxes", {})
-    key = (i, tuple(t.shape), id(t.device_mesh), tuple(t.placements))
-    if key not in cache:
-        cache[key] = _plain_box(t)
-    return cache[key]
-
-
 def _dim0_only(t, offsets: tuple[int, ...]) -> bool:
     """The local shard is a dim-0 slice (rows ``offsets[0]..``, every other dim whole)."""
     local = local_of(t)
     return all(o == 0 for o in offsets[1:]) and tuple(local.shape[1:]) == tuple(t.shape[1:])
 
 
-def fsdp_pieces(src: Any, stats: PassStats, rank: int) -> Iterator[Piece]:
-    """``src``'s pieces on this rank (module docstring), in metadata order, a ``marker`` for every
+def fsdp_pieces(view: FSDPPiecesView, stats: PassStats, rank: int) -> Iterator[Piece]:
+    """The source's pieces on this rank (module docstring), in metadata order, a ``marker`` for every
     name this rank holds nothing of."""
-    all_tensors = src._resolve()
-    tensors = src._entry_tensors(all_tensors)
-    wds = src._out_dtypes
-    merges = {} if src.lora is None else src._lora_items[0]
-    for i, (e, t, wd) in enumerate(zip(src.entries, tensors, wds)):
+    all_tensors = view.resolve()
+    tensors = all_tensors if view.lora is None else view.lora.entry_tensors(all_tensors)
+    for i, (e, t, wd) in enumerate(zip(view.entries, tensors, view.out_dtypes)):
         names = [e.name] if e.transform is None else [n for n, _ in e.transform.entries(e.name)]
-        yield from _entry_pieces(src, e, t, wd, names, merges, all_tensors, stats, rank, i)
+        yield from _entry_pieces(view, e, t, wd, names, all_tensors, stats, rank, i)
 
 
-def _entry_pieces(src, e, t, wd, names, merges, all_tensors, stats, rank, i) -> Iterator[Piece]:
+def _entry_pieces(view: FSDPPiecesView, e: CheckpointEntry, t, wd: torch.dtype, names: list[str],
+                  all_tensors: list[torch.Tensor], stats: PassStats, rank: int, i: int) -> Iterator[Piece]:
     """One entry's pieces in ``names`` order (its checkpoint names: one, or a transform's), a marker
     for each name no piece covers. The pieces are views of the local shard (or of the one gathered
     tensor), so holding an entry's pieces costs no memory beyond its cast."""
     items: list[Piece] = []
     full = None
+    merged = None if view.lora is None else view.lora.merged_item(i)
     if not is_member(t):
         pass  # a DTensor on a mesh without this rank: its members answer
-    elif merges and src._entry_item[i] in merges:
-        full = src._merged_full(src._entry_item[i], all_tensors, stats)  # collective on every member
+    elif merged is not None:
+        full = view.lora.merged_full(merged, all_tensors, view.out_dtypes, stats)  # collective on every member
     elif not is_dtensor(t):
         if rank == 0:
             full = t.detach()  # the consumer casts
     else:
-        box = _box_of(src, i, t)
+        box = view.box_of(i, t)
         if box is not None and (e.transform is None or (
                 hasattr(e.transform, "pieces") and _dim0_only(t, box[0]))):
             offsets, answers = box

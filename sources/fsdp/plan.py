@@ -27,9 +27,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .gather import batchable_axis, gather_device
+from ..core.comm.senders import split_contiguous
+from .shards import batchable_axis, gather_device
 
-__all__ = ["fsdp_units", "Step", "plan_steps", "is_dtensor", "is_member", "dtensor_layout", "hsdp_replicas"]
+__all__ = [
+    "fsdp_units", "Step", "plan_steps", "is_dtensor", "is_member", "dtensor_layout", "hsdp_replicas", "item_replicas",
+]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -112,6 +115,19 @@ def hsdp_replicas(tensors: Sequence[torch.Tensor], *, rank: int) -> tuple[tuple[
             "gathers would deadlock: use senders='rank0' there"
         )
     return grid
+
+
+def item_replicas(sizes: Sequence[int], atoms: Sequence[int], replicas: int) -> list[int]:
+    """``senders="owners"``: the replica that gathers and sends each item (``sizes``: its wire bytes)
+    -- contiguous runs of items in stream order balanced by wire bytes
+    (``core.comm.senders.split_contiguous``: a replica sends at most total / replicas + the largest
+    tensor). Items with the same ``atoms`` entry (a LoRA base and its A/B, contiguous) go together."""
+    order = list(dict.fromkeys(atoms))
+    atom_bytes = dict.fromkeys(order, 0)
+    for i, a in enumerate(atoms):
+        atom_bytes[a] += sizes[i]
+    bins = dict(zip(order, split_contiguous([atom_bytes[a] for a in order], replicas)))
+    return [bins[a] for a in atoms]
 
 
 def _world_size() -> int:

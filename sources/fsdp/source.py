@@ -1,5 +1,8 @@
 """``FSDPSource``: a vLLM ``WeightSource`` over a plain, FSDP2, HSDP or FSDP+TP ``nn.Module``.
 
+(Over 500 lines: one class whose three passes -- full, local, pieces -- share one cached item
+state; its LoRA items, expert choice, pieces producer, gathers and plan already live apart.)
+
 Invariants (each is tested multi-rank in ``tests/test_fsdp.py``):
 
 * **Names** are Hugging Face checkpoint names (``naming.checkpoint_entries``): wrappers stripped,
@@ -10,10 +13,10 @@ Invariants (each is tested multi-rank in ``tests/test_fsdp.py``):
   data, identical on every rank. ``dtype`` is the wire dtype (``wire.WirePolicy``), ``shape`` the
   full shape; ``owners``/``mesh_shape``/``placements`` follow vLLM's ``ModuleSource`` so this is a
   drop-in wherever vLLM takes ``ModuleSource(model)``.
-* **Gathers** are batched per FSDP unit and mesh (``fsdp_plan``): one all-gather per contiguous
+* **Gathers** are batched per FSDP unit and mesh (``plan``): one all-gather per contiguous
   run of a unit's tensors in checkpoint order (split at ``group_bytes``, 64 MiB by default), each shard
-  cast to the wire dtype before it moves (``fsdp_gather``). ``_StridedShard`` and other exotic
-  placements fall back to ``full_tensor()`` per tensor.
+  cast to the wire dtype before it moves (``gather.BatchedGather``). ``_StridedShard`` and other exotic
+  placements fall back to ``full_tensor()`` per tensor (``shards.fallback_full``).
 * **Lifetime**: every gathered tensor is a fresh allocation owned by the consumer -- it stays
   valid after the next yield and after the pass (vLLM's unpacked IPC path keeps them all). Tensors
   that need no gather (plain parameters, ignored parameters, Replicate-only DTensors already in
@@ -53,13 +56,11 @@ Invariants (each is tested multi-rank in ``tests/test_fsdp.py``):
   each replica's shard group gathers and its first rank sends one contiguous, byte-balanced run of
   the stream; no gather crosses replicas; plain FSDP is refused (``core/comm/senders.py`` says why).
 * **PEFT LoRA** (``lora.LoraPlan``): a PEFT model exports its base checkpoint, merged. The tensors
-  gathered are *items*: every checkpoint entry, each LoRA-merged base weight followed by its
-  adapters' ``lora_A``/``lora_B`` (same FSDP unit, hence the same batched gather, in the usual
-  layout; a separate one otherwise). A merged base and its A/B travel in their own dtype, are merged
-  on every rank that holds them in full (``lora.merge_lora``: fp32 or wider) and only then cast to the
-  wire dtype; metadata lists base names and shapes only, so the first pass's cross-rank agreement
-  also covers every gathered item (ranks with other adapters raise instead of posting mismatched
-  gathers). Without PEFT, items are the entries and the pass runs exactly the code it always ran.
+  gathered are *items* (``lora_items.LoraItems``: each LoRA-merged base weight followed by its A/B,
+  merged in fp32 or wider before the cast to the wire dtype); metadata lists base names and shapes
+  only, so the first pass's cross-rank agreement also covers every gathered item (ranks with other
+  adapters raise instead of posting mismatched gathers). Without PEFT, items are the entries and
+  the pass runs exactly the code it always ran.
 """
 
 from __future__ import annotations
@@ -72,27 +73,22 @@ from torch import nn
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from ..core.check.stream import DEFAULT_TIMEOUT_S, check_stream, local_shape, verify_metadata_agreement
-from .gather import (
-    BatchedGather,
-    ShardPiece,
-    after_default_stream,
-    fallback_full,
-    gather_device,
-    local_of,
-    overlap_default,
-    side_stream,
-)
-from .prefetch import GatherPipeline
-from .pieces import fsdp_pieces
-from ..core.layouts.pieces import Piece
-from .plan import dtensor_layout, fsdp_units, hsdp_replicas, is_dtensor, is_member, plan_steps
-from ..core.ground.logs import current_rank, get_logger
-from .lora import LoraMerge, LoraPlan, UnsupportedAdapterError, merge_lora
-from ..core.hf.naming import CheckpointEntry, TensorTransform, checkpoint_entries
-from ..core.ground.stats import PassStats
+from ..core.comm.senders import Senders, check_senders, require_many_senders
 from ..core.ground.dtype_policy import WirePolicy
+from ..core.ground.logs import current_rank, get_logger
+from ..core.ground.overlap import overlap_default
+from ..core.ground.stats import PassStats
+from ..core.hf.experts import expert_transform_for
+from ..core.hf.naming import CheckpointEntry, TensorTransform, checkpoint_entries
 from ..core.hf.receiver_writes import copy_written, written_by_receiver
-from ..core.comm.senders import Senders, check_senders, require_many_senders, split_contiguous
+from ..core.layouts.pieces import Piece
+from .gather import BatchedGather, GatherShard, after_default_stream, side_stream
+from .lora import LoraPlan
+from .lora_items import LoraItems
+from .pieces import FSDPPiecesView, fsdp_pieces
+from .plan import dtensor_layout, fsdp_units, hsdp_replicas, is_dtensor, is_member, item_replicas, plan_steps
+from .prefetch import GatherPipeline
+from .shards import fallback_full, gather_device, local_of
 
 __all__ = ["FSDPSource", "DEFAULT_GROUP_BYTES"]
 
@@ -117,9 +113,9 @@ class FSDPSource(WeightSource):
             ``DEFAULT_GROUP_BYTES``, 64 MiB; None: one gather per contiguous run of a unit; a
             single larger tensor still gathers alone). The bound is what overlap pipelines: the
             first group's gather and the gather of the group after a small one are exposed, so
-            few, wide units (one all-gather per 200 MB layer) overlapped their consumer less
-            (bench_overlap at hidden 2048 x 4 layers: x0.79 with one group per unit, x0.62-0.64
-            with 64 MiB groups; models whose layers are under 64 MiB gather exactly as before).
+            few, wide units (one all-gather per wide layer) overlapped their consumer less than
+            bounded groups do (docs/evidence.md has the measurement); models whose layers are
+            under the bound gather exactly as before.
         include_buffers: also send persistent buffers (they are in the checkpoint).
         transforms: ``naming.TensorTransform`` hooks for tensors whose checkpoint form differs
             from their in-memory form (applied after the gather).
@@ -200,7 +196,7 @@ class FSDPSource(WeightSource):
         self.include_buffers = include_buffers
         self.transforms = tuple(transforms)
         hf = module if self.lora is None else self.lora.hf_model
-        self.expert_transform = _expert_transform(hf, expert_layout, self.transforms, rank)
+        self.expert_transform = expert_transform_for(hf, expert_layout, self.transforms, rank=rank, who="FSDPSource")
         if self.expert_transform is not None:
             self.transforms += (self.expert_transform,)
         self.check = check
@@ -248,63 +244,32 @@ class FSDPSource(WeightSource):
         )
 
     @cached_property
+    def _lora_items(self) -> LoraItems | None:
+        """A PEFT model's gathered items and their merge (``lora_items.LoraItems``); None without
+        PEFT, where the items are the entries."""
+        if self.lora is None:
+            return None
+        return LoraItems.build(self.entries, self.lora, rank=self.rank)
+
+    @cached_property
     def _items(self) -> list[tuple[str, bool]]:
         """``(in-memory path, is_buffer)`` of every tensor a pass gathers, in stream order: the
-        entries, each LoRA-merged base weight followed by its A, B per adapter (``_lora_items``)."""
-        if self.lora is None:
+        entries, each LoRA-merged base weight followed by its A, B per adapter."""
+        if self._lora_items is None:
             return [(e.path, e.is_buffer) for e in self.entries]
-        items: list[tuple[str, bool]] = []
-        entry_item: list[int] = []
-        merges: dict[int, tuple[int, LoraMerge, list[tuple[int, int]]]] = {}
-        aux_of: dict[int, int] = {}
-        for k, e in enumerate(self.entries):
-            j = len(items)
-            entry_item.append(j)
-            items.append((e.path, e.is_buffer))
-            m = None if e.is_buffer else self.lora.merges.get(e.path)
-            if m is None:
-                continue
-            if e.transform is not None:
-                raise UnsupportedAdapterError(
-                    f"rank {self.rank}: PEFT module {m.module!r}: LoRA on a tensor that also needs a "
-                    f"transform ({e.name}) is not supported"
-                )
-            pairs = []
-            for term in m.terms:
-                pairs.append((len(items), len(items) + 1))
-                items += [(term.a_path, False), (term.b_path, False)]
-                aux_of[len(items) - 2] = aux_of[len(items) - 1] = j
-            merges[j] = (k, m, pairs)
-        self.__dict__["_entry_item"] = entry_item
-        self.__dict__["_lora_items"] = (merges, aux_of)
-        return items
-
-    @cached_property
-    def _entry_item(self) -> list[int]:
-        """Item index of each entry (PEFT only; set by ``_items``)."""
-        self._items  # noqa: B018
-        return self.__dict__["_entry_item"]
-
-    @cached_property
-    def _lora_items(self) -> tuple[dict, dict]:
-        """``(base item -> (entry, LoraMerge, [(A item, B item)]), A/B item -> base item)``."""
-        self._items  # noqa: B018
-        return self.__dict__["_lora_items"]
+        return list(self._lora_items.paths)
 
     @cached_property
     def _item_keys(self) -> list[str]:
         """Each item's name in gather messages: its checkpoint name (an A/B: its in-memory path)."""
-        if self.lora is None:
+        if self._lora_items is None:
             return [e.name for e in self.entries]
-        keys = [path for path, _ in self._items]
-        for k, j in enumerate(self._entry_item):
-            keys[j] = self.entries[k].name
-        return keys
+        return self._lora_items.keys(self.entries)
 
     def _entry_tensors(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.lora is None:
+        if self._lora_items is None:
             return tensors
-        return [tensors[j] for j in self._entry_item]
+        return self._lora_items.entry_tensors(tensors)
 
     @cached_property
     def _slots(self) -> list[tuple[dict, str]]:
@@ -341,21 +306,12 @@ class FSDPSource(WeightSource):
 
     @cached_property
     def _item_replica(self) -> list[int]:
-        """``senders="owners"``: the replica that gathers and sends each item -- contiguous runs of
-        items in stream order balanced by wire bytes (``core.comm.senders.split_contiguous``: a replica
-        sends at most total / replicas + the largest tensor); a LoRA base travels with its A/B."""
+        """``senders="owners"``: the replica that gathers and sends each item (``plan.item_replicas``);
+        a LoRA base travels with its A/B."""
         tensors = self._resolve()
         sizes = [t.numel() * wd.itemsize for t, wd in zip(tensors, self._wire_dtypes)]
-        base = list(range(len(tensors)))
-        if self.lora is not None:
-            for i, b in self._lora_items[1].items():
-                base[i] = b
-        atoms = list(dict.fromkeys(base))  # a base and its A/B are contiguous items
-        atom_bytes = dict.fromkeys(atoms, 0)
-        for i, b in enumerate(base):
-            atom_bytes[b] += sizes[i]
-        bins = dict(zip(atoms, split_contiguous([atom_bytes[a] for a in atoms], len(self.replicas))))
-        return [bins[b] for b in base]
+        atoms = list(range(len(tensors))) if self._lora_items is None else self._lora_items.atoms()
+        return item_replicas(sizes, atoms, len(self.replicas))
 
     @cached_property
     def _my_replica(self) -> int:
@@ -376,42 +332,28 @@ class FSDPSource(WeightSource):
     def _wire_dtypes(self) -> list[torch.dtype]:
         """Dtype each item is gathered in: its wire dtype (cast before the gather), except a
         LoRA-merged base weight and its A/B, which travel in their own dtype (merged, then cast)."""
-        if self.lora is None:
+        if self._lora_items is None:
             return self._out_dtypes
-        tensors = self._resolve()
-        out = [t.dtype for t in tensors]
-        merges, _ = self._lora_items
-        for k, j in enumerate(self._entry_item):
-            if j not in merges:
-                out[j] = self._out_dtypes[k]
-        return out
+        return self._lora_items.wire_dtypes(self._resolve(), self._out_dtypes)
 
     @cached_property
     def metadata(self) -> list[ParamMeta]:
         metas: list[ParamMeta] = []
-        merged = set()
-        if self.lora is not None:
-            merged = {k for k, _, _ in self._lora_items[0].values()}
+        merged = frozenset() if self._lora_items is None else self._lora_items.merged_entries
         tensors = self._entry_tensors(self._resolve())
         for k, (e, t, wd) in enumerate(zip(self.entries, tensors, self._out_dtypes)):
             layout = dtensor_layout(t)
             if self.senders == "owners":  # the entry's replica: its shard group, first rank sends
-                row = self.replicas[self._item_replica[self._entry_item[k] if self.lora is not None else k]]
+                row = self.replicas[self._item_replica[k if self._lora_items is None else self._lora_items.entry_item[k]]]
                 shard = None if layout is None or layout[2] is None or k in merged else (layout[2][-1],)
                 layout = (tuple(row), (len(row),), shard)
             if layout is not None and k in merged:
                 # The merged tensor exists in full only: iter_local gathers it (placements None).
                 layout = (layout[0], layout[1], None)
             shape = tuple(t.shape)  # a DTensor's global shape: no communication
-            if e.transform is not None:
-                for name, oshape in e.transform.entries(e.name):
-                    odtype = wd
-                    if layout is None:
-                        metas.append(ParamMeta(name, odtype, tuple(oshape)))
-                    else:
-                        metas.append(
-                            ParamMeta(name, odtype, tuple(oshape), owners=layout[0], mesh_shape=layout[1])
-                        )
+            if e.transform is not None:  # owned like the entry, no placements
+                where = {} if layout is None else {"owners": layout[0], "mesh_shape": layout[1]}
+                metas += [ParamMeta(name, wd, tuple(oshape), **where) for name, oshape in e.transform.entries(e.name)]
                 continue
             if layout is None:
                 metas.append(ParamMeta(e.name, wd, shape))
@@ -464,51 +406,22 @@ class FSDPSource(WeightSource):
     def _plain(self, t: torch.Tensor, wd: torch.dtype) -> torch.Tensor:
         return t.detach().to(dtype=wd).contiguous()
 
-    def _merger(self, stats: PassStats):
-        """``emit(item, full)`` for a PEFT pass: entries pass through; a merged base weight waits for
-        its A/B (the items right after it) and goes out merged, in its entry's place."""
-        merges, aux_of = self._lora_items
-        entry_of = {j: k for k, j in enumerate(self._entry_item)}
-        held: dict[int, torch.Tensor] = {}
-
-        def emit(i: int, full: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-            base = aux_of.get(i, i)
-            if base not in merges:
-                yield from self._emit(entry_of[i], full)
-                return
-            held[i] = full
-            stats.hold(full.numel() * full.element_size())
-            k, m, pairs = merges[base]
-            if base not in held or any(a not in held or b not in held for a, b in pairs):
-                return
-            scalings = m.scalings()
-            parts = [held.pop(base)] + [held.pop(x) for pair in pairs for x in pair]
-            terms = [(parts[1 + 2 * n], parts[2 + 2 * n], s) for n, s in enumerate(scalings)]
-            merged = merge_lora(
-                parts[0], terms, fan_in_fan_out=bool(m.layer.fan_in_fan_out), out_dtype=self._out_dtypes[k]
-            )
-            stats.hold(-sum(p.numel() * p.element_size() for p in parts))
-            del parts, terms
-            yield from self._emit(k, merged)
-
-        return emit
-
     def _raw_full(self, stats: PassStats) -> Iterator[tuple[str, torch.Tensor]]:
         tensors = self._resolve()
         wds = self._wire_dtypes
         steps = self._plan(tensors)
-        emit = self._emit if self.lora is None else self._merger(stats)
+        emit = self._emit if self._lora_items is None else self._lora_items.merger(self._emit, self._out_dtypes, stats)
         keys = self._item_keys
 
         def make(k: int) -> BatchedGather:
             step = steps[k]
             mesh, axis = step.mesh, step.axis
-            pieces = [
-                ShardPiece(keys[i], local_of(tensors[i]), tuple(tensors[i].shape), wds[i])
+            shards = [
+                GatherShard(keys[i], local_of(tensors[i]), tuple(tensors[i].shape), wds[i])
                 for i in step.indices
             ]
             return BatchedGather(
-                pieces,
+                shards,
                 group=mesh.get_group(axis),
                 n=mesh.size(axis),
                 index=mesh.get_local_rank(axis),
@@ -573,12 +486,13 @@ class FSDPSource(WeightSource):
         all_tensors = self._resolve()
         tensors = self._entry_tensors(all_tensors)
         wds = self._out_dtypes
-        merges = {} if self.lora is None else self._lora_items[0]
+        lora = self._lora_items
         for i, (e, t, wd) in enumerate(zip(self.entries, tensors, wds)):
             if not is_member(t):
                 continue
-            if merges and self._entry_item[i] in merges:
-                yield from self._emit(i, self._merged_full(self._entry_item[i], all_tensors, stats))
+            merged = None if lora is None else lora.merged_item(i)
+            if merged is not None:
+                yield from self._emit(i, lora.merged_full(merged, all_tensors, wds, stats))
                 continue
             if not is_dtensor(t):
                 yield from self._emit(i, self._plain(t, wd))
@@ -590,20 +504,6 @@ class FSDPSource(WeightSource):
             else:
                 local = local_of(t)
                 yield e.name, local.to(device=device, dtype=wd).contiguous()
-
-    def _merged_full(self, j: int, tensors: list[torch.Tensor], stats: PassStats) -> torch.Tensor:
-        """One LoRA-merged tensor for ``iter_local``: base and A/B gathered one by one (own dtype)."""
-        k, m, pairs = self._lora_items[0][j]
-
-        def full(x: int) -> torch.Tensor:
-            t = tensors[x]
-            if not is_dtensor(t):
-                return t.detach()
-            return fallback_full(t, t.dtype, gather_device(t.device_mesh), stats)
-
-        base = full(j)
-        terms = [(full(a), full(b), s) for (a, b), s in zip(pairs, m.scalings())]
-        return merge_lora(base, terms, fan_in_fan_out=bool(m.layer.fan_in_fan_out), out_dtype=self._out_dtypes[k])
 
     def implements_iter_local(self) -> bool:
         return self.senders == "rank0"
@@ -629,8 +529,13 @@ class FSDPSource(WeightSource):
         the wire dtype, gathering only what cannot be cut into boxes (``fsdp/pieces.py``; the
         protocol: ``core/layouts/pieces.py``). What ``DeltaSource`` diffs where the shard lives."""
         stats = self._start_pass()
-        yield from fsdp_pieces(self, stats, self.rank)
+        yield from fsdp_pieces(self._pieces_view, stats, self.rank)
         stats.stop()
+
+    @cached_property
+    def _pieces_view(self) -> FSDPPiecesView:
+        """What ``fsdp_pieces`` reads of this source (kept: its box cache lasts across passes)."""
+        return FSDPPiecesView(self.entries, self._out_dtypes, self._resolve, self._lora_items)
 
     @cached_property
     def _receiver_writes(self) -> frozenset[str]:
@@ -642,58 +547,3 @@ class FSDPSource(WeightSource):
             f"FSDPSource({type(self._module).__name__}, dtype={self.wire.dtype}, "
             f"group_bytes={self.group_bytes}, overlap={self.overlap})"
         )
-
-
-def _expert_transform(
-    module: nn.Module,
-    expert_layout: str | None,
-    transforms: tuple[TensorTransform, ...],
-    rank: int | None,
-) -> TensorTransform | None:
-    """The ``ExpertTransform`` for ``module``'s fused experts, or None when there is nothing to do.
-
-    Invariant: an explicit ``expert_layout`` always builds one (its validation and errors are the
-    user's to see); the default (None) builds one only for fused expert parameters no
-    ``transforms`` entry handles, so a dense model or a caller's own hook is untouched. Built from
-    names and global shapes only (no collective), so every rank decides the same way. By default,
-    experts of a transformers-defined module it cannot map take the generic conversion path
-    (``core/hf/conversions.py``: exactly what ``save_pretrained`` writes); other experts it cannot map
-    raise here, on every rank, before bytes move.
-    """
-    from ..core.ground.errors import UnmappedParameterError
-    from ..core.hf.experts import ExpertTransform, check_expert_layout, is_fused_expert_param
-    from ..core.hf.naming import _wrapper_paths, checkpoint_name, defined_by_transformers
-
-    check_expert_layout(expert_layout)
-    if expert_layout is None:
-        wrappers = _wrapper_paths(module)
-        fused = []
-        for path, p in module.named_parameters():
-            name = checkpoint_name(path, wrappers)
-            if is_fused_expert_param(name, p.shape) and not any(t.handles(name) for t in transforms):
-                fused.append(name)
-        if not fused:
-            return None
-    try:
-        transform = ExpertTransform.for_module(module, expert_layout=expert_layout)
-        if expert_layout is None:
-            logger.info(
-                "%d fused expert parameter(s) (e.g. %s): exporting them %s, the target checkpoint's layout",
-                len(fused), fused[0], transform.layout,
-            )
-        return transform
-    except (UnmappedParameterError, ValueError) as e:
-        if expert_layout is None and defined_by_transformers(module, fused):
-            # transformers' own experts in a layout ExpertTransform does not stream (Llama 4's
-            # [E, H, 2I], Step3.7's stacked projections): the generic conversion path sends exactly
-            # what save_pretrained writes (core/hf/conversions.py).
-            logger.info("fused experts (e.g. %s) go out as save_pretrained writes them: %s", fused[0], e)
-            return None
-        if not isinstance(e, UnmappedParameterError):
-            raise
-        r = current_rank() if rank is None else rank
-        raise UnmappedParameterError(
-            f"rank {r}: FSDPSource(expert_layout={expert_layout!r}): cannot map the fused expert "
-            f"parameters of {type(module).__name__} to checkpoint names: {e}"
-        ) from e
-

@@ -56,14 +56,14 @@ def _gathers(shards, device, stats, stream, cls):
     import torch
     import torch.distributed as dist
 
-    from weightsync.sources.fsdp.gather import BatchedGather, ShardPiece
+    from weightsync.sources.fsdp.gather import BatchedGather, GatherShard
 
     out = []
     # Two tensors per group, the last two alone: a one-tensor group hands its gathered buffer over
     # as the tensor (``BatchedGather._adopt``), which the consumer then reads on its own stream.
     groups = [(g, g + 1) for g in range(0, len(shards) - 2, 2)] + [(len(shards) - 2,), (len(shards) - 1,)]
     for idx in groups:
-        pieces = [ShardPiece(f"shard.{i}", shards[i], tuple(shards[i].shape), torch.float32) for i in idx]
+        pieces = [GatherShard(f"shard.{i}", shards[i], tuple(shards[i].shape), torch.float32) for i in idx]
         out.append(cls(pieces, group=dist.group.WORLD, n=1, index=0, device=device, stats=stats,
                        timeout_s=60, stream=stream))
     return out

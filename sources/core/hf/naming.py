@@ -57,6 +57,7 @@ __all__ = [
     "defined_by_transformers",
     "hf_root",
     "tied_weight_patterns",
+    "wrapper_paths",
 ]
 
 logger = get_logger(__name__)
@@ -115,8 +116,14 @@ def _is_pure_wrapper(mod: nn.Module) -> bool:
     )
 
 
-def _wrapper_paths(module: nn.Module) -> set[str]:
-    """In-memory module paths whose ``module`` child is a wrapper segment."""
+def wrapper_paths(module: nn.Module) -> set[str]:
+    """In-memory module paths whose ``module`` child is a wrapper segment (DDP-style: the only child
+    of a module holding no tensors of its own), for ``checkpoint_name``.
+
+    Computed from module structure only (no tensor data, no collective), so every rank gets the
+    same set; compute it once per module tree and pass it to every ``checkpoint_name`` call, which
+    is how each caller (``FSDPSource``, ``lora.LoraPlan``, ``LoRAAdapterSource``, the expert
+    transform) turns in-memory paths into the names ``save_pretrained`` writes."""
     out: set[str] = set()
     for path, mod in module.named_modules(remove_duplicate=False):
         if _is_pure_wrapper(mod):
@@ -127,8 +134,8 @@ def _wrapper_paths(module: nn.Module) -> set[str]:
 def checkpoint_name(path: str, wrapper_paths: set[str] | None = None) -> str:
     """The checkpoint name of in-memory ``path``: wrapper segments removed.
 
-    ``wrapper_paths`` (from the module tree) says where a ``module`` segment is a wrapper; without
-    it only the unambiguous wrapper segments are removed.
+    ``wrapper_paths`` (``wrapper_paths(module)`` of the tree) says where a ``module`` segment is a
+    wrapper; without it only the unambiguous wrapper segments are removed.
     """
     parts = path.split(".")
     kept: list[str] = []
@@ -213,7 +220,7 @@ def defined_by_transformers(module: nn.Module, names: Iterable[str]) -> bool:
     """Whether every parameter in ``names`` (de-wrapped) belongs to a module whose class (before
     ``fully_shard`` renamed it) transformers itself defines: its save-time layout is then
     transformers' to say (its conversion mapping, or the in-memory layout), not a guess."""
-    wrappers = _wrapper_paths(module)
+    wrappers = wrapper_paths(module)
     owner = {}
     for path, mod in module.named_modules():
         owner[checkpoint_name(path, wrappers)] = mod
@@ -238,7 +245,7 @@ def _unwrapped_tree(root: nn.Module, pretrained_cls: type) -> nn.Module:
     set) at its de-wrapped path, plain ``nn.Module`` placeholders between them. Nothing of the
     live model is changed.
     """
-    wrappers = _wrapper_paths(root)
+    wrappers = wrapper_paths(root)
     found = [
         (path, checkpoint_name(path, wrappers), m)
         for path, m in root.named_modules()
@@ -273,13 +280,13 @@ def conversion_view(module: nn.Module, root: nn.Module | None = None):
     """``conversions.ConversionView`` of ``module``'s transformers model (``root``, default
     ``hf_root(module)``): the conversions ``save_pretrained`` of the unwrapped model reverts, and
     the global shapes of its parameters by de-wrapped name. What transformers' conversion code
-    (``revert_weight_conversion``, ``experts.expert_names``) must be given instead of the wrapped
+    (``revert_weight_conversion``, ``expert_spec.expert_names``) must be given instead of the wrapped
     model, whose ``FSDP<cls>`` classes transformers skips as custom code."""
     from .conversions import ConversionView
 
     if root is None:
         root = hf_root(module)
-    wrappers = _wrapper_paths(module)
+    wrappers = wrapper_paths(module)
     shapes = {checkpoint_name(n, wrappers): tuple(p.shape) for n, p in module.named_parameters()}
     return ConversionView(root, _saved_conversions(root), shapes)
 
@@ -362,13 +369,13 @@ def checkpoint_entries(
     ``transforms`` entry matches them; ``UnmappedParameterError`` names the conversions that cannot
     be reverted while streaming.
     """
-    wrappers = _wrapper_paths(module)
+    wrappers = wrapper_paths(module)
     tensors = _state_tensors(module, include_buffers)
     if root is None:
         root = hf_root(module)
         tied_source, tied_wrappers = module, wrappers
     else:
-        tied_source, tied_wrappers = root, _wrapper_paths(root)
+        tied_source, tied_wrappers = root, wrapper_paths(root)
 
     # Group aliases by tensor identity; first appearance fixes the position.
     by_id: dict[int, list[tuple[str, str, bool]]] = {}
@@ -418,6 +425,3 @@ def checkpoint_entries(
         out.append(e if t is None else CheckpointEntry(e.name, e.path, e.is_buffer, e.aliases, t))
     return _apply_conversions(root, out, {path: t for path, t, _ in tensors})
 
-
-def names_of(entries: Iterable[CheckpointEntry]) -> list[str]:
-    return [e.name for e in entries]
