@@ -16,7 +16,8 @@ on both sides; the difference is kernel arithmetic order).
 Tests, in order (each leaves ``server.seed`` = the weights it serves): an FSDP2 sync; the server's
 version as the HTTP client learns it, and vLLM's NCCL init payload fitted to it; a Megatron TP2
 sync (weights written by the tests' own HF -> Megatron importer); rejected / corrupted
-updates; the three pause modes with a request in flight and one queued; a trainer failing
+updates; TRL's GRPO and async GRPO generating from it, synced by weightsync (async GRPO's pieces:
+``test_trl_async.py``); the three pause modes with a request in flight and one queued; a trainer failing
 mid-stream; last, a worker killed mid-update (the server is dead afterwards).
 
 Skipped (with the command to run) when ``WEIGHTSYNC_VLLM_CPU_PYTHON`` is unset: ``.ci/test`` sets it.
@@ -612,6 +613,37 @@ def test_trl_grpo_generates_from_the_server_weightsync_syncs(server, tmp_path):
     logs = [h for h in res["history"] if "loss" in h]
     assert [h["step"] for h in logs] == [1, 2], res["history"]
     assert all("reward" in h and "weightsync/bytes" in h for h in logs), logs
+    server.seed = None  # serves trained weights now; the next test syncs its own
+
+
+def test_trl_async_grpo_generates_from_the_server_weightsync_syncs(server, tmp_path):
+    """TRL's async GRPO (``AsyncGRPOTrainer``) with rollouts sampled from the real server
+    (``test_trl_async.ServerRollouts``) and ``WeightSyncAsyncGRPOTrainer`` doing the sync: the cold
+    sync and one after each of 2 steps; after each the server reports the trainer's
+    ``model_version`` as its ``weight_version`` and is resumed, its greedy tokens equal transformers'
+    on the trainer's weights, and the rollout worker was told each version; ``weight_transfer=`` is
+    refused; TRL's loss / reward / KL logs are there with weightsync's report beside them."""
+    pytest.importorskip("trl")
+    from test_trl_async import world_trl_async_grpo
+
+    res = run_world(world_trl_async_grpo, 1, timeout=300, url=server.url, model_dir=server.model_dir,
+                    work=str(tmp_path))[0]
+    assert res["refused"] and "weight_transfer=" in res["refused"], res["refused"]
+    checks = res["checks"]
+    assert [(c["model_version"], c["version"]) for c in checks] == [(1, "1"), (2, "2"), (3, "3")], checks
+    for c in checks:
+        assert not c["paused"], c
+        for (want_t, want_lp), (got_t, got_lp) in zip(c["want"], c["got"]):
+            assert got_t == want_t, c
+            assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) <= LOGPROB_ATOL, c
+    assert checks[0]["want"] != checks[1]["want"] != checks[2]["want"]  # each step changed what is served
+    versions = res["versions"]  # the policy version each rollout group was requested under
+    assert versions and versions[0] == 1 and versions == sorted(versions) and versions[-1] <= 3, versions
+    logs = [h for h in res["history"] if "loss" in h]
+    assert [h["step"] for h in logs] == [1, 2], res["history"]
+    for h in logs:
+        for key in ("reward", "kl", "entropy", "perf/weight_sync_s", "weightsync/bytes"):
+            assert key in h, (key, h)
     server.seed = None  # serves trained weights now; the next test syncs its own
 
 
