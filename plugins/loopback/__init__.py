@@ -4,11 +4,16 @@ weight-transfer protocol over gloo, not a replacement for vLLM's NCCL / IPC engi
 * ``trainer/``  -- the trainer end: the ``"loopback"`` and ``"loopback_sparse"`` (delta rounds) engines
   for vLLM's ``WeightTransferTrainerFactory``. Imports vLLM; importing it registers both engines.
 * ``receiver/`` -- the receiving end: ``LoopbackReceiver`` (a module that loads strictly and checks
-  checksums), its HTTP server and process, ``TensorsModel``, and the transport both ends agree on.
-  **Never imports vLLM** (an import-linter contract): a receiver process starts without paying
-  vLLM's import.
+  checksums), its HTTP server, client and process, ``TensorsModel``, and the transport both ends
+  agree on. **Never imports vLLM** (an import-linter contract): a receiver process starts without
+  paying vLLM's import.
 * ``worker/``   -- the worker engine a real vLLM server runs, and weightsync's vLLM plugin entry
   point that registers it.
+
+May import: ``weightsync.sources`` and ``weightsync.sources.toolkit``, and the plugins' layers below it
+(``sync``: the trainer end declares its engines' capabilities in ``sync.capabilities``;
+``lora_adapter``, ``testbed``). Inside, ``trainer/`` and ``worker/`` build on ``receiver/``, never the
+reverse (a ``layers`` contract).
 
 This package imports nothing at import time, so the receiver process (which must import it) stays
 light. A trainer-end name (``LoopbackTrainerInitInfo``, ...) or ``register`` imports ``trainer/``,

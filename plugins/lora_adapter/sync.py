@@ -47,18 +47,20 @@ import math
 import os
 import re
 import shutil
-import stat
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from weightsync.sources import LoRAAdapterSource, PreflightError, WeightSyncError
-from weightsync.sources.toolkit import DEFAULT_TIMEOUT_S, Board, get_logger, next_tag
+from weightsync.sources import LoRAAdapterSource, WeightSyncError
+from weightsync.sources.toolkit import DEFAULT_TIMEOUT_S, Board, get_logger, multi_rank, next_tag
+
+from .checks import check_adapter, server_limits
+from .files import write_adapter
+from .report import AdapterSyncReport
 
 __all__ = ["LoRAAdapterSync", "AdapterSyncReport", "AdapterRefusedError", "MODES", "check_adapter",
            "server_limits", "write_adapter"]
@@ -71,194 +73,6 @@ PAUSE_MODES = ("keep", "wait", "abort")
 
 class AdapterRefusedError(WeightSyncError):
     """A vLLM server refused the adapter (its reason in the message); the previous version serves."""
-
-
-@dataclass(frozen=True)
-class AdapterSyncReport:
-    step: int
-    weight_version: str
-    rank: int
-    #: the name requests use for this version, and the folder it was loaded from (rank 0)
-    lora_name: str
-    path: str | None
-    tensors: int
-    #: adapter tensor bytes (the safetensors payload) and the files' size on disk (rank 0)
-    bytes: int
-    file_bytes: int | None
-    gather_seconds: float
-    write_seconds: float
-    load_seconds: float
-    pause_seconds: float
-    total_seconds: float
-    collectives: int | None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def metrics(self, prefix: str = "weightsync/") -> dict[str, float]:
-        """Numeric fields only, prefixed, as ``SyncReport.metrics`` (what a trainer's logger takes;
-        ``file_bytes`` is rank 0's only)."""
-        return {prefix + k: float(v) for k, v in self.as_dict().items()
-                if not isinstance(v, (bool, str)) and v is not None}
-
-    def summary(self) -> str:
-        return (f"rank {self.rank}: adapter {self.lora_name!r} v{self.weight_version}: {self.tensors} tensors, "
-                f"{self.bytes} B, gather {self.gather_seconds * 1e3:.1f} ms, write {self.write_seconds * 1e3:.1f} ms, "
-                f"load {self.load_seconds * 1e3:.1f} ms, total {self.total_seconds * 1e3:.1f} ms")
-
-
-# ---- server limits and checks (pure given the facts: every rank decides the same) ---------------
-
-
-def _served_names(model_dir: str) -> set[str] | None:
-    """Tensor names of the served checkpoint folder, or None when it is not a readable folder here."""
-    if not model_dir or not os.path.isdir(model_dir):
-        return None
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            return set(json.load(f).get("weight_map", {}))
-    files = [f for f in os.listdir(model_dir) if f.endswith(".safetensors") and not f.startswith("adapter")]
-    if not files:
-        return None
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for f in files:
-        with safe_open(os.path.join(model_dir, f), framework="pt") as h:
-            names.update(h.keys())
-    return names
-
-
-def server_limits(info: dict[str, Any], modules: list[str]) -> dict[str, Any]:
-    """One server's facts from its ``/server_info`` JSON: ``lora`` (``None`` without
-    ``--enable-lora``: ``max_lora_rank``, ``max_loras``, ``max_cpu_loras``, ``lora_dtype``), ``model``
-    and ``missing`` -- which of ``modules`` (adapter targets) have no ``<module>.weight`` in the
-    served checkpoint (``None``: the served folder is not readable from here, not checked)."""
-    cfg = info.get("vllm_config") or {}
-    if not isinstance(cfg, dict):
-        raise WeightSyncError("GET /server_info returned vllm_config as text; this server's vLLM is too old "
-                              "for config_format=json")
-    lora = cfg.get("lora_config")
-    model = (cfg.get("model_config") or {}).get("model", "")
-    names = _served_names(model)
-    out: dict[str, Any] = {"model": model, "missing": None, "lora": None}
-    if names is not None:
-        out["missing"] = [m for m in modules if f"{m}.weight" not in names]
-    if isinstance(lora, dict):
-        out["lora"] = {k: lora.get(k) for k in ("max_lora_rank", "max_loras", "max_cpu_loras", "lora_dtype")}
-    return out
-
-
-def check_adapter(source: Any, facts: dict[str, dict[str, Any]], *, mode: str, keep: int | None,
-                  rank: int) -> None:
-    """Raise ``PreflightError`` naming the rank, the server and every problem if any server would
-    refuse ``source``'s adapter (``facts``: ``{url: server_limits(...)}``). Pure: the same verdict
-    on every rank for the same facts."""
-    problems: list[str] = []
-    modules = source.modules
-    out_emb = _output_embedding_path(source)
-    for url, f in facts.items():
-        lora = f.get("lora")
-        if lora is None:
-            problems.append(f"{url} serves without LoRA (start it with --enable-lora and "
-                            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)")
-            continue
-        limit = int(lora["max_lora_rank"])
-        over = [m for m in modules if m.rank > limit]
-        if over:
-            problems.append(f"{url}: adapter rank {over[0].rank} of {over[0].module!r} ({len(over)} module(s)) is "
-                            f"above the server's --max-lora-rank {limit}")
-        if mode == "versioned" and keep is not None and keep > int(lora["max_loras"]):
-            problems.append(f"{url}: keep={keep} versions loaded but the server's --max-loras is "
-                            f"{lora['max_loras']}: raise --max-loras or lower keep")
-        if f.get("missing"):
-            miss = f["missing"]
-            problems.append(f"{url}: target module {miss[0]!r} ({len(miss)} in all) has no weight in the served "
-                            f"model {f.get('model')!r}: the adapter was trained on another architecture")
-        if out_emb is not None and any(m.module == out_emb for m in modules):
-            problems.append(f"{url}: the adapter targets the output embedding {out_emb!r}, which vLLM serves "
-                            "no LoRA on; merge and send the whole model instead")
-        vllm_reason = _vllm_validate(source.adapter_config())
-        if vllm_reason:
-            problems.append(f"{url}: vLLM's PEFTHelper.validate_legal refuses the adapter_config: {vllm_reason}")
-    if problems:
-        raise PreflightError(f"rank {rank}: LoRA adapter {source.adapter!r} would be refused: " + "; ".join(problems))
-
-
-def _output_embedding_path(source: Any) -> str | None:
-    hf = source.hf_model
-    get = getattr(hf, "get_output_embeddings", None)
-    emb = get() if callable(get) else None
-    if emb is None:
-        return None
-    for path, m in hf.named_modules():
-        if m is emb or getattr(m, "base_layer", None) is emb:
-            return path
-    return None
-
-
-def _vllm_validate(config: dict[str, Any]) -> str | None:
-    """vLLM's own verdict on an ``adapter_config.json`` (``PEFTHelper.validate_legal``), or None."""
-    try:
-        from vllm.config.lora import LoRAConfig
-        from vllm.lora.peft_helper import PEFTHelper
-    except ImportError:  # pragma: no cover - vLLM without LoRA support
-        return None
-    try:
-        # the features vLLM refuses (the rank against the server's limit is checked by the caller)
-        PEFTHelper.from_dict(dict(config)).validate_legal(LoRAConfig(max_lora_rank=512))
-    except Exception as e:  # noqa: BLE001 - its reason is the message
-        return str(e)
-    return None
-
-
-# ---- the files ---------------------------------------------------------------------------------
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_adapter(folder: str, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> int:
-    """Write ``adapter_model.safetensors`` (PEFT's metadata ``{"format": "pt"}``) and
-    ``adapter_config.json`` as the folder ``folder``, atomically: into a hidden temporary folder
-    beside it, each file and the folder fsynced, one rename, the parent fsynced. ``folder`` must not
-    exist. Both files get ``0o666`` minus the umask (``0644`` under umask 022; safetensors >= 0.8
-    alone leaves the weights ``0600``), so a server running as another user reads them. Returns the
-    files' bytes."""
-    from safetensors.torch import save_file
-
-    parent, leaf = os.path.split(os.path.abspath(folder))
-    os.makedirs(parent, exist_ok=True)
-    if os.path.exists(folder):
-        raise FileExistsError(f"{folder} exists; each adapter version is written to a fresh folder")
-    tmp = os.path.join(parent, f".{leaf}.tmp-{uuid.uuid4().hex[:8]}")
-    os.mkdir(tmp)
-    try:
-        cj = os.path.join(tmp, "adapter_config.json")
-        with open(cj, "w") as f:  # 0o666 minus the umask, as PEFT's save_pretrained leaves it
-            f.write(json.dumps(config, indent=2, sort_keys=True))
-            f.flush()
-            os.fsync(f.fileno())
-        st = os.path.join(tmp, "adapter_model.safetensors")
-        save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}, st, metadata={"format": "pt"})
-        # safetensors >= 0.8 creates the file 0600 whatever the umask (safetensors#782): a server
-        # running as another user could not read it. Give it the mode open() gave the config.
-        os.chmod(st, stat.S_IMODE(os.stat(cj).st_mode))
-        _fsync(st)
-        _fsync(tmp)
-        os.rename(tmp, folder)
-        _fsync(parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return os.path.getsize(os.path.join(folder, "adapter_model.safetensors")) + os.path.getsize(
-        os.path.join(folder, "adapter_config.json"))
 
 
 def _safe(text: str) -> str:
@@ -310,7 +124,7 @@ class LoRAAdapterSync:
         precheck: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self.rank = dist.get_rank() if _multi_rank() else 0
+        self.rank = dist.get_rank() if multi_rank() else 0
         who = f"LoRAAdapterSync: rank {self.rank}"
         if not isinstance(lora_name, str) or not re.fullmatch(r"[A-Za-z0-9_.:-]+", lora_name):
             raise ValueError(f"{who}: lora_name must be a non-empty name of letters, digits, '_.:-', got {lora_name!r}")
@@ -412,7 +226,7 @@ class LoRAAdapterSync:
         t0 = time.perf_counter()
         step = 0 if step is None else int(step)
         version = str(weight_version if weight_version is not None else self.version_fn(step))
-        board = Board(next_tag("weightsync-lora")) if _multi_rank() else None
+        board = Board(next_tag("weightsync-lora")) if multi_rank() else None
 
         # 1. the servers' limits (once), on every rank
         if self.precheck and self.facts is None:
@@ -532,6 +346,3 @@ class LoRAAdapterSync:
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
-
-def _multi_rank() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -26,24 +26,15 @@ Invariants, and why:
   sent unchanged to several instances, all of them would claim the same NCCL ranks and the rendezvous
   would hang. With several servers the client gives each one the offset after its predecessors'
   workers (from ``/get_world_size``) and checks the payload's ``world_size`` covers them all.
-* **Each server gets a payload its vLLM version parses** (a 0.34 trainer beside 0.33 servers, or the
-  other way round). vLLM's worker builds its init / update info with ``InfoClass(**payload)``, so a
-  field it does not know is an "unexpected keyword" error (0.34's NCCL init payload always carries
-  ``"use_load_plan": false``, which a 0.33 worker rejects). The client reads every server's
-  ``GET /version`` once and leaves out, per server, each field of ``ADDED_FIELDS`` that the server's
-  version predates while the field holds its default (the value that means "as before": omitting it
-  changes nothing on any version). A field at a non-default value that a server predates is refused
-  with ``ServerVersionError`` naming the server, both versions and the field, before the request is
-  sent; ``check_compatible`` raises the same error from the trainer's init info and metadata alone,
-  which ``WeightSync`` calls on the sender before ``trainer_init`` so that every rank raises before
-  any collective. A server without ``/version`` (a proxy, a stand-in) counts as unknown: defaults are
-  left out (safe everywhere), anything else is sent as is.
+* **Each server gets a payload its vLLM version parses** (a 0.34 trainer beside 0.33 servers): the
+  fields a server's vLLM predates are left out while at their default, refused otherwise
+  (``ServerVersionError``), and ``check_compatible`` raises the same from the init info and metadata
+  alone, before ``trainer_init`` (``versions``).
 """
 
 from __future__ import annotations
 
 import ipaddress
-import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
@@ -54,6 +45,8 @@ from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
 from weightsync.sources import WeightSyncError
 from weightsync.sources.toolkit import broadcast_ranks, get_logger
+
+from .versions import ADDED_FIELDS, ServerVersionError, needs, parse_vllm_version, payload_for, too_old
 
 __all__ = [
     "ADDED_FIELDS",
@@ -85,44 +78,6 @@ class ControlPlaneError(WeightSyncError):
 
 class InsecureTransportError(WeightSyncError, ValueError):
     """Pickled CUDA IPC handles would be sent to a non-loopback host without an explicit opt-in."""
-
-
-class ServerVersionError(WeightSyncError, ValueError):
-    """A server's vLLM version cannot parse a payload field the trainer needs at a non-default value."""
-
-
-#: Fields of vLLM's worker-side payloads that a newer vLLM added: ``{payload: {field: (version that
-#: added it, the value that means "as before")}}``. Read from vLLM 0.34.0's
-#: ``nccl_common.NCCLWeightTransferInitInfo`` (``use_load_plan``, ``metadata``: direct reload through a
-#: load plan) and ``nccl_engine.NCCLWeightTransferUpdateInfo`` (``src``: the broadcasting trainer
-#: rank, many senders) against 0.33.0's; the other backends' payloads did not change.
-ADDED_FIELDS: dict[str, dict[str, tuple[tuple[int, int], Any]]] = {
-    "init_info": {"use_load_plan": ((0, 34), False), "metadata": ((0, 34), None)},
-    "update_info": {"src": ((0, 34), 0)},
-}
-
-#: What each added field is for, in the refusal's words.
-_FIELD_USE = {
-    "use_load_plan": "use_load_plan=True (direct reload through a load plan)",
-    "metadata": "the load plan's metadata (use_load_plan=True)",
-    "src": "a sender other than trainer rank 0 (many senders: ParamMeta.owners[0] != 0)",
-}
-
-
-def parse_vllm_version(text: str | None) -> tuple[int, int] | None:
-    """``(major, minor)`` of a vLLM version string (``"0.34.0"``, ``"0.33.1.dev4+gabc"``,
-    ``"0.32.0+cpu"``); ``None`` for ``None`` or anything without a leading ``N.N``."""
-    m = re.match(r"\s*v?(\d+)\.(\d+)", text or "")
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def _local_vllm_version() -> str:
-    try:
-        import vllm
-
-        return str(getattr(vllm, "__version__", "unknown"))
-    except Exception:  # noqa: BLE001 - only for messages
-        return "unknown"
 
 
 def is_loopback_url(url: str) -> bool:
@@ -390,19 +345,13 @@ class VLLMHTTPClient(HTTPVLLMWeightSyncClient):
         /get_world_size``): a wrong size otherwise waits out the group's rendezvous timeout (30-300 s)
         and then names a store key. A server that does not answer ``/get_world_size`` is not checked
         here (the sync's own calls name it)."""
-        needs: list[tuple[str, str, Any]] = []  # (payload, field, value)
-        if getattr(init_info, "use_load_plan", False):
-            needs.append(("init_info", "use_load_plan", True))
-        if getattr(init_info, "backend", None) == "nccl" and metadata:
-            srcs = sorted({m.owners[0] for m in metadata if getattr(m, "owners", None)} - {0})
-            if srcs:
-                needs.append(("update_info", "src", srcs))
-        if needs:
+        wanted = needs(init_info, metadata)  # (payload, field, value)
+        if wanted:
             versions = self.server_versions()
             problems = []
             for u in self.base_urls:
-                for payload, field_, value in needs:
-                    problem = self._too_old(u, versions.get(u), payload, field_, value)
+                for payload, field_, value in wanted:
+                    problem = too_old(u, versions.get(u), payload, field_, value)
                     if problem:
                         problems.append(problem)
             if problems:
@@ -432,36 +381,12 @@ class VLLMHTTPClient(HTTPVLLMWeightSyncClient):
                 f"(VLLMHTTPClient.nccl_world_size({senders}) asks the servers)"
             )
 
-    def _too_old(self, url: str, version: str | None, payload: str, field_: str, value: Any) -> str | None:
-        added, _default = ADDED_FIELDS[payload][field_]
-        have = parse_vllm_version(version)
-        if have is None or have >= added:
-            return None
-        return (
-            f"{url} runs vLLM {version}, whose {payload} has no field {field_!r} (added in vLLM "
-            f"{added[0]}.{added[1]}); this trainer runs vLLM {_local_vllm_version()} and needs "
-            f"{_FIELD_USE.get(field_, field_)} (value {value!r}). Upgrade that server to vLLM >= "
-            f"{added[0]}.{added[1]}, or leave {field_!r} at its default"
-        )
-
     def _for_server(self, url: str, payload: str, info: dict[str, Any]) -> dict[str, Any]:
-        """``info`` as the server at ``url`` parses it: fields it predates are dropped while at their
-        default; ``ServerVersionError`` for one that is not."""
-        added_fields = ADDED_FIELDS[payload]
-        present = [f for f in added_fields if f in info]
-        if not present:
+        """``info`` as the server at ``url`` parses it (``versions.payload_for``); asks its version
+        only when ``info`` carries a field a newer vLLM added."""
+        if not any(f in info for f in ADDED_FIELDS[payload]):
             return info
-        version = self.server_versions().get(url)
-        have = parse_vllm_version(version)
-        for f in present:
-            added, default = added_fields[f]
-            if have is not None and have >= added:
-                continue
-            if info[f] == default:
-                del info[f]
-            elif have is not None:
-                raise ServerVersionError(self._too_old(url, version, payload, f, info[f]))
-        return info
+        return payload_for(url, self.server_versions().get(url), payload, info)
 
     # ---- dev-mode routes ----------------------------------------------------------------------
 

@@ -34,10 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.sources import PreflightError, SilentTransportError, WeightSyncError
-from weightsync.sources.toolkit import DEFAULT_TIMEOUT_S, broadcast_ranks, control_group, get_logger
+from weightsync.sources import PreflightError, SilentTransportError
+from weightsync.sources.toolkit import DEFAULT_TIMEOUT_S, broadcast_ranks, control_group, get_logger, multi_rank
 
-__all__ = ["PreflightError", "PreflightReport", "check_engine", "check_weights_changed"]
+__all__ = ["PreflightError", "PreflightReport", "check_engine", "check_weights_changed", "pynccl_disabled_cause"]
 
 logger = get_logger(__name__)
 
@@ -73,7 +73,7 @@ def check_engine(
         _check_local(engine, report, rank, expected_world_size)
     except Exception as e:  # noqa: BLE001 - every rank must hear it, whatever it is
         error = e
-    if agree and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if agree and multi_rank():
         mine = None if error is None else (type(error).__name__, str(error))
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (rank, mine), group=control_group(timeout_s=timeout_s))
@@ -177,6 +177,18 @@ def _nccl_cause(comm: Any) -> str:
         )
     version = getattr(comm, "nccl_version", None)
     return f"the communicator was destroyed or shut down (NCCL raw version {version})"
+
+
+def pynccl_disabled_cause() -> str:
+    """Why vLLM's ``PyNcclCommunicator`` disabled itself, from the environment, for the note on
+    ``trainer_init``'s error (vLLM 0.34 raises there; 0.33 went on and ``check_engine`` catches it)."""
+    if os.environ.get("VLLM_DISABLE_PYNCCL", "0") not in ("", "0", "false", "False"):
+        return "vLLM disabled its NCCL communicator because VLLM_DISABLE_PYNCCL is set in the trainer's environment"
+    return (
+        "vLLM disabled its NCCL communicator: it could not load the NCCL library (missing, or older "
+        "than the symbols vLLM binds, e.g. ncclCommSuspend, absent in NCCL 2.28.9) -- install the NCCL "
+        "vLLM was built against or point VLLM_NCCL_SO_PATH at it"
+    )
 
 
 def _check_ipc(engine: Any, report: PreflightReport, rank: int) -> None:

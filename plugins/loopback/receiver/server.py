@@ -1,4 +1,5 @@
-"""Reaching a ``LoopbackReceiver``: vLLM's dev-mode HTTP routes, a client, and a process launcher.
+"""A ``LoopbackReceiver`` behind vLLM's dev-mode HTTP routes (``ReceiverServer``); its client is
+``client.ReceiverClient``, its process ``process.start_receiver_process``.
 
 ``ReceiverServer`` serves the routes a vLLM server exposes with ``VLLM_SERVER_DEV_MODE=1``, with the
 same request bodies and JSON answers, so vLLM's own ``HTTPVLLMWeightSyncClient`` drives it unchanged::
@@ -27,27 +28,21 @@ is busy. ``tests/test_receiver_http.py`` hammers every route to prove it.
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
-import multiprocessing as mp
-import os
 import threading
 import time
 import traceback
-import urllib.error
 import urllib.parse
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from weightsync.sources import WeightSyncError
 from weightsync.sources.toolkit import get_logger
 
 from .receiver import LoopbackReceiver
 
-__all__ = ["ReceiverServer", "ReceiverClient", "ReceiverHandle", "start_receiver_process"]
+__all__ = ["ReceiverServer"]
 
 logger = get_logger(__name__)
 
@@ -240,273 +235,3 @@ def _make_handler(server: ReceiverServer) -> type[BaseHTTPRequestHandler]:
             self._handle("POST")
 
     return Handler
-
-
-class ReceiverClient:
-    """``VLLMWeightSyncClient`` for a ``ReceiverServer`` (or a vLLM dev-mode server), stdlib only.
-
-    Unlike vLLM's ``HTTPVLLMWeightSyncClient`` it raises ``WeightSyncError`` carrying the server's
-    error message, so a rejected update says why on the trainer.
-    """
-
-    def __init__(self, base_url: str, timeout: float = 300.0) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.timeout = timeout
-
-    def _call(self, method: str, path: str, body: Any = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            f"{self.base_url}/{path.lstrip('/')}",
-            data=data if method == "POST" else None,
-            method=method,
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as e:
-            try:
-                msg = json.loads(e.read()).get("error", "")
-            except Exception:  # noqa: BLE001
-                msg = ""
-            raise WeightSyncError(f"receiver {method} /{path.lstrip('/')} -> {e.code}: {msg}") from None
-        except urllib.error.URLError as e:
-            raise WeightSyncError(f"receiver at {self.base_url} unreachable: {e.reason}") from None
-        except (http.client.HTTPException, OSError) as e:  # dropped mid-call, timed out, reset
-            raise WeightSyncError(
-                f"receiver {method} /{path.lstrip('/')} at {self.base_url} failed: {type(e).__name__}: {e}"
-            ) from e
-
-    # the VLLMWeightSyncClient protocol
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._call("POST", "init_weight_transfer_engine", {"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self._call("POST", "start_weight_update")
-
-    def start_draft_weight_update(self) -> None:
-        """The rounds until ``finish_weight_update`` load into the receiver's draft model."""
-        self._call("POST", "start_draft_weight_update")
-
-    def update_weights(self, update_info: Any) -> None:
-        self._call("POST", "update_weights", {"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        body = None if weight_version is None else {"weight_version": weight_version}
-        self._call("POST", "finish_weight_update", body)
-
-    # the rest of the dev-mode surface, and the test routes
-    def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        q = urllib.parse.urlencode({"mode": mode, "clear_cache": str(clear_cache).lower()})
-        self._call("POST", f"pause?{q}")
-
-    def resume(self) -> None:
-        self._call("POST", "resume")
-
-    def is_paused(self) -> bool:
-        return bool(self._call("GET", "is_paused")["is_paused"])
-
-    def weight_version(self) -> str | None:
-        return self._call("GET", "weight_info")["weight_version"]
-
-    def world_size(self) -> int:
-        return int(self._call("GET", "get_world_size")["world_size"])
-
-    def state(self) -> dict[str, Any]:
-        return self._call("GET", "_state")
-
-    def weight_digests(self) -> dict[str, str]:
-        """SHA-256 per parameter of the receiver model (vLLM's ``/weight_checker``), key prefix cut."""
-        out = self._call("POST", "weight_checker", {"action": "checksum"})["checksums"]
-        return {k.split(":", 4)[-1]: v for k, v in out.items()}
-
-    def weight_checksums(self) -> dict[str, str]:
-        """What the receiver got in the last round (``integrity.ReportsChecksums``)."""
-        return self._call("GET", "_checksums")["checksums"]
-
-    def full_checksums(self, names: list[str] | None = None, *, draft: bool = False) -> dict[str, str]:
-        """``integrity.checksum`` of the receiver's tensors as held now (``names``, or all; ``draft``:
-        the draft model's): what the sparse loopback engine compares with a dense pass of the
-        trainer's source."""
-        return self._call("POST", "_full_checksums", {"names": names, "draft": draft})["checksums"]
-
-    def calls(self, clear: bool = False) -> list[dict[str, Any]]:
-        return self._call("GET", "_calls?clear=1" if clear else "_calls")["calls"]
-
-    def logits(self, input_ids: list[list[int]]) -> tuple[torch.Tensor, str]:
-        """The receiver model's logits for ``input_ids`` and the SHA-256 of their fp32 bytes."""
-        out = self._call("POST", "_logits", {"input_ids": input_ids})
-        return torch.tensor(out["logits"], dtype=torch.float32).reshape(out["shape"]), out["sha256"]
-
-    def shutdown_server(self) -> None:
-        self._call("POST", "_shutdown")
-
-
-class ReceiverHandle:
-    """The receiver process: ``url``, ``pid``, ``alive``, ``stop()``; a context manager."""
-
-    def __init__(self, process: Any, url: str) -> None:
-        self.process = process
-        self.url = url
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.process.is_alive()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.process.is_alive():
-            try:
-                ReceiverClient(self.url, timeout=2).shutdown_server()
-            except WeightSyncError:
-                pass
-            self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
-
-    def __enter__(self) -> "ReceiverHandle":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent_pid:
-            os._exit(3)
-
-
-def _receiver_main(model_factory: Callable[[], torch.nn.Module], host: str, port: int, conn: Any) -> None:
-    try:
-        threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        model = model_factory()
-        server = ReceiverServer(LoopbackReceiver(model), host, port)
-        conn.send(("ok", server.url))
-        conn.close()
-        server.serve_forever()
-        server.httpd.server_close()
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        try:
-            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"))
-        except Exception:  # noqa: BLE001
-            pass
-
-
-def _is_main_guard(node: Any) -> bool:
-    """``if __name__ == "__main__":`` (either operand order, or one term of an ``and``)."""
-    import ast
-
-    if not isinstance(node, ast.If):
-        return False
-    tests = node.test.values if isinstance(node.test, ast.BoolOp) and isinstance(node.test.op, ast.And) else [node.test]
-    for t in tests:
-        if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq):
-            sides = [t.left, t.comparators[0]]
-            names = {s.id for s in sides if isinstance(s, ast.Name)}
-            consts = {s.value for s in sides if isinstance(s, ast.Constant)}
-            if names == {"__name__"} and consts == {"__main__"}:
-                return True
-    return False
-
-
-def _unguarded_main_statement(ctx: Any) -> tuple[str, int] | None:
-    """``(script, line)`` when this call runs from a top-level statement of the ``__main__`` script
-    that is not under ``if __name__ == "__main__":`` and ``ctx`` is ``spawn`` (the child imports the
-    script again as ``__mp_main__``, runs that statement again, and multiprocessing refuses to start a
-    process during bootstrapping: the child dies before it reports). None otherwise, and whenever it
-    cannot tell (no script file: ``python -c``, a notebook; source that does not parse)."""
-    import ast
-    import inspect
-    import sys
-
-    if ctx.get_start_method() != "spawn":
-        return None
-    main = sys.modules.get("__main__")
-    # as multiprocessing.spawn decides: a main imported by name (``python -m``) is re-imported by that
-    # name, except a package's ``__main__`` (never re-run); a main without a spec is re-run by path
-    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
-    if spec_name is not None and (spec_name == "__main__" or spec_name.endswith(".__main__")):
-        return None
-    path = getattr(main, "__file__", None)
-    if not path or not str(path).endswith(".py") or not os.path.isfile(path):
-        return None
-    frame = inspect.currentframe()
-    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
-        frame = frame.f_back
-    if frame is None:
-        return None
-    line = frame.f_lineno
-    try:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), filename=path)
-    except (OSError, SyntaxError, ValueError):
-        return None
-    for node in tree.body:
-        if node.lineno <= line <= (node.end_lineno or node.lineno):
-            return None if _is_main_guard(node) else (str(path), line)
-    return None
-
-
-def start_receiver_process(
-    model_factory: Callable[[], torch.nn.Module],
-    *,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    start_timeout_s: float = 120.0,
-    client_timeout_s: float = 300.0,
-    mp_context: Any = None,
-) -> tuple[ReceiverClient, ReceiverHandle]:
-    """Start a process that builds ``model_factory()`` (picklable: a module-level function or a
-    ``functools.partial`` of one) and serves it as a ``LoopbackReceiver`` over HTTP.
-
-    Returns ``(client, handle)`` once the server accepts requests. The process exits when the
-    parent does, on ``handle.stop()``, or on ``POST /_shutdown``. ``mp_context``: the
-    ``multiprocessing`` context to start it from (default ``spawn``: safe whatever the parent has
-    initialised, and pays the imports again; a ``forkserver`` context with torch preloaded starts
-    it in milliseconds).
-    """
-    ctx = mp_context if mp_context is not None else mp.get_context("spawn")
-    unguarded = _unguarded_main_statement(ctx)
-    if unguarded is not None:
-        path, line = unguarded
-        raise WeightSyncError(
-            f"start_receiver_process was called from line {line} of {path}, which is not under "
-            f"`if __name__ == \"__main__\":`. The receiver is a '{ctx.get_start_method()}' process: it "
-            f"imports {os.path.basename(path)} again, which would run that line again and fail before the "
-            f"receiver starts. Put the script's top-level work under `if __name__ == \"__main__\":` "
-            f"(e.g. `def main(): ...` and `if __name__ == \"__main__\": main()`)"
-        )
-    parent_conn, child_conn = ctx.Pipe(duplex=False)
-    proc = ctx.Process(
-        target=_receiver_main,
-        args=(model_factory, host, port, child_conn),
-        daemon=True,
-        name="weightsync-loopback-receiver",
-    )
-    proc.start()
-    child_conn.close()
-    deadline = time.monotonic() + start_timeout_s
-    while not parent_conn.poll(0.2):
-        if not proc.is_alive() or time.monotonic() > deadline:
-            proc.kill()
-            proc.join(5)
-            raise WeightSyncError(
-                f"loopback receiver process did not start within {start_timeout_s:.0f}s "
-                f"(exit code {proc.exitcode})"
-            )
-    try:
-        status, value = parent_conn.recv()
-    except EOFError:
-        status, value = "error", f"the process exited (code {proc.exitcode}) before reporting"
-    if status != "ok":
-        proc.join(5)
-        raise WeightSyncError(f"loopback receiver process failed to start: {value} (its own error, if any, is on "
-                              "stderr above)")
-    return ReceiverClient(value, timeout=client_timeout_s), ReceiverHandle(proc, value)

@@ -4,8 +4,14 @@ rounds) for vLLM's ``WeightTransferTrainerFactory``. Importing this package regi
 
     from weightsync.plugins.loopback import LoopbackTrainerInitInfo  # registers the engines
 
-Imports vLLM. The receiving end is ``weightsync.plugins.loopback.receiver`` (no vLLM: a receiver
-process starts without paying its import).
+* ``engine`` -- the dense engine (``LoopbackTrainerInitInfo``, ``LoopbackTrainerWeightTransferEngine``);
+* ``sparse`` -- the sparse engine (``LoopbackSparseTrainerInitInfo``, ...), vLLM ``sparse_nccl``'s protocol;
+* ``sender`` -- what both engines' sender shares: opening the transport, the update RPC beside it.
+
+May import: vLLM, ``weightsync.sources`` and its ``toolkit``, ``..receiver`` (the transport both ends
+agree on), and ``weightsync.plugins.sync.capabilities`` (the flags its init infos declare). The
+receiving end is ``weightsync.plugins.loopback.receiver`` (no vLLM: a receiver process starts
+without paying its import).
 """
 
 from __future__ import annotations

@@ -27,9 +27,8 @@ trainer-side gathers line up. What it adds, and why:
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Self
+from typing import Any, ClassVar, Self
 
 import torch
 import torch.distributed as dist
@@ -43,19 +42,18 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from weightsync.sources import PassStats, WeightSyncError, check_stream, verify_metadata_agreement
-from weightsync.sources.toolkit import checksum_tensor, control_group, get_logger
+from weightsync.sources.toolkit import checksum_tensor, control_group, get_logger, multi_rank
 
 from ..receiver.transport import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_TIMEOUT_S,
     LoopbackWorkerInitInfo,
     byte_view,
-    join_transport_group,
-    open_transport_store,
     plan_chunks,
     validate_wire_fields,
     wait_work,
 )
+from .sender import UpdateRpc, open_sender
 
 __all__ = [
     "BACKEND",
@@ -107,41 +105,6 @@ class LoopbackTrainerInitInfo(TrainerInitInfo):
         )
 
 
-def _run_concurrently(main: Callable[[], Any], side: Callable[[], Any], timeout_s: float) -> Any:
-    """Run ``side`` in a daemon thread while ``main`` runs here; raise the first failure.
-
-    A daemon thread (not an executor) so that a side call stuck on a dead peer cannot keep the
-    interpreter from exiting after the error has been raised.
-    """
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = side()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True, name="weightsync-loopback-rpc")
-    t.start()
-    try:
-        out = main()
-    except BaseException as e:
-        # The transport gave up (e.g. the group never formed): when the receiver's RPC failed too
-        # (a dead or refusing server), say so, naming the server, next to the transport's error.
-        t.join(min(timeout_s, 5.0))
-        if "error" in box:
-            raise WeightSyncError(
-                f"{e}; the receiver's side failed too: {type(box['error']).__name__}: {box['error']}"
-            ) from box["error"]
-        raise
-    t.join(timeout_s)
-    if "error" in box:
-        raise box["error"]
-    if t.is_alive():
-        raise WeightSyncError(f"loopback: the receiver RPC did not return within {timeout_s:.0f}s")
-    return out
-
-
 class _Stream:
     """The source's pass as one iterator that remembers whether the *source* raised, so a
     transfer failure can finish the pass (``drain``) and keep every rank's gathers in step."""
@@ -170,67 +133,6 @@ class _Stream:
                 pass
         except BaseException as e:  # noqa: BLE001 - the transfer error is the one to report
             logger.warning("rank 0: finishing the pass after a failed transfer raised: %s", e)
-
-
-class _Rpc:
-    """A client call running in a daemon thread; ``check()`` raises if it already failed."""
-
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        self._box: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                fn(*args)
-            except BaseException as e:  # noqa: BLE001
-                self._box["error"] = e
-
-        self._t = threading.Thread(target=target, daemon=True, name="weightsync-loopback-rpc")
-        self._t.start()
-
-    def check(self) -> None:
-        if "error" in self._box:
-            raise WeightSyncError(f"loopback receiver rejected the update: {self._box['error']}") from (
-                self._box["error"]
-            )
-
-    def result(self, timeout_s: float) -> None:
-        self._t.join(timeout_s)
-        if self._t.is_alive():
-            raise WeightSyncError(f"loopback: update_weights did not return within {timeout_s:.0f}s")
-        self.check()
-
-
-def open_sender(engine: Any, init_info: Any, client: VLLMWeightSyncClient) -> None:
-    """On the sender: bind the transport's store (port 0: a free one, never released before use),
-    then tell the receivers the bound port (``client.init_weight_transfer_engine``) while the group
-    forms -- no window in which another process can take the port. Sets ``engine._store`` and
-    ``engine._group``; shared by the dense and the sparse loopback engines."""
-    engine._store = open_transport_store(
-        init_info.master_address,
-        init_info.master_port,
-        rank=0,
-        world_size=init_info.world_size,
-        timeout_s=init_info.timeout_s,
-    )
-    payload = dict(vars(init_info.worker_init_info(master_port=engine._store.port)))
-
-    def open_endpoint() -> None:
-        engine._group = join_transport_group(
-            engine._store, rank=0, world_size=init_info.world_size, timeout_s=init_info.timeout_s
-        )
-
-    _run_concurrently(
-        open_endpoint,
-        lambda: client.init_weight_transfer_engine(payload),
-        init_info.timeout_s,
-    )
-    logger.info(
-        "loopback sender joined the transport at %s:%d (world %d, %s)",
-        init_info.master_address,
-        engine._store.port,
-        init_info.world_size,
-        ", ".join(f"{k}={payload[k]}" for k in ("packed", "checksums", "sparse") if k in payload),
-    )
 
 
 class LoopbackTrainerWeightTransferEngine(TrainerWeightTransferEngine[LoopbackTrainerInitInfo]):
@@ -290,7 +192,7 @@ class LoopbackTrainerWeightTransferEngine(TrainerWeightTransferEngine[LoopbackTr
         validate_wire_fields(init_info, port_zero_ok=True)  # every rank, before anything moves
         engine = cls(client=client, source=source, init_info=init_info)
         if engine.is_sender:
-            open_sender(engine, init_info, client)
+            engine._store, engine._group = open_sender(init_info, client)
         return engine
 
     # -- send -----------------------------------------------------------------------------------
@@ -354,7 +256,7 @@ class LoopbackTrainerWeightTransferEngine(TrainerWeightTransferEngine[LoopbackTr
                 "build a new engine (trainer_init) to re-join"
             )
         self.client.start_weight_update()
-        rpc = _Rpc(self.client.update_weights, self._update_info(meta))
+        rpc = UpdateRpc(self.client.update_weights, self._update_info(meta))
         self._midstream = "in the update handshake"
         # Go/no-go: receivers contribute 1 if they reject the update info. Nothing is sent on "no".
         flag = torch.zeros(1, dtype=torch.int64)
@@ -401,7 +303,7 @@ class LoopbackTrainerWeightTransferEngine(TrainerWeightTransferEngine[LoopbackTr
 
     def _agree_outcome(self, error: BaseException | None) -> None:
         """Every trainer rank learns whether every other rank (the sender above all) succeeded."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if multi_rank():
             outcomes: list[Any] = [None] * dist.get_world_size()
             mine = None if error is None else f"{type(error).__name__}: {error}"
             try:

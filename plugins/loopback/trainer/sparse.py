@@ -49,6 +49,8 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 from weightsync.sources import IntegrityError, PassStats, WeightSyncError
 from weightsync.sources.toolkit import checksum, get_logger
 
+from ...sync import capabilities
+
 from ..receiver.transport import (
     DEFAULT_TIMEOUT_S,
     LoopbackWorkerInitInfo,
@@ -59,7 +61,7 @@ from ..receiver.transport import (
     validate_wire_fields,
     wait_work,
 )
-from .engine import _Rpc, open_sender
+from .sender import UpdateRpc, open_sender
 
 __all__ = ["SPARSE_BACKEND", "LoopbackSparseTrainerInitInfo", "LoopbackSparseTrainerWeightTransferEngine", "register"]
 
@@ -68,17 +70,18 @@ logger = get_logger(__name__)
 SPARSE_BACKEND = "loopback_sparse"
 
 
+@capabilities.declare(sparse=True, whole_patches=True)
 @dataclass
 class LoopbackSparseTrainerInitInfo(TrainerInitInfo):
     """Trainer-side init info of the sparse loopback backend: ``SparseNCCLTrainerInitInfo``'s fields
     (no packed wire options: sparse transfers are never packed) plus ``checksums`` (verify each
-    round against a dense pass, see the module docstring) and ``timeout_s`` (every transport op)."""
+    round against a dense pass, see the module docstring) and ``timeout_s`` (every transport op).
+
+    Declares (``weightsync.plugins.sync.capabilities``) ``sparse``: ``WeightSync`` drives it with delta
+    rounds (``DeltaSource``), and ``whole_patches``: this transport takes whole tensors, so a round is
+    ``iter_deltas(whole_when_cheaper=True)``."""
 
     backend: ClassVar[str] = SPARSE_BACKEND
-    #: ``WeightSync`` drives engines that declare this with delta rounds (``DeltaSource``) ...
-    weightsync_sparse: ClassVar[bool] = True
-    #: ... and, as this transport takes whole tensors, with ``iter_deltas(whole_when_cheaper=True)``.
-    weightsync_whole_patches: ClassVar[bool] = True
 
     master_address: str
     master_port: int
@@ -154,7 +157,7 @@ class LoopbackSparseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Loop
                 )
         engine = cls(client=client, source=source, init_info=init_info)
         if engine.is_sender:
-            open_sender(engine, init_info, client)
+            engine._store, engine._group = open_sender(init_info, client)
         return engine
 
     # -- sending ----------------------------------------------------------------------------------
@@ -192,7 +195,7 @@ class LoopbackSparseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Loop
             )
         entries = [_entry(p) for p in patches]
         stats = self.last_send
-        rpc = _Rpc(self.client.update_weights, sparse_update_info(entries))
+        rpc = UpdateRpc(self.client.update_weights, sparse_update_info(entries))
         self._midstream = "in the update handshake"
         flag = torch.zeros(1, dtype=torch.int64)
         wait_work(self._group.allreduce([flag]), "update handshake", rank=0, abort=rpc.check)
