@@ -480,11 +480,11 @@ class Tensors(WeightSource):
 
 
 def _every_dtype() -> dict[str, torch.Tensor]:
-    from weightsync.plugins.checkpoint.plan import _ST_NAMES
+    from weightsync.plugins.checkpoint.plan import SAFETENSORS_NAMES
 
     g = torch.Generator().manual_seed(0)
     out = {}
-    for i, dt in enumerate(_ST_NAMES):
+    for i, dt in enumerate(SAFETENSORS_NAMES):
         raw = torch.randint(0, 256, (3, 2 * dt.itemsize), dtype=torch.uint8, generator=g)
         out[f"z{i:02d}.{str(dt).removeprefix('torch.')}"] = raw.view(dt) if dt != torch.bool else raw.bool()
     out["a.scalar"] = torch.tensor(1.5)

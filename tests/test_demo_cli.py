@@ -154,7 +154,7 @@ def test_check_megatron_moe_expert_parallel():
 def test_fused_expert_oracle_matches_transformers_in_memory_tensors():
     """``--expert-layout fused`` is judged against save_pretrained folded to vLLM's fused names;
     those shapes must be transformers' own in-memory fused ``[E, 2I, H]`` / ``[E, H, I]``."""
-    from weightsync.plugins.cli.check import checkpoint_index, fold_experts
+    from weightsync.plugins.cli.oracle import checkpoint_index, fold_experts
     from weightsync.plugins.testbed.presets import build_model, load_config
 
     model = build_model(load_config("tiny-mixtral"))
@@ -303,7 +303,8 @@ def test_check_report_fails_on_unmapped_names_and_shapes(capsys):
 
     from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
 
-    from weightsync.plugins.cli.check import _report, checkpoint_index
+    from weightsync.plugins.cli.check import _report
+    from weightsync.plugins.cli.oracle import checkpoint_index
     from weightsync.plugins.testbed.presets import build_model, load_config
 
     config = load_config("tiny-llama")
@@ -347,7 +348,7 @@ def test_ctrl_c_stops_every_process_and_says_how_far(tmp_path):
     import threading
     import time
 
-    from weightsync.plugins.cli.entry import STOP_GRACE_S, _descendants
+    from weightsync.plugins.cli.launch import STOP_GRACE_S, descendants
 
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
@@ -364,7 +365,7 @@ def test_ctrl_c_stops_every_process_and_says_how_far(tmp_path):
                 out.append(lines.get(timeout=1))
             except queue.Empty:
                 pass
-        tree = _descendants(p.pid)
+        tree = descendants(p.pid)
         assert len(tree) >= 4, tree  # torchrun, 2 ranks, the receiver
         t0 = time.monotonic()
         p.send_signal(signal.SIGINT)

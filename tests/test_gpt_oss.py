@@ -465,7 +465,7 @@ def test_check_cli_fsdp_per_expert_bf16():
     (``unfold_experts``), the router kept in fp32."""
     from test_demo_cli import _saved
 
-    from weightsync.plugins.cli.check import unfold_experts
+    from weightsync.plugins.cli.oracle import unfold_experts
     from weightsync.plugins.testbed.presets import build_model, load_config
 
     saved = _saved(build_model(load_config(PRESET)))

@@ -46,12 +46,13 @@ from weightsync.sources.toolkit import (
     Board,
     get_logger,
     group_ranks,
+    multi_rank,
     next_tag,
     read_checkpoint,
 )
 
-from .files import _fsync_dir, _mkdir_unique, replace_folder
-from .plan import _ST_NAMES, safetensors_dtype
+from .files import fsync_dir, mkdir_unique, replace_folder
+from .plan import SAFETENSORS_NAMES, safetensors_dtype
 
 __all__ = ["VERSION_KEY", "DeltaFileReport", "save_delta", "apply_delta", "read_delta_header"]
 
@@ -78,10 +79,6 @@ class DeltaFileReport:
     seconds: float
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def save_delta(
     delta: Any,
     path: str | os.PathLike,
@@ -98,7 +95,7 @@ def save_delta(
     """
     t0 = time.perf_counter()
     path = os.path.abspath(os.fspath(path))
-    multi = _distributed()
+    multi = multi_rank()
     rank = dist.get_rank() if multi else 0
     board = Board(next_tag("delta-file")) if multi else None
     err: BaseException | None = None
@@ -221,7 +218,7 @@ class _PatchWriter:
         assert self._final is not None
         os.replace(self._final, self.path)
         self._final = None
-        _fsync_dir(os.path.dirname(self.path) or ".")
+        fsync_dir(os.path.dirname(self.path) or ".")
         logger.info("patch file %s: %d tensors, %d bytes", self.path, self.tensors, self.nbytes)
 
     def discard(self) -> None:
@@ -340,14 +337,14 @@ def apply_delta(folder: str | os.PathLike, patch_files: str | os.PathLike | Sequ
                 raise CheckpointError(f"{p.path}: patches tensor {name!r}, which {folder} does not hold")
             e = where[name][1]
             vals = p.entries.get(name + _VALUES)
-            if tuple(shape) != e.shape or vals is None or vals["dtype"] != _ST_NAMES.get(e.dtype):
+            if tuple(shape) != e.shape or vals is None or vals["dtype"] != SAFETENSORS_NAMES.get(e.dtype):
                 raise CheckpointError(
                     f"{p.path}: tensor {name!r} is patched as {vals and vals['dtype']} {tuple(shape)}, "
                     f"the folder holds {e.dtype} {e.shape}"
                 )
     new_version = current
     parent = os.path.dirname(folder) or "."
-    tmp = _mkdir_unique(parent, f".{os.path.basename(folder)}.weightsync-", ".tmp")
+    tmp = mkdir_unique(parent, f".{os.path.basename(folder)}.weightsync-", ".tmp")
     try:
         shard_paths = {os.path.basename(s.path) for s in layout.files}
         for name in sorted(os.listdir(folder)):
@@ -364,11 +361,11 @@ def apply_delta(folder: str | os.PathLike, patch_files: str | os.PathLike | Sequ
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         os.chmod(tmp, os.stat(folder).st_mode & 0o7777)
         replace_folder(tmp, folder)
         tmp = None
-        _fsync_dir(parent)
+        fsync_dir(parent)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

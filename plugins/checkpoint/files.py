@@ -48,7 +48,7 @@ from weightsync.sources.toolkit import get_logger
 
 from .plan import CheckpointPlan, PlannedTensor
 
-__all__ = ["StagedFolder", "check_target", "replace_folder"]
+__all__ = ["StagedFolder", "check_target", "replace_folder", "mkdir_unique", "fsync_dir"]
 
 logger = get_logger(__name__)
 
@@ -58,7 +58,7 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
-def _mkdir_unique(parent: str, prefix: str, suffix: str = "") -> str:
+def mkdir_unique(parent: str, prefix: str, suffix: str = "") -> str:
     """A new folder ``parent/<prefix>XXXXXXXX<suffix>`` created with ``os.mkdir(0o777)`` (the umask
     applies, as for ``os.makedirs``), unlike ``tempfile.mkdtemp``'s ``0700``."""
     for _ in range(100):
@@ -111,7 +111,9 @@ def _host_bytes(tensor: torch.Tensor) -> tuple[memoryview, int]:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()), copied
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """``fsync`` the folder ``path`` itself: makes the creations, renames and removals of its entries
+    durable (a file's own ``fsync`` does not cover its name)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -164,7 +166,7 @@ class StagedFolder:
         parent = os.path.dirname(path) or "."
         try:
             os.makedirs(parent, exist_ok=True)
-            self.tmp = _mkdir_unique(parent, f".{os.path.basename(path)}.weightsync-", ".tmp")
+            self.tmp = mkdir_unique(parent, f".{os.path.basename(path)}.weightsync-", ".tmp")
         except OSError as e:
             raise CheckpointError(f"rank {rank}: cannot create a staging folder next to {path}: {e}") from e
         try:
@@ -247,7 +249,7 @@ class StagedFolder:
                 f"rank {self.rank}: {len(open_files)} file(s) still miss tensors at commit "
                 f"(first {open_files[0]}); refusing to publish {self.path}"
             )
-        _fsync_dir(self.tmp)
+        fsync_dir(self.tmp)
         parent = os.path.dirname(self.path) or "."
         if os.path.isdir(self.path):  # save_pretrained writes into it: the folder keeps its mode
             os.chmod(self.tmp, stat.S_IMODE(os.stat(self.path).st_mode))
@@ -257,7 +259,7 @@ class StagedFolder:
         else:
             os.rename(self.tmp, self.path)  # onto nothing, or onto an empty folder
         self.tmp = None
-        _fsync_dir(parent)
+        fsync_dir(parent)
 
     def _replace(self) -> None:
         replace_folder(self.tmp, self.path)

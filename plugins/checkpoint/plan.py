@@ -59,6 +59,7 @@ from weightsync.sources.toolkit import (
 )
 
 __all__ = [
+    "SAFETENSORS_NAMES",
     "SINGLE_FILE",
     "INDEX_FILE",
     "PlannedTensor",
@@ -73,7 +74,7 @@ __all__ = [
 logger = get_logger(__name__)
 
 #: torch dtype -> safetensors dtype string (the inverse of the reader's table: one table for both).
-_ST_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in SAFETENSORS_DTYPES.items()}
+SAFETENSORS_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in SAFETENSORS_DTYPES.items()}
 
 #: safetensors' ``Dtype`` enum order (ascending); ``serialize`` sorts tensors by it, descending.
 #: Pinned against ``safetensors.torch.save_file`` for every dtype above by tests/test_checkpoint.py.
@@ -86,11 +87,11 @@ _ST_RANK = {name: i for i, name in enumerate(_ST_ORDER)}
 
 def safetensors_dtype(dtype: torch.dtype, *, name: str, rank: int) -> str:
     """The safetensors dtype string of ``dtype``; ``CheckpointError`` naming the tensor if none."""
-    st = _ST_NAMES.get(dtype)
+    st = SAFETENSORS_NAMES.get(dtype)
     if st is None:
         raise CheckpointError(
             f"rank {rank}: tensor {name!r} has dtype {dtype}, which safetensors cannot store "
-            f"(supported: {', '.join(sorted(str(d).removeprefix('torch.') for d in _ST_NAMES))})"
+            f"(supported: {', '.join(sorted(str(d).removeprefix('torch.') for d in SAFETENSORS_NAMES))})"
         )
     return st
 

@@ -61,6 +61,7 @@ from weightsync.sources.toolkit import (
     get_logger,
     group_ranks,
     hf_root,
+    multi_rank,
     next_tag,
 )
 
@@ -107,10 +108,6 @@ class SaveReport:
 
     def metrics(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def _hf_model(source: WeightSource) -> nn.Module | None:
@@ -222,9 +219,9 @@ def save_safetensors(
     """
     t0 = time.perf_counter()
     path = os.path.abspath(os.fspath(path))
-    multi = _distributed() and dist.get_world_size() > 1
-    rank = dist.get_rank() if _distributed() else 0
-    world = dist.get_world_size() if _distributed() else 1
+    multi = multi_rank()
+    rank = dist.get_rank() if multi else 0
+    world = dist.get_world_size() if multi else 1
     timeout_s = float(getattr(source, "timeout_s", DEFAULT_TIMEOUT_S))
     board = Board(next_tag("checkpoint")) if multi else None
     ranks = group_ranks(None) if multi else (0,)

@@ -5,7 +5,7 @@ Three things must agree for a pass to be PASS:
 1. the source's ``metadata`` and its stream, on every rank (``check_stream``: names, order, dtypes,
    shapes, contiguity, count);
 2. the metadata and the checkpoint transformers' ``save_pretrained`` writes for the same config
-   (the oracle: names, shapes, and -- when no wire ``--dtype`` is asked for -- dtypes and bytes;
+   (the oracle, module ``oracle``: names, shapes, and -- when no wire ``--dtype`` is asked for -- dtypes and bytes;
    with ``--expert-layout fused`` its per-expert tensors are folded into vLLM's fused names (0.33, 0.34),
    ``fold_experts``; with ``--expert-layout per_expert`` a checkpoint's fused experts (GPT-OSS) are
    unfolded into vLLM's per-expert names, ``unfold_experts``);
@@ -44,11 +44,7 @@ name: checkpoint tensors the source does not send and sent names the checkpoint 
 from __future__ import annotations
 
 import argparse
-import glob
-import os
-import re
 import sys
-import tempfile
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -57,97 +53,10 @@ import torch.distributed as dist
 
 from ..testbed.presets import build_model, load_config
 from .build import build_source
-from .demo import format_bytes
+from .common import format_bytes, layout_label
+from .oracle import checkpoint_index, fold_experts, quantized_index, unfold_experts
 
-__all__ = ["run_check", "checkpoint_index", "fold_experts", "quantized_index", "unfold_experts"]
-
-
-def checkpoint_index(model: torch.nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """``{name: (dtype, shape)}`` of the safetensors checkpoint ``model.save_pretrained`` writes."""
-    from safetensors import safe_open
-    from transformers.utils import logging as hf_logging
-
-    from weightsync.sources.toolkit import SAFETENSORS_DTYPES
-
-    hf_logging.disable_progress_bar()
-
-    out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-    with tempfile.TemporaryDirectory(prefix="weightsync-check-") as tmp:
-        model.save_pretrained(tmp)
-        for file in sorted(glob.glob(os.path.join(tmp, "*.safetensors"))):
-            with safe_open(file, "pt") as f:
-                for k in f.keys():
-                    s = f.get_slice(k)
-                    out[k] = (SAFETENSORS_DTYPES.get(s.get_dtype(), torch.uint8), tuple(s.get_shape()))
-    return out
-
-
-#: vLLM's fused routed-expert names per checkpoint leaf (0.33, 0.34) (``RoutedExperts.make_expert_params_mapping``):
-#: gate + up rows are stacked into one ``[E, 2I, H]`` tensor (gate first), down into ``[E, H, I]``.
-_VLLM_FUSED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "w1": ("w13", 0),
-               "w3": ("w13", 1), "down_proj": ("down_proj", None), "w2": ("w2", None)}
-_PER_EXPERT = re.compile(r"(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<leaf>\w+)\.weight")
-
-
-def fold_experts(
-    index: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """The checkpoint index as vLLM's fused expert names would hold it (``--expert-layout fused``):
-    each layer's per-expert ``gate``/``up`` ``[I, H]`` become one ``[E, 2I, H]``, ``down`` ``[H, I]``
-    one ``[E, H, I]``; every other entry is kept. Same bytes, fewer tensors."""
-    out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-    experts: dict[str, tuple[torch.dtype, tuple[int, ...], set[int]]] = {}
-    for name, (dt, shape) in index.items():
-        m = _PER_EXPERT.fullmatch(name)
-        if m is None or m["leaf"] not in _VLLM_FUSED:
-            out[name] = (dt, shape)
-            continue
-        fused, half = _VLLM_FUSED[m["leaf"]]
-        key = f"{m['prefix']}.{fused}"
-        rows = shape[0] * (2 if half is not None else 1)
-        _, _, seen = experts.setdefault(key, (dt, (rows, *shape[1:]), set()))
-        seen.add(int(m["e"]))
-    for key, (dt, shape, seen) in experts.items():
-        out[key] = (dt, (len(seen), *shape))
-    return out
-
-
-#: A checkpoint that keeps its experts fused (GPT-OSS): ``…experts.<leaf>`` ``[E, …]``.
-_FUSED_CHECKPOINT = re.compile(r"(?P<prefix>.+\.experts)\.(?P<leaf>gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)")
-
-
-def unfold_experts(
-    index: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """The checkpoint index as ``--expert-layout per_expert`` sends a checkpoint that keeps its
-    experts fused (GPT-OSS): each fused ``[E, …]`` tensor as ``E`` slices ``…experts.{e}.<leaf>``
-    (vLLM's gpt_oss per-expert names); every other entry is kept (per-expert checkpoints are
-    unchanged). Same bytes, more tensors."""
-    out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-    for name, (dt, shape) in index.items():
-        m = _FUSED_CHECKPOINT.fullmatch(name)
-        if m is None:
-            out[name] = (dt, shape)
-            continue
-        for e in range(shape[0]):
-            out[f"{m['prefix']}.{e}.{m['leaf']}"] = (dt, tuple(shape[1:]))
-    return out
-
-
-def quantized_index(
-    index: dict[str, tuple[torch.dtype, tuple[int, ...]]], config: Any
-) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """The checkpoint index as an FP8 checkpoint of ``config`` (an ``FP8Config``) holds it: each
-    planned weight ``float8_e4m3fn`` followed by its float32 scale."""
-    out = {}
-    for name, (dt, shape) in index.items():
-        plan = config.plan(name, tuple(shape)) if dt.is_floating_point else None
-        if plan is None:
-            out[name] = (dt, shape)
-        else:
-            out[name] = (torch.float8_e4m3fn, shape)
-            out[plan.scale_name] = (torch.float32, plan.scale_shape)
-    return out
+__all__ = ["run_check", "trainer_model", "FolderLoadError"]
 
 
 def _owners(m: Any, world: int) -> str:
@@ -310,7 +219,7 @@ def _report(
     what = args.config or (args.model or "tiny-qwen3")
     print(
         f"weightsync check: {what} ({config.model_type}, {config.num_hidden_layers} layers), "
-        f"layout {_layout(args, world)}, source {type(source).__name__ if source else '-'}, "
+        f"layout {layout_label(args, world)}, source {type(source).__name__ if source else '-'}, "
         f"wire dtype {str(dtype).removeprefix('torch.') if dtype else 'as trained'}"
     )
     total = _print_sent(meta, world, args.show)
@@ -356,7 +265,7 @@ def _report(
                 next(m.shape for m in meta if m.name == n))]
             seen = "not compared (--names-only)" if names_only else f"{len(equal)} equal the checkpoint's byte for byte"
             print(f"  MTP (draft): {len(draft)} tensors (MegatronSource part='mtp': megatron's seed-0 init at this "
-                  f"{_layout(args, world).split(' x')[0]}; bytes match a folder exported at the same layout), {seen}")
+                  f"{layout_label(args, world).split(' x')[0]}; bytes match a folder exported at the same layout), {seen}")
         diffs = _differences(meta, oracle, differ)
         if diffs:
             print(f"  first differences ({len(diffs)} in all, metadata order):")
@@ -481,12 +390,6 @@ class _Folder:
 
 def _fused_note(args: argparse.Namespace) -> str:
     return ", experts folded to vLLM's fused names" if getattr(args, "expert_layout", None) == "fused" else ""
-
-
-def _layout(args: argparse.Namespace, world: int) -> str:
-    if getattr(args, "layout", "fsdp") != "megatron":
-        return f"fsdp x{world}"
-    return f"megatron tp{args.tp} pp{args.pp} vpp{args.vpp or 1} ep{args.ep} x{world}"
 
 
 def _some(names: list[str], n: int = 12) -> str:

@@ -3,8 +3,9 @@
 ``demo --delta`` trains the demo's FSDP2 model (fp32 parameters) with Adam at an RL learning rate
 (``--lr``, default 1e-6) and syncs it after every step through ``WeightSync(DeltaSource(FSDPSource
 (model, dtype=bf16)), LoopbackSparseTrainerInitInfo(...))`` into a bf16 receiver process that applies
-the patches through vLLM's own ``load_checkpoint_weight_patches``. Per sync it prints whether the
-round was an anchor, the changed fraction, the bytes on the wire against the dense sync's, and
+the patches through vLLM's own ``load_checkpoint_weight_patches`` -- the loop of ``loop.train_and_sync``,
+with a cold-start sync (an anchor) before the first step. Per sync it prints whether the round was
+an anchor, the changed fraction, the bytes on the wire against the dense sync's, and
 whether the receiver equals the trainer: the sparse loopback engine's ``verify_round`` compares the
 receiver's full tensors with a dense pass of the source and raises otherwise, so a sync that returns
 is a verified one.
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import time
 from typing import Any
 
 import torch
@@ -33,7 +33,8 @@ from weightsync.sources.toolkit import get_logger
 
 from ..testbed.presets import build_model, load_config
 from .build import build_model_and_source, shard_fsdp2
-from .demo import DemoResult, _share, format_bytes
+from .common import format_bytes, layout_label, rank0_printer, share
+from .loop import DemoResult, Verdict, train_and_sync
 
 __all__ = ["run_delta_demo", "run_check_delta", "DEFAULT_DELTA_LR"]
 
@@ -61,13 +62,14 @@ def run_delta_demo(
     """The delta demo on the initialised default process group; every rank calls it. Returns the
     same ``DemoResult`` on every rank (``bytes``: the delta bytes sent). ``checksums=False`` skips
     the per-round dense pass: the syncs then count as not verified."""
-    from ..loopback import LoopbackSparseTrainerInitInfo
-    from ..loopback.receiver import ReceiverClient, start_receiver_process
-    from ..sync import WeightSync
     from weightsync.sources import DeltaSource, FSDPSource
 
+    from ..loopback import LoopbackSparseTrainerInitInfo
+    from ..loopback.receiver import ReceiverClient, start_receiver_process
+    from ..sync import SyncReport, WeightSync
+
     rank, world = dist.get_rank(), dist.get_world_size()
-    say = out if rank == 0 else (lambda *a, **k: None)
+    say = rank0_printer(out)
     config = load_config(preset, config_path, hidden=hidden, layers=layers)
     model = shard_fsdp2(build_model(config, seed=0))
     n_params = sum(p.numel() for p in model.parameters())
@@ -76,7 +78,7 @@ def run_delta_demo(
     if rank == 0:
         _, handle = start_receiver_process(functools.partial(_receiver_model, config, 1))
         url = handle.url
-    url = _share(url)
+    url = share(url)
     try:
         delta = DeltaSource(FSDPSource(model, dtype=torch.bfloat16, expert_layout="fused"))
         info = LoopbackSparseTrainerInitInfo("127.0.0.1", 0, 2, rank=rank, checksums=checksums)
@@ -86,31 +88,14 @@ def run_delta_demo(
             f"bf16 on the wire) on {world} CPU rank(s), FSDP2 + DeltaSource(FSDPSource) -> loopback_sparse "
             f"receiver (pid {handle.pid if handle else '?'}), Adam lr {lr:g}, checksums={checksums}"
         )
-        optim = torch.optim.Adam(model.parameters(), lr=lr)
-        gen = torch.Generator().manual_seed(1000 + rank)
-        for step in range(0, steps + 1):
-            loss = None
-            if step:
-                ids = torch.randint(0, config.vocab_size, (4, 32), generator=gen)
-                loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                optim.step()
-                optim.zero_grad()
-            t0 = time.perf_counter()
-            rep = ws.sync(step, weight_version=f"step-{step}")
-            seconds = time.perf_counter() - t0
+
+        def verify(step: int, loss: float | None, rep: SyncReport, seconds: float) -> Verdict:
+            # the sparse loopback engine's verify_round raised unless the receiver equals a dense pass
             verified = checksums and ws.engine.verified_rounds == step + 1
-            if step:  # the syncs counted are the steps' (--steps N: sync 1/N ... N/N)
-                result.syncs += 1
-                result.verified += int(verified)
-            else:  # the cold start (anchor) is checked alike; a failure fails the demo
-                result.failed_extra += int(checksums and not verified)
             sent = rep.delta_wire_bytes or 0
-            result.bytes += sent
-            result.seconds += seconds
             frac = rep.changed_fraction or 0.0
             line = (
-                ("  cold start (sync 0): " if loss is None else f"  sync {step}/{steps}: loss {loss.item():.4f}")
+                ("  cold start (sync 0): " if loss is None else f"  sync {step}/{steps}: loss {loss:.4f}")
                 + f" | {'anchor' if rep.delta_anchor else 'delta'}: {frac:.4%} changed "
                 f"({rep.delta_changed:,}/{rep.delta_elements:,} elements, {rep.delta_tensors} tensors), "
                 f"{format_bytes(sent)} sent vs {format_bytes(rep.delta_dense_bytes)} dense "
@@ -118,8 +103,11 @@ def run_delta_demo(
                 + ("EQUALS the trainer (all tensors, bitwise, vs a dense pass)" if checksums and verified
                    else "not verified (--no-checksums)" if not checksums else "DIFFERS")
             )
-            result.lines.append(line)
-            say(line)
+            return Verdict(ok=bool(verified) if checksums else None, line=line, bytes=sent, seconds=seconds)
+
+        optim = torch.optim.Adam(model.parameters(), lr=lr)
+        train_and_sync(ws, model, optim, result, vocab_size=config.vocab_size, rank=rank, verify=verify, say=say,
+                       cold_start=True)
         ws.shutdown()
     finally:
         if handle is not None:
@@ -155,9 +143,9 @@ def run_check_delta(args: argparse.Namespace) -> int:
         load_checkpoint_weight_patches,
     )
 
-    from ..loopback.receiver.receiver import CheckpointLoader
-    from .check import _layout
     from weightsync.sources import DeltaSource
+
+    from ..loopback.receiver.receiver import CheckpointLoader
 
     rank, world = dist.get_rank(), dist.get_world_size()
     config = load_config(args.model, args.config, hidden=args.hidden, layers=args.layers)
@@ -210,7 +198,7 @@ def run_check_delta(args: argparse.Namespace) -> int:
             )
     code = None
     if rank == 0:
-        print(f"weightsync check --delta: {config.model_type} {_layout(args, world)}, "
+        print(f"weightsync check --delta: {config.model_type} {layout_label(args, world)}, "
               f"{len(delta.metadata)} tensors, wire {str(dtype).removeprefix('torch.')}")
         for line in lines:
             print(line)
@@ -218,4 +206,4 @@ def run_check_delta(args: argparse.Namespace) -> int:
             print(f"  FAIL: {p}")
         code = 0 if not problems else 1
         print("PASS" if code == 0 else "FAIL")
-    return int(_share(code))
+    return int(share(code))

@@ -4,9 +4,9 @@ Under ``torchrun`` (or ``weightsync demo --nproc N``, which launches it): every 
 small transformers causal LM from a config (random init, no downloads), shards it with FSDP2 on a
 CPU mesh (gloo), and trains it with AdamW on next-token cross-entropy over random ids. Rank 0 starts
 a receiver process (``LoopbackReceiver`` behind vLLM's dev-mode HTTP routes) holding the same
-architecture with *different* initial weights. After each step every rank calls
-``engine.send_weights()`` on a loopback engine built by vLLM's ``WeightTransferTrainerFactory``
-over an ``FSDPSource``; then every rank runs the FSDP forward on a fixed batch and rank 0 compares
+architecture with *different* initial weights. After each step every rank syncs through
+``WeightSync`` (``FSDPSource`` + vLLM's ``"loopback"`` trainer engine, pause ``keep``: the loop of
+``loop.train_and_sync``); then every rank runs the FSDP forward on a fixed batch and rank 0 compares
 those logits with the receiver's, computed in its own process.
 
 A sync is *verified* iff the receiver's logits equal the trainer's bit for bit: same fp32 weights,
@@ -18,69 +18,23 @@ every sync verified.
 from __future__ import annotations
 
 import functools
-import os
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from weightsync.sources.toolkit import get_logger
-
 from ..testbed.presets import build_model, load_config
 from .build import shard_fsdp2
+from .common import format_bytes, rank0_printer, share
+from .loop import DemoResult, Verdict, train_and_sync
 
-__all__ = ["DemoResult", "run_demo", "progress", "FP8_LOGITS_TOL"]
+__all__ = ["run_demo", "FP8_LOGITS_TOL"]
 
 #: ``--quantize fp8``: the receiver's logits (FP8 weights, dequantized) may differ from the trainer's
 #: by this much relative to the largest |logit|. e4m3 keeps 3 mantissa bits (relative rounding error
-#: up to 1/16 per weight); measured on the presets' tiny models after a few steps: 0.01-0.03.
+#: up to 1/16 per weight), and the rounding errors of a few layers' weights add up in the logits;
+#: the margin over what the presets' tiny models show is recorded in docs/evidence.md.
 FP8_LOGITS_TOL = 0.08
-
-logger = get_logger(__name__)
-
-
-#: The demo running in this process (``progress``: what Ctrl-C reports).
-_CURRENT: "DemoResult | None" = None
-
-
-@dataclass
-class DemoResult:
-    """One demo's tally. ``steps``: the syncs asked for (one per training step); creating a result
-    makes it this process's current demo, which ``progress`` reads. ``failed_extra``: checks outside
-    the counted syncs that failed (the delta demo's cold-start anchor)."""
-
-    steps: int = 0
-    syncs: int = 0
-    verified: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    lines: list[str] = field(default_factory=list)
-    summary: str = ""
-    failed_extra: int = 0
-
-    def __post_init__(self) -> None:
-        global _CURRENT
-        _CURRENT = self
-
-    @property
-    def ok(self) -> bool:
-        return self.syncs > 0 and self.verified == self.syncs and not self.failed_extra
-
-    def finish(self, demo: str, world: int, model: str, n_params: int, target: str = "") -> str:
-        """Set and return the one summary line every demo ends with (``target``: what it synced into)."""
-        self.summary = (
-            f"{demo}: {self.verified}/{self.syncs} syncs verified, "
-            f"{format_bytes(self.bytes)} sent in {self.seconds:.2f} s "
-            f"({world} ranks, {model}, {n_params:,} params) -> {target}" + ("PASS" if self.ok else "FAIL")
-        )
-        return self.summary
-
-
-def progress() -> tuple[int, int]:
-    """``(syncs done, syncs asked for)`` of the demo running in this process ((0, 0) before one starts)."""
-    return (_CURRENT.syncs, _CURRENT.steps) if _CURRENT is not None else (0, 0)
 
 
 @torch.no_grad()
@@ -90,20 +44,6 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits.float()
     finally:
         model.train()
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} GB"
-
-
-def _share(obj: Any) -> Any:
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def run_demo(
@@ -126,15 +66,14 @@ def run_demo(
     the trainer's (relative to the largest |logit|). ``out`` prints on rank 0 only (the CLI passes
     ``print``). Returns the same ``DemoResult`` on every rank.
     """
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
     from weightsync.sources import FP8Source, FSDPSource
 
     from ..loopback import LoopbackTrainerInitInfo
     from ..loopback.receiver import ReceiverClient
+    from ..sync import SyncReport, WeightSync
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    say = out if rank == 0 else (lambda *a, **k: None)
+    say = rank0_printer(out)
     config = load_config(preset, config_path, hidden=hidden, layers=layers)
     model = shard_fsdp2(build_model(config, seed=0))
     n_params = sum(p.numel() for p in model.parameters())
@@ -154,50 +93,42 @@ def run_demo(
         info = LoopbackTrainerInitInfo(
             "127.0.0.1", port, 2, rank=rank, packed=packed, checksums=checksums
         )
-        engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
-        say(
-            f"weightsync demo: {config.model_type} ({n_params:,} params, {config.num_hidden_layers} "
-            f"layers, hidden {config.hidden_size}) on {world} CPU rank(s), FSDP2 + FSDPSource -> "
-            f"loopback receiver (pid {handle.pid if handle else '?'}), packed={packed}, "
-            f"checksums={checksums}" + (f", FP8 {qcfg['weight_block_size']} blocks" if qcfg else "")
-        )
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data, as in DP
-        eval_ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
-        trainer_logits = _logits(model, eval_ids)
-        if rank == 0:
-            before, _ = client.logits(eval_ids.tolist())
-            rel = float((before - trainer_logits).abs().max() / trainer_logits.abs().max().clamp(min=1e-30))
-            say(f"  before any sync: receiver logits equal trainer's: {torch.equal(before, trainer_logits)} "
-                f"(max rel |diff| {rel:.3g})")
-
-        for step in range(1, steps + 1):
-            ids = torch.randint(0, config.vocab_size, (4, 32), generator=gen)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-
-            t0 = time.perf_counter()
-            engine.send_weights(weight_version=f"step-{step}")
-            seconds = time.perf_counter() - t0
-            equal, diff, version = _compare_logits(model, client, eval_ids, rank)
-            close = qcfg is not None and diff <= FP8_LOGITS_TOL
-            equal = (equal or close) and version == f"step-{step}"
-            src, wire = source.last_pass, engine.last_send
-            result.syncs += 1
-            result.verified += int(equal)
-            result.bytes += wire.bytes
-            result.seconds += seconds
-            line = (
-                f"  sync {step}/{steps}: loss {loss.item():.4f} | {wire.tensors} tensors, "
-                f"{format_bytes(wire.bytes)}, {src.collectives} gathers + {wire.collectives} "
-                f"broadcasts, {seconds:.3f} s | receiver {version}: logits "
-                + (f"within FP8 tolerance (max rel |diff| {diff:.3g} <= {FP8_LOGITS_TOL})" if equal and close
-                   else "EQUAL (bit-exact)" if equal else f"DIFFER (max rel |diff| {diff:.3g})")
+        ws = WeightSync(source, info, client, pause="keep")
+        try:
+            say(
+                f"weightsync demo: {config.model_type} ({n_params:,} params, {config.num_hidden_layers} "
+                f"layers, hidden {config.hidden_size}) on {world} CPU rank(s), FSDP2 + FSDPSource -> "
+                f"loopback receiver (pid {handle.pid if handle else '?'}), packed={packed}, "
+                f"checksums={checksums}" + (f", FP8 {qcfg['weight_block_size']} blocks" if qcfg else "")
             )
-            result.lines.append(line)
-            say(line)
+            # before any forward, as in a training loop: after a forward outside backward FSDP2 may
+            # leave the root's parameters unsharded, and the optimizer must hold the sharded ones
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            eval_ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
+            trainer_logits = _logits(model, eval_ids)
+            if rank == 0:
+                before, _ = client.logits(eval_ids.tolist())
+                rel = float((before - trainer_logits).abs().max() / trainer_logits.abs().max().clamp(min=1e-30))
+                say(f"  before any sync: receiver logits equal trainer's: {torch.equal(before, trainer_logits)} "
+                    f"(max rel |diff| {rel:.3g})")
+
+            def verify(step: int, loss: float | None, report: SyncReport, seconds: float) -> Verdict:
+                equal, diff, version = _compare_logits(model, client, eval_ids, rank)
+                close = qcfg is not None and diff <= FP8_LOGITS_TOL
+                equal = (equal or close) and version == f"step-{step}"
+                src, wire = source.last_pass, ws.engine.last_send
+                line = (
+                    f"  sync {step}/{steps}: loss {loss:.4f} | {wire.tensors} tensors, "
+                    f"{format_bytes(wire.bytes)}, {src.collectives} gathers + {wire.collectives} "
+                    f"broadcasts, {report.send_seconds:.3f} s | receiver {version}: logits "
+                    + (f"within FP8 tolerance (max rel |diff| {diff:.3g} <= {FP8_LOGITS_TOL})" if equal and close
+                       else "EQUAL (bit-exact)" if equal else f"DIFFER (max rel |diff| {diff:.3g})")
+                )
+                return Verdict(ok=equal, line=line, bytes=wire.bytes, seconds=report.send_seconds)
+
+            train_and_sync(ws, model, optim, result, vocab_size=config.vocab_size, rank=rank, verify=verify, say=say)
+        finally:
+            ws.shutdown()
     finally:
         if handle is not None:
             handle.stop()
@@ -218,7 +149,7 @@ def _start_receiver(config: Any, rank: int, quantization: dict | None = None) ->
                    else functools.partial(build_fp8_model, config, 1, quantization))
         _, handle = start_receiver_process(factory)
         where = (handle.url, 0)
-    url, port = _share(where)
+    url, port = share(where)
     return handle, url, port
 
 
@@ -234,19 +165,4 @@ def _compare_logits(
         got, _ = client.logits(eval_ids.tolist())
         diff = float((got - trainer_logits).abs().max() / trainer_logits.abs().max().clamp(min=1e-30))
         verdict = (bool(torch.equal(got, trainer_logits)), diff, client.weight_version())
-    return _share(verdict)
-
-
-def init_cpu_process_group() -> None:
-    """The default process group for the demo/check: gloo, from torchrun's env, or a 1-rank one."""
-    import datetime
-
-    if dist.is_initialized():
-        return
-    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    else:
-        # one rank: an in-process store, no port to pick
-        dist.init_process_group(
-            "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=300)
-        )
+    return share(verdict)

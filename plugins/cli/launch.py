@@ -1,0 +1,216 @@
+"""Running a command on N ranks: the torchrun re-launch, the verdict file, and Ctrl-C.
+
+Asked for N > 1 ranks and not already under ``torchrun``, a command re-runs itself under
+``python -m torch.distributed.run --standalone --nproc-per-node N`` (``launch``). The ranks report
+their verdict through a small result file (``finish``: rank 0 writes it, every rank exits 0), so a
+failed check or demo exits 1 with its own words and not with torchrun's traceback.
+
+Invariant: Ctrl-C leaves nothing behind. SIGINT / SIGTERM unwind every process through its
+``finally`` blocks (``interrupts_as_keyboard_interrupt``: receivers and servers are stopped, rank 0
+writes the verdict with the syncs done); whatever has not ended within ``STOP_GRACE_S`` -- torchrun,
+each rank's process group, any helper's group -- is killed, and the launcher exits 130 with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Sequence
+
+__all__ = [
+    "EXIT_OK", "EXIT_FAIL", "EXIT_USAGE", "EXIT_INTERRUPTED", "STOP_GRACE_S", "ARGV_ENV", "under_torchrun", "launch",
+    "ranks_up", "finish", "interrupts_as_keyboard_interrupt", "descendants",
+]
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+#: After Ctrl-C, how long the ranks get to unwind (stop their receiver / server, write the verdict)
+#: before they, their helpers and torchrun are killed. A rank blocked in a gloo collective whose peer
+#: already unwound does not see the signal until the collective times out: this bounds that wait.
+STOP_GRACE_S = 15.0
+#: The ranks get their arguments through this variable (torchrun's own parser would otherwise read
+#: options such as --nproc as abbreviations of its own).
+ARGV_ENV = "WEIGHTSYNC_ARGV"
+_RESULT_ENV = "WEIGHTSYNC_RESULT_FILE"
+_T0_ENV = "WEIGHTSYNC_LAUNCH_T0"
+_UP_FILE = "ranks-up"
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank torchrun started (then it runs the command, never re-launches)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    )
+
+
+def launch(nproc: int, argv: Sequence[str], command: str) -> int:
+    """Re-run ``weightsync argv`` under torchrun with ``nproc`` ranks; return the verdict.
+
+    Ctrl-C (or SIGTERM) here: torchrun runs in its own session, so the terminal's SIGINT reaches
+    this process only; it forwards SIGINT to every rank (each unwinds: stops its receiver or vLLM
+    server, rank 0 writes the verdict with the syncs done), waits up to ``STOP_GRACE_S`` for torchrun
+    to end (a second Ctrl-C cuts the wait), then kills whatever of the tree is left (torchrun, each
+    rank's process group, any helper's group) and prints one line. Exit 130."""
+    with tempfile.TemporaryDirectory(prefix="weightsync-") as tmp:
+        result = os.path.join(tmp, "result.json")
+        # The ranks get their arguments through the environment: torchrun's own parser would
+        # otherwise read options such as --nproc as abbreviations of its own.
+        env = dict(os.environ, **{_RESULT_ENV: result, ARGV_ENV: json.dumps(list(argv))})
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["PYTHONUNBUFFERED"] = "1"  # each rank's lines as they happen, in order with the launcher's
+        env[_T0_ENV] = repr(time.time())
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--log-dir", os.path.join(tmp, "torchrun"),  # else torchrun leaves a torchelastic_* folder in /tmp
+            "--nproc-per-node", str(nproc), "-m", "weightsync.plugins.cli",
+        ]
+        print(f"weightsync {command}: starting {nproc} ranks (torchrun) ...", file=sys.stderr, flush=True)
+        interrupted = False
+        with interrupts_as_keyboard_interrupt():
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+            try:
+                _wait_for_ranks(proc, os.path.join(tmp, _UP_FILE), command)
+                proc.wait()
+            except KeyboardInterrupt:
+                interrupted = True
+                _stop_tree(proc, nproc)
+        verdict = None
+        if os.path.exists(result):
+            with open(result) as f:
+                verdict = json.load(f)
+        if interrupted:
+            line = (verdict or {}).get("interrupted") or f"weightsync {command}: interrupted"
+            print(line, file=sys.stderr, flush=True)
+            return EXIT_INTERRUPTED
+        if verdict is None:
+            print(
+                f"weightsync: the {nproc} ranks ended without a verdict (torchrun exit code "
+                f"{proc.returncode}); see the output above",
+                file=sys.stderr,
+            )
+            return EXIT_FAIL
+        return int(verdict["exit"])
+
+
+def _wait_for_ranks(proc: subprocess.Popen, up_file: str, command: str, every_s: float = 5.0) -> None:
+    """Until rank 0 says the ranks are up (``up_file``) or torchrun ends: a line every ``every_s``
+    saying what is awaited and for how long (each rank imports torch, then they rendezvous)."""
+    t0 = time.monotonic()
+    next_note = t0 + every_s
+    while proc.poll() is None and not os.path.exists(up_file):
+        if time.monotonic() >= next_note:
+            print(f"  ... waiting for the ranks to start (imports, rendezvous): {time.monotonic() - t0:.0f} s",
+                  file=sys.stderr, flush=True)
+            next_note += every_s
+        time.sleep(0.1)
+
+
+def ranks_up(what: str) -> None:
+    """In a launched rank, once the process group is up: rank 0 tells the launcher (which stops its
+    waiting lines) and prints how long the start took."""
+    path = os.environ.get(_RESULT_ENV)
+    if not path or int(os.environ.get("RANK", "0")) != 0:
+        return
+    open(os.path.join(os.path.dirname(path), _UP_FILE), "w").close()
+    t0 = float(os.environ.get(_T0_ENV, "0") or 0)
+    took = f" in {time.time() - t0:.1f} s" if t0 else ""
+    print(f"weightsync {what}: {os.environ.get('WORLD_SIZE', '?')} ranks up{took}", file=sys.stderr, flush=True)
+
+
+class interrupts_as_keyboard_interrupt:  # noqa: N801 - used as a context manager, like contextlib's
+    """SIGINT and SIGTERM raise ``KeyboardInterrupt`` inside the block (the launcher's and each rank's
+    way of unwinding through ``finally``); the previous handlers come back at the end."""
+
+    def __enter__(self) -> "interrupts_as_keyboard_interrupt":
+        self._old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, _raise_interrupt)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), ()):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _stop_tree(proc: subprocess.Popen, nproc: int) -> None:
+    """Ctrl-C in the launcher: SIGINT to each rank, a bounded wait, then SIGKILL to what is left."""
+    tree = descendants(proc.pid)
+    groups = {g for g in (_pgid(p) for p in tree) if g is not None and g != os.getpgrp()}
+    ranks = [p for p in tree if p in groups]  # torchrun starts each rank as its own group leader
+    print(f"weightsync: Ctrl-C: stopping the {nproc} ranks (up to {STOP_GRACE_S:.0f} s; Ctrl-C again to kill now)",
+          file=sys.stderr, flush=True)
+    for pid in ranks:
+        try:
+            os.kill(pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + STOP_GRACE_S
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        pass
+    # whatever is left: torchrun first (so it restarts nothing), then every group of the tree,
+    # including helpers (a vLLM server) that started after the snapshot or were orphaned
+    tree = set(tree) | set(descendants(proc.pid))
+    groups |= {g for g in (_pgid(p) for p in tree) if g is not None and g != os.getpgrp()}
+    if proc.poll() is None:
+        proc.kill()
+    for g in groups:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
+
+
+def finish(code: int, interrupted: str | None = None) -> int:
+    """In a launched rank: rank 0 writes the verdict (and, after Ctrl-C, the line the launcher
+    prints); every rank exits 0 so torchrun stays quiet."""
+    path = os.environ.get(_RESULT_ENV)
+    if not path:
+        if interrupted:
+            print(interrupted, file=sys.stderr, flush=True)
+        return code
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(path, "w") as f:
+            json.dump({"exit": code, "interrupted": interrupted}, f)
+    return EXIT_OK
