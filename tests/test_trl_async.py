@@ -151,11 +151,13 @@ class ServerRollouts:
 
 
 def world_trl_async_grpo(rank: int, world_size: int, *, url: str, model_dir: str, work: str) -> dict:
-    """TRL's ``AsyncGRPOTrainer`` with rollouts from the real server (``ServerRollouts``) and its sync
-    replaced by weightsync (``WeightSyncAsyncGRPOTrainer``; loopback backend, ``FSDPSource`` through
-    ``source_from_accelerator``), 2 steps, a sync after each (``weight_sync_steps=1``) besides the
-    cold one. After each sync the test's subclass records the server's version and greedy tokens of
-    ``PROMPTS``, and transformers' greedy tokens of a fresh model holding the trainer's weights."""
+    """TRL's ``AsyncGRPOTrainer`` with rollouts from the real server (``ServerRollouts``, rank 0) and
+    its sync replaced by weightsync (``WeightSyncAsyncGRPOTrainer``; loopback backend, the source from
+    ``source_from_accelerator``: DDP on CPU), 2 steps, a sync after each (``weight_sync_steps=1``)
+    besides the cold one. After each sync the test's subclass records, on every rank, the trainer's
+    ``model_version`` and the step of weightsync's report, the server's version and greedy tokens of
+    ``PROMPTS``, and transformers' greedy tokens of a fresh model holding the rank's weights."""
+    import torch
     import trl.experimental.async_grpo.async_grpo_trainer as agt
     from datasets import Dataset
     from transformers import AttentionInterface, PreTrainedTokenizerFast
@@ -172,7 +174,10 @@ def world_trl_async_grpo(rank: int, world_size: int, *, url: str, model_dir: str
 
     agt.get_peak_flops_per_device = lambda accelerator, dtype: None  # reads the CUDA device name
     mine = os.path.join(work, "trainer")
-    save_served_model(mine, seed=7)  # the trainer starts from other weights than the server's
+    if rank == 0:
+        save_served_model(mine, seed=7)  # the trainer starts from other weights than the server's
+    if world_size > 1:
+        torch.distributed.barrier()
     srv = VLLMServer(url, None, os.path.join(work, "none.log"), model_dir)
     checks: list[dict] = []
     holder: list = []
@@ -183,7 +188,8 @@ def world_trl_async_grpo(rank: int, world_size: int, *, url: str, model_dir: str
             oracle = served_model(0)
             oracle.load_state_dict(self.accelerator.unwrap_model(self.model).state_dict())
             checks.append({
-                "model_version": self.model_version, "version": srv.weight_version(), "paused": srv.is_paused(),
+                "model_version": self.model_version, "report_step": self.weight_sync.last_report.step,
+                "version": srv.weight_version(), "paused": srv.is_paused(),
                 "want": [greedy(oracle, p) for p in PROMPTS], "got": [srv.generate(p) for p in PROMPTS],
             })
             return marks
@@ -202,7 +208,7 @@ def world_trl_async_grpo(rank: int, world_size: int, *, url: str, model_dir: str
     tokenizer = PreTrainedTokenizerFast.from_pretrained(mine, padding_side="left")
     prompts = Dataset.from_dict({"prompt": [" ".join(f"w{t}" for t in p) for p in PROMPTS]})
     worker = ServerRollouts(url, model_dir, PROMPTS, n=GENERATIONS, max_tokens=COMPLETION_TOKENS,
-                            reward=lambda tokens: sum(t < 128 for t in tokens) / len(tokens))
+                            reward=lambda tokens: sum(tokens) / (len(tokens) * 256))  # no two alike
     common = dict(model=mine, reward_funcs=[], args=args, train_dataset=prompts, processing_class=tokenizer,
                   rollout_worker=worker)
     try:

@@ -619,24 +619,28 @@ def test_trl_grpo_generates_from_the_server_weightsync_syncs(server, tmp_path):
 def test_trl_async_grpo_generates_from_the_server_weightsync_syncs(server, tmp_path):
     """TRL's async GRPO (``AsyncGRPOTrainer``) with rollouts sampled from the real server
     (``test_trl_async.ServerRollouts``) and ``WeightSyncAsyncGRPOTrainer`` doing the sync: the cold
-    sync and one after each of 2 steps; after each the server reports the trainer's
-    ``model_version`` as its ``weight_version`` and is resumed, its greedy tokens equal transformers'
-    on the trainer's weights, and the rollout worker was told each version; ``weight_transfer=`` is
-    refused; TRL's loss / reward / KL logs are there with weightsync's report beside them."""
+    sync and one after each of 2 steps, on both ranks (DDP); after each the server reports rank 0's
+    ``model_version`` as its ``weight_version`` (every rank's sync report names it; TRL keeps
+    ``model_version`` on rank 0 only) and is resumed, its greedy tokens equal transformers' on the
+    trainer's weights, and the rollout worker was told each version; ``weight_transfer=`` is refused;
+    TRL's loss / reward / KL logs are there with weightsync's report beside them."""
     pytest.importorskip("trl")
     from test_trl_async import world_trl_async_grpo
 
-    res = run_world(world_trl_async_grpo, 1, timeout=300, url=server.url, model_dir=server.model_dir,
-                    work=str(tmp_path))[0]
+    out = run_world(world_trl_async_grpo, 2, timeout=300, url=server.url, model_dir=server.model_dir,
+                    work=str(tmp_path))
+    res = out[0]
     assert res["refused"] and "weight_transfer=" in res["refused"], res["refused"]
-    checks = res["checks"]
-    assert [(c["model_version"], c["version"]) for c in checks] == [(1, "1"), (2, "2"), (3, "3")], checks
-    for c in checks:
-        assert not c["paused"], c
-        for (want_t, want_lp), (got_t, got_lp) in zip(c["want"], c["got"]):
-            assert got_t == want_t, c
-            assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) <= LOGPROB_ATOL, c
-    assert checks[0]["want"] != checks[1]["want"] != checks[2]["want"]  # each step changed what is served
+    for rank, model_versions in ((0, [1, 2, 3]), (1, [0, 0, 0])):
+        checks = out[rank]["checks"]
+        assert [c["model_version"] for c in checks] == model_versions, (rank, checks)
+        assert [(c["report_step"], c["version"]) for c in checks] == [(1, "1"), (2, "2"), (3, "3")], (rank, checks)
+        for c in checks:
+            assert not c["paused"], c
+            for (want_t, want_lp), (got_t, got_lp) in zip(c["want"], c["got"]):
+                assert got_t == want_t, (rank, c)
+                assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) <= LOGPROB_ATOL, (rank, c)
+        assert checks[0]["want"] != checks[1]["want"] != checks[2]["want"]  # each step changed what is served
     versions = res["versions"]  # the policy version each rollout group was requested under
     assert versions and versions[0] == 1 and versions == sorted(versions) and versions[-1] <= 3, versions
     logs = [h for h in res["history"] if "loss" in h]
