@@ -23,8 +23,8 @@ Invariants:
 * **A failed ``save_delta`` resets the delta on every rank** (the next round is an anchor, which
   covers any base) and raises ``CheckpointError`` on every rank; the target path is untouched.
 * Only the version entry of each shard header changes; the header is re-serialised exactly as
-  ``plan._header`` writes it (compact JSON, key order kept, space-padded to 8 bytes), so the bytes
-  equal a fresh ``save_safetensors``.
+  ``save_safetensors`` writes it (``plan.serialise_header``: compact JSON, key order kept,
+  space-padded to 8 bytes), so the bytes equal a fresh ``save_safetensors``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from weightsync.sources.toolkit import (
 )
 
 from .files import fsync_dir, mkdir_unique, replace_folder
-from .plan import SAFETENSORS_NAMES, safetensors_dtype
+from .plan import SAFETENSORS_NAMES, safetensors_dtype, serialise_header
 
 __all__ = ["VERSION_KEY", "DeltaFileReport", "save_delta", "apply_delta", "read_delta_header"]
 
@@ -204,7 +204,7 @@ class _PatchWriter:
             },
             **self.entries,
         }
-        header = _serialise(head)
+        header = serialise_header(head)
         self._final = f"{self.path}.weightsync-{os.getpid()}.tmp"
         with open(self._final, "wb") as out, open(self._data_path, "rb") as data:
             out.write(header)
@@ -228,14 +228,6 @@ class _PatchWriter:
             if p and os.path.exists(p):
                 os.unlink(p)
         self._data_path = self._final = None
-
-
-def _serialise(head: dict[str, Any]) -> bytes:
-    """A safetensors header as ``plan._header`` writes it: compact JSON, space-padded to 8 bytes,
-    after its u64 little-endian length."""
-    text = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * ((8 - len(text) % 8) % 8)
-    return struct.pack("<Q", len(text)) + text
 
 
 def _raw_header(path: str) -> tuple[dict[str, Any], int]:
@@ -403,5 +395,5 @@ def _patch_shard(shard: Any, entries: list[Any], patches: list[_Patch], out_path
             flat[idx] = values
     head["__metadata__"] = {**head.get("__metadata__", {}), VERSION_KEY: version}
     with open(out_path, "wb") as out:
-        out.write(_serialise(head))
+        out.write(serialise_header(head))
         out.write(data)

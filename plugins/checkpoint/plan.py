@@ -60,6 +60,7 @@ from weightsync.sources.toolkit import (
 
 __all__ = [
     "SAFETENSORS_NAMES",
+    "serialise_header",
     "SINGLE_FILE",
     "INDEX_FILE",
     "PlannedTensor",
@@ -288,9 +289,17 @@ def _header(
         offsets[n] = (pos, pos + size)
         head[n] = {"dtype": st_dtypes[n], "shape": [int(d) for d in m.shape], "data_offsets": [pos, pos + size]}
         pos += size
+    return serialise_header(head), ordered, offsets
+
+
+def serialise_header(head: dict[str, Any]) -> bytes:
+    """A safetensors header as ``safetensors`` writes it: its u64 little-endian length, then compact
+    JSON (key order kept), space-padded to a multiple of 8 bytes. One function for every header
+    weightsync writes (``save_safetensors``'s shards, ``save_delta``'s patch files,
+    ``apply_delta``'s rewritten shards), so their bytes equal safetensors' own."""
     text = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * ((8 - len(text) % 8) % 8)
-    return struct.pack("<Q", len(text)) + text, ordered, offsets
+    return struct.pack("<Q", len(text)) + text
 
 
 def plan_checkpoint(

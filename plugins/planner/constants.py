@@ -6,10 +6,10 @@ is an assumption nobody here measured; ``plan`` prints the assumptions it used n
 so a reader always knows which parts of a time are evidence and which are guesses. Counts (tensors,
 bytes, collectives) never come from here: they come from the sources' own metadata and plans.
 
-CPU: ``bench/bench_plan.py --fit`` fitted the two CPU source constants on FSDP2 passes (estimate
-0.85-1.03x measured there). The same constants on ``MegatronSource`` TP2 passes estimated 1.4-2.0x
-the measured time (rank 0 receives its peer's shards point to point, not by all-gather), so
-``MegatronSource`` has its own pair, fitted with ``--layout megatron --fit``.
+CPU: ``bench/bench_plan.py --fit`` fitted the two CPU source constants on FSDP2 passes. The same
+constants overestimate ``MegatronSource`` TP passes (rank 0 receives its peer's shards point to
+point, not by all-gather), so ``MegatronSource`` has its own pair, fitted with ``--layout megatron
+--fit``. How close each fit came is recorded in ``docs/evidence.md``.
 
 Figures are from ``bench/results/`` (``gpu-*.md``: absolute times of one host; ``history.jsonl``:
 ratios) and ``docs/evidence.md``. The H200 runs used vLLM 0.33's engines, the session-12 H100 runs

