@@ -143,7 +143,7 @@ def _build_class(base: type) -> type:
         is ``AsyncGRPOTrainer``'s; ``weight_transfer=`` is refused. See the module docstring."""
 
         def __init__(self, *args: Any, sync: WeightSync | Callable[[Any], WeightSync], **kwargs: Any) -> None:
-            if kwargs.get("weight_transfer") is not None or len(args) > 11:
+            if kwargs.get("weight_transfer") is not None:
                 raise ValueError(
                     "WeightSyncAsyncGRPOTrainer: weight_transfer= is not taken (weightsync does the sync; "
                     "TRL gets a no-op transfer)"
