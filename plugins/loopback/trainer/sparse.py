@@ -120,6 +120,8 @@ class LoopbackSparseTrainerWeightTransferEngine(TrainerWeightTransferEngine[Loop
     ``last_send`` (a ``PassStats``) counts on the sender what the round's chunks carried so far
     (reset by ``start_round``): patches (``tensors``), bytes (indices + values) and transport ops
     (``collectives``: handshakes and broadcasts); ``chunks``: ``update_weights`` calls, engine life.
+    ``start_round`` and ``verify_round`` are the round hooks ``WeightSync`` calls
+    (``weightsync.plugins.sync.capabilities.RoundHooks``).
     """
 
     init_info_cls = LoopbackSparseTrainerInitInfo
