@@ -68,6 +68,8 @@ from .outcomes import agree, attempt, describe
 from .preflight import check_engine, pynccl_disabled_cause
 from .report import SyncReport
 
+# DEFAULT_CHUNK_BYTES, is_delta_source (delta_rounds), DRAFTLESS_BACKENDS, FINISHABLE_PASS_BACKENDS and
+# is_sparse_backend (capabilities) live where their idea does; re-exported here, where they used to be.
 __all__ = [
     "WeightSync", "PAUSE_MODES", "LateSync", "SendPhase", "DEFAULT_CHUNK_BYTES", "DRAFTLESS_BACKENDS",
     "FINISHABLE_PASS_BACKENDS", "is_delta_source", "is_sparse_backend",
