@@ -254,7 +254,7 @@ def megatron_case(rank: int, *, tmp: str, case: str, tp: int, pp: int, vpp: int 
         facts["updates"] = [(s, list(n)) for s, n in client.updates]
         facts["payload_rank_offset"] = client.init_payloads[0]["rank_offset"]
     if fail is not None:
-        orig, orig_piece, calls = src._full_pass, src._piece, []
+        orig, orig_piece, calls = src._full_pass, src._units.shard, []
 
         def failing():
             for i, pair in enumerate(orig()):
@@ -271,7 +271,7 @@ def megatron_case(rank: int, *, tmp: str, case: str, tp: int, pp: int, vpp: int 
         helper = not any(m.owners[0] == fail for m in src.metadata)
         if rank == fail:
             if helper:
-                src._piece = failing_piece
+                src._units.shard = failing_piece
             else:
                 src._full_pass = failing
         try:
@@ -281,7 +281,7 @@ def megatron_case(rank: int, *, tmp: str, case: str, tp: int, pp: int, vpp: int 
             facts["fail_outcome"] = f"{type(e).__name__}: {e}"
         facts["sent_in_failed"], _ = sent_by_me(sync)
         if rank == fail:
-            del src.__dict__["_piece" if helper else "_full_pass"]
+            del (src._units if helper else src).__dict__["shard" if helper else "_full_pass"]
         if rank == 0:
             facts["after_fail_mismatch"] = len(bitwise_mismatches(client.model.held, oracle))
             client.expect(src.metadata)  # NaN again: the next sync must deliver everything

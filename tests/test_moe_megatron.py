@@ -90,7 +90,8 @@ def _world(rank, world_size, *, ckpt, family, tp=1, pp=1, ep=1, etp=None, fmt="s
     from moe_megatron import build_gpt, init_parallel, megatron_checkpoint, moe_config
 
     import torch.distributed as dist
-    from weightsync.sources.megatron.moe import MegatronMoEExporter, expert_format
+    from weightsync.sources.megatron.moe import MegatronMoEExporter
+    from weightsync.sources.megatron.moe_storage import expert_format
 
     if measure_rss:
         # glibc otherwise serves freed multi-MiB blocks from a heap it does not trim, so peak RSS would
@@ -116,7 +117,7 @@ def _world(rank, world_size, *, ckpt, family, tp=1, pp=1, ep=1, etp=None, fmt="s
         ex = MegatronMoEExporter(model, hf, mcfg, expert_layout=layout,
                                  **({"expert_batch_bytes": batch_bytes} if batch_bytes else {}))
         declared = [e for lay in moe_layers for e in ex.entries(lay)]
-        ex._placement()  # the one cached coordinate exchange: not part of the bounded pass
+        ex.exchange_coords()  # the one cached coordinate exchange: not part of the bounded pass
         rss0 = _start_peak_rss()
         ex.stats.start()
         got = []
@@ -260,7 +261,7 @@ def test_pp2_ep2_sequential_mixtral():
 
 def test_te_grouped_names_map_to_the_same_pieces():
     """TE is not installed: TEGroupedMLP's storage (linear_fc{1,2}.weight{j}) is checked by name."""
-    from weightsync.sources.megatron.moe import expert_format, local_expert_weights, megatron_moe_suffixes
+    from weightsync.sources.megatron.moe_storage import expert_format, local_expert_weights, megatron_moe_suffixes
 
     class _Lin(torch.nn.Module):
         def __init__(self, shapes):

@@ -24,7 +24,10 @@ from typing import Any, NamedTuple
 from ..core.ground.errors import UnmappedParameterError
 from .base import Entry, Family, Field, MoERoles, MTPNames, moe_fields, rope_theta
 
-__all__ = ["FAMILY", "MLA", "MLATensor", "MEGATRON_REFUSALS", "MTP", "hf_rope", "sigmoid_moe_fields"]
+__all__ = [
+    "FAMILY", "MLA", "MLATensor", "MEGATRON_REFUSALS", "MTP", "hf_rope", "sigmoid_moe_fields",
+    "refuse_attention_variant", "refuse_no_latent_norms", "refuse_rotary_interleaved",
+]
 
 
 class MLATensor(NamedTuple):
@@ -194,19 +197,22 @@ def unbuildable(hf: Any) -> str | None:
     return None
 
 
-def _no_latent_norms(mcfg: Any) -> str | None:
+def refuse_no_latent_norms(mcfg: Any) -> str | None:
+    """An MLA without q/kv latent norms (``qk_layernorm=False``): DeepseekV3 always has them."""
     if getattr(mcfg, "qk_layernorm", False):
         return None
     return "qk_layernorm=False: this MLA has no q/kv latent norms, DeepseekV3 always applies q_a_layernorm / kv_a_layernorm"
 
 
-def _interleaved(mcfg: Any) -> str | None:
+def refuse_rotary_interleaved(mcfg: Any) -> str | None:
+    """Megatron's ``rotary_interleaved=True``: other rope pairs than DeepseekV3 rotates."""
     if not getattr(mcfg, "rotary_interleaved", False):
         return None
     return "rotary_interleaved=True: rotates other rope pairs than DeepseekV3 (rope_interleave=True)"
 
 
-def _variant(mcfg: Any) -> str | None:
+def refuse_attention_variant(mcfg: Any) -> str | None:
+    """Any ``experimental_attention_variant``: its extra parameters have no DeepseekV3 tensors."""
     variant = getattr(mcfg, "experimental_attention_variant", None)
     if not variant:
         return None
@@ -231,7 +237,9 @@ MTP = MTPNames(
 )
 
 #: Megatron-side MLA variants with no DeepseekV3 counterpart: ``mcfg -> reason or None``.
-MEGATRON_REFUSALS: tuple[Callable[[Any], str | None], ...] = (_no_latent_norms, _interleaved, _variant)
+MEGATRON_REFUSALS: tuple[Callable[[Any], str | None], ...] = (
+    refuse_no_latent_norms, refuse_rotary_interleaved, refuse_attention_variant,
+)
 
 FAMILY = Family(
     "deepseek_v3",

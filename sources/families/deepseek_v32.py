@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..core.layouts.tp import indexer_megatron_rope
+from ..core.layouts.rows import indexer_megatron_rope
 from . import deepseek_v3 as v3
 from .base import Entry, Family, Field
 
@@ -138,7 +138,7 @@ def dsa_family(name: str, architectures: tuple[str, ...], *, pairing: str,
         layout_kw=lambda hf, mcfg=None: {"indexer_rope": (
             hf.index_head_dim, hf.qk_rope_head_dim, indexer_megatron_rope(mcfg))},
         megatron_mismatch=_mismatch,
-        mla_refusals=(v3._no_latent_norms, v3._interleaved, _no_variant_check),
+        mla_refusals=(v3.refuse_no_latent_norms, v3.refuse_rotary_interleaved, _no_variant_check),
         mtp=v3.MTP,  # vLLM's DeepseekV32MTP loads DeepSeek-V3's MTP names
     )
 

@@ -1,11 +1,11 @@
 """Rank 0's layout work for the unit received ahead, on a helper thread (CPU, overlap).
 
-With overlap, rank 0 posts the next unit's point-to-point receives before it hands on the current
-unit's tensors (``MegatronSource._ahead``). What remained in the iterating thread is rank 0's own
-host work once those pieces arrived: the concatenation of the TP shards and the QKV / GLU splits
-(``Layout.concat``) -- on CPU a copy of every byte, which nothing overlapped (bench_overlap_megatron:
-x0.96 with a simulated send). ``SplitAhead`` moves it to one helper thread, as FSDPSource's helper
-unpacks the next gathered tensor (``fsdp/prefetch.py``):
+With overlap, rank 0 posts the next units' point-to-point receives before it hands on the current
+unit's tensors (``GatheredPass.look_ahead``, ``megatron/gathered.py``). What remained in the
+iterating thread is rank 0's own host work once those pieces arrived: the concatenation of the TP
+shards and the QKV / GLU splits (``Layout.concat``) -- on CPU a copy of every byte, which nothing
+overlapped (``docs/evidence.md``, bench_overlap_megatron). ``SplitAhead`` moves it to one helper
+thread, as FSDPSource's helper unpacks the next gathered tensor (``fsdp/prefetch.py``):
 
 * The helper never posts a transfer: posting stays in the iterating thread, in plan order, so
   the peers pair up as without it. It waits for the unit's receives -- ``PostedGather.finish``,
@@ -19,7 +19,7 @@ unpacks the next gathered tensor (``fsdp/prefetch.py``):
   before draining what is still posted.
 * Memory: the helper drops the pieces once concatenated, so ahead of the unit being yielded rank 0
   holds each posted unit's pieces *or* its outputs, never both once a concat is done -- what is
-  ahead stays within the lookahead's byte bound (``MegatronSource._ahead``); while a concat runs,
+  ahead stays within the lookahead's byte bound (``GatheredPass.look_ahead``); while a concat runs,
   its input and output coexist, as they do in the iterating thread.
 * CPU only: on CUDA the concatenation is an asynchronous kernel already, issued on the caller's
   stream in the iterating thread (``MegatronSource`` does not start a helper there).
@@ -36,30 +36,28 @@ from typing import Any
 import torch.distributed as dist
 
 from ..core.comm.p2p import PostedGather
+from ..core.ground.ranks import multi_rank
 
 __all__ = ["AHEAD_BYTES", "AHEAD_BYTES_MANY_CORES", "SplitAhead", "cores_per_local_rank", "default_ahead_bytes"]
 
-#: How far rank 0 posts receives ahead (``MegatronSource(ahead_bytes=)``, ``MegatronSource._ahead``):
+#: How far rank 0 posts receives ahead (``MegatronSource(ahead_bytes=)``, ``GatheredPass.look_ahead``):
 #: one more unit is posted while the units posted ahead and not yet yielded hold less than this
 #: many bytes of HF tensors.
-#: Why bytes and not one unit: a layer's units differ ~6x in size (at hidden 1024, 16 layers:
-#: o_proj 4.2 MB, then fc1 25.2 MB), and with one unit ahead the transfer and concatenation of a
-#: large unit could only overlap the consumer's time on the small unit before it -- the rest was a
-#: pause (bench_overlap_megatron: x0.84-0.88 against a bound of x0.58). Why "less than" (one unit
-#: may overshoot): a unit larger than the budget (lm_head, 65.5 MB there) must still be posted
-#: while the layer before it is consumed, not only once nothing else is ahead -- or its transfer
-#: and concatenation are a pause of their own at the end of the pass. Memory: rank 0 holds the unit
-#: being yielded plus less than the budget + one unit posted ahead (each as received pieces or as
-#: concatenated outputs), plus the one concatenation the helper is running (its input and output
-#: coexist).
+#: Why bytes and not one unit: a layer's units differ several-fold in size (an ``o_proj`` against
+#: the ``fc1`` after it), and with one unit ahead the transfer and concatenation of a large unit
+#: could only overlap the consumer's time on the small unit before it -- the rest was a pause. Why
+#: "less than" (one unit may overshoot): a unit larger than the budget (``lm_head``) must still be
+#: posted while the layer before it is consumed, not only once nothing else is ahead -- or its
+#: transfer and concatenation are a pause of their own at the end of the pass. Memory: rank 0 holds
+#: the unit being yielded plus less than the budget + one unit posted ahead (each as received pieces
+#: or as concatenated outputs), plus the one concatenation the helper is running (its input and
+#: output coexist).
 #:
 #: Why the default depends on the cores (``default_ahead_bytes``): what is posted ahead moves and is
 #: concatenated by gloo's threads and the helper while the consumer runs, so it only helps where
-#: those threads have cores of their own. bench_overlap_megatron at the default shape, TP2 on 2
-#: ranks, interleaved A/B runs (session 9): on 16 cores 64 MiB (about one layer there) gave x0.59 /
-#: x0.61 against bounds of x0.52 / x0.54, 128 MiB x0.57 / x0.58 against x0.53 / x0.54 (27 MB more
-#: peak on rank 0); on 2 cores 64 MiB gave x0.67-0.70 and 128 MiB x0.79-0.92 (more copies in flight
-#: on the cores the consumer and gloo need).
+#: those threads have cores of their own. With several cores per rank the larger budget was faster
+#: for a little more peak memory; with few it was slower (more copies in flight on the cores the
+#: consumer and gloo need). The measurements (bench_overlap_megatron) are in ``docs/evidence.md``.
 AHEAD_BYTES = 64 << 20
 #: The budget where each local rank has at least ``_MANY_CORES`` cores (``default_ahead_bytes``).
 AHEAD_BYTES_MANY_CORES = 128 << 20
@@ -76,7 +74,7 @@ def cores_per_local_rank() -> float:
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local and local.isdigit() and int(local) > 0:
         ranks = int(local)
-    elif dist.is_available() and dist.is_initialized():
+    elif multi_rank():
         ranks = dist.get_world_size()
     else:
         ranks = 1

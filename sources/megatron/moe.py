@@ -1,33 +1,30 @@
-"""Megatron-core MoE layers -> Hugging Face checkpoint tensors, gathered to rank 0 with bounded memory.
+"""Megatron-core MoE layers -> Hugging Face checkpoint tensors, gathered to their sender with bounded memory.
 
 One MoE layer of a ``GPTModel`` exports: router weight, the router linear's bias (``add_bias_linear``:
 GPT-OSS), router expert bias (a buffer), the routed experts with their biases if any (``per_expert``
-or ``fused`` wire layout, ``sources/core/hf/experts.py``), shared experts and the shared-expert gate. Names come from ``HFMoENames`` (transformers' own reversal), layout math from
-``experts.py`` / ``layout.py``; this file only knows where Megatron keeps each piece:
+or ``fused`` wire layout, ``sources/core/hf/experts.py``), shared experts and the shared-expert gate.
+Names come from ``HFMoENames`` (``moe_names.py``: transformers' own reversal), layout math from
+``core/hf/experts.py`` / ``core/layouts/tp.py``; where Megatron keeps each tensor on a rank is
+``moe_storage.py``'s, which rank holds and which sends it ``moe_placement.py``'s. This file is the
+exporter that puts them together:
 
 * routed experts live on the expert-parallel (EP) x expert-tensor-parallel (ETP) grid: global expert
   ``e = ep_rank * E_local + j``; each ETP rank holds rows ``[gate_r; up_r]`` of ``linear_fc1`` and
-  columns ``r`` of ``linear_fc2``. Three storage formats:
-  ``SequentialMLP`` ``local_experts.{j}.linear_fc{1,2}.weight``; ``TEGroupedMLP``
-  ``linear_fc1.weight{j}`` / ``linear_fc2.weight{j}`` (same shapes); legacy ``GroupedMLP``
-  ``weight1`` ``[H, E_local * 2F/etp]`` and ``weight2`` ``[E_local * F/etp, H]``, input-by-output
-  (its forward views them as ``[E_local, H, 2F/etp]`` / ``[E_local, F/etp, H]``). Expert biases
-  (``add_bias_linear``, which megatron-core allows only at ETP 1): ``linear_fc1.bias`` ``[2F]``
-  (``[gate; up]`` like the rows) and ``linear_fc2.bias`` ``[H]`` per expert (TE: ``bias{j}``).
+  columns ``r`` of ``linear_fc2`` (three storage formats: ``moe_storage.py``);
 * router weight and expert bias are replicated over TP and EP; shared experts are split over the
   dense TP group like a dense MLP (``glu`` fc1, ``row`` fc2); the shared gate is replicated.
 
 Invariants:
 
-* Gather to the sender only: every piece travels point-to-point from the one rank that holds it (in
-  rank 0's replica: lowest global rank with those coordinates) to rank 0, cast to the wire dtype
-  first (``wire.WirePolicy``, as every source: routers, shared-expert gate and expert bias keep
-  their own dtype), through the mover the dense path uses (``p2p.gather_to``, bounded by
-  ``timeout_s``). Non-zero ranks yield nothing and never hold another rank's shard.
-* Bounded memory on rank 0: experts move in batches of at most ``expert_batch_bytes``. ``per_expert``
-  holds one batch at a time; ``fused`` holds one layer's fused pair (preallocated, filled per batch)
-  plus one batch -- never a ``torch.stack`` of separately materialized experts.
-* Every rank walks the same plan (layers, batches, pieces) in the same order, computed from configs
+* Gather to the sender only: every tensor travels point-to-point (one ``MoEShard`` each) from the
+  one rank that holds it (in rank 0's replica: lowest global rank with those coordinates) to its
+  sender, cast to the wire dtype first (``WirePolicy``, as every source: routers, shared-expert gate
+  and expert bias keep their own dtype), through the mover the dense path uses (``p2p.gather_to``,
+  bounded by ``timeout_s``). Other ranks yield nothing and never hold another rank's shard.
+* Bounded memory on the sender: experts move in batches of at most ``expert_batch_bytes``.
+  ``per_expert`` holds one batch at a time; ``fused`` holds one layer's fused pair (preallocated,
+  filled per batch) plus one batch -- never a ``torch.stack`` of separately materialized experts.
+* Every rank walks the same plan (layers, batches, shards) in the same order, computed from configs
   and one cached exchange of parallel coordinates; so sends and receives pair up, and ``entries``
   (metadata) is collective-free.
 """
@@ -41,7 +38,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core.comm.p2p import Transfer, gather_to
+from ..core.comm.waits import DEFAULT_TIMEOUT_S
+from ..core.ground.dtype_policy import WirePolicy
 from ..core.ground.errors import UnmappedParameterError
+from ..core.ground.logs import get_logger
+from ..core.ground.stats import PassStats
 from ..core.hf.experts import (
     DEFAULT_EXPERT_BATCH_BYTES,
     ExpertLayout,
@@ -50,156 +52,29 @@ from ..core.hf.experts import (
     default_expert_layout,
     expert_batches,
 )
-from ..core.comm.waits import DEFAULT_TIMEOUT_S
 from ..core.layouts.tp import GLU_LAYOUT, ROW
-from ..core.ground.logs import get_logger
 from .moe_names import HFMoELayer, HFMoENames
-from ..core.comm.p2p import Piece, gather_to
-from ..core.ground.stats import PassStats
-from ..core.ground.dtype_policy import WirePolicy
+from .moe_placement import MoEPlacement
+from .moe_storage import expert_biases, expert_full, local_expert_biases, local_expert_weights, moe_modules
 
-__all__ = [
-    "expert_format",
-    "local_expert_biases",
-    "local_expert_weights",
-    "Coords",
-    "MegatronMoEExporter",
-    "megatron_moe_suffixes",
-]
+__all__ = ["MegatronMoEExporter", "MoEShard"]
 
 logger = get_logger(__name__)
 
 
-# ---- reading one rank's pieces ------------------------------------------------------------------
-
-
-def expert_format(experts: torch.nn.Module) -> str:
-    """``"sequential"`` | ``"te_grouped"`` | ``"grouped"`` for a Megatron experts module."""
-    if hasattr(experts, "local_experts"):
-        return "sequential"
-    if hasattr(experts, "weight1") and hasattr(experts, "weight2"):
-        return "grouped"
-    fc1 = getattr(experts, "linear_fc1", None)
-    if fc1 is not None and hasattr(fc1, "weight0"):
-        return "te_grouped"
-    raise UnmappedParameterError(
-        f"unknown Megatron experts module {type(experts).__name__}: expected SequentialMLP "
-        "(local_experts), TEGroupedMLP (linear_fc1.weight{j}) or GroupedMLP (weight1/weight2)"
-    )
-
-
-def local_expert_weights(experts: torch.nn.Module, j: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(fc1 [2F/etp, H], fc2 [H, F/etp])`` of local expert ``j`` in ``[out, in]`` orientation.
-
-    Views where the storage allows (no copy); legacy ``GroupedMLP`` pieces are transposed views.
-    """
-    fmt = expert_format(experts)
-    if fmt == "sequential":
-        e = experts.local_experts[j]
-        return e.linear_fc1.weight, e.linear_fc2.weight
-    if fmt == "te_grouped":
-        return getattr(experts.linear_fc1, f"weight{j}"), getattr(experts.linear_fc2, f"weight{j}")
-    n = experts.num_local_experts
-    w1 = experts.weight1.view(n, hidden, -1)[j].t()  # [2F/etp, H]
-    w2 = experts.weight2.view(n, -1, hidden)[j].t()  # [H, F/etp]
-    return w1, w2
-
-
-def local_expert_biases(experts: torch.nn.Module, j: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(fc1 bias [2F], fc2 bias [H])`` of local expert ``j`` (``add_bias_linear``), else Nones."""
-    fmt = expert_format(experts)
-    if fmt == "sequential":
-        e = experts.local_experts[j]
-        return e.linear_fc1.bias, e.linear_fc2.bias
-    if fmt == "te_grouped":
-        return getattr(experts.linear_fc1, f"bias{j}", None), getattr(experts.linear_fc2, f"bias{j}", None)
-    return None, None  # legacy GroupedMLP: megatron-core builds it without biases
-
-
-def megatron_moe_suffixes(num_local_experts: int, fmt: str) -> list[str]:
-    """Layer-relative Megatron parameter names the exporter may read of one MoE MLP's routed experts
-    (weights and, under ``add_bias_linear``, biases) and of its router's linear bias, for binding
-    checks. A model without biases simply has no such parameters; the exporter checks that their
-    presence matches the checkpoint (``hf_layer``)."""
-    router = ["mlp.router.bias"]
-    if fmt == "sequential":
-        return router + [
-            f"mlp.experts.local_experts.{j}.linear_fc{k}.{w}"
-            for j in range(num_local_experts)
-            for k in (1, 2)
-            for w in ("weight", "bias")
-        ]
-    if fmt == "te_grouped":
-        return router + [
-            f"mlp.experts.linear_fc{k}.{w}{j}" for j in range(num_local_experts) for k in (1, 2) for w in ("weight", "bias")
-        ]
-    if fmt == "grouped":
-        return router + ["mlp.experts.weight1", "mlp.experts.weight2"]
-    raise ValueError(f"unknown expert format {fmt!r}")
-
-
-def _expert_biases(fc1_bias: torch.Tensor, fc2_bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``(gate bias, up bias, down bias)`` of one expert (ETP 1: ``[gate; up]`` halves of fc1's)."""
-    gate, up = torch.chunk(fc1_bias, 2, dim=0)
-    return gate, up, fc2_bias
-
-
-def _expert_full(fc1: list[torch.Tensor], fc2: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Full ``(gate, up, down)`` of one expert from its ETP shards (``[gate_r; up_r]`` rows of fc1,
-    column block ``r`` of fc2; ``layout.py``'s GLU/row invariants), with at most one copy each:
-    with one shard, gate/up are contiguous row views and down is the shard itself (zero copy);
-    with several, one ``torch.cat`` of views per output (``GLU_LAYOUT.concat`` would copy twice,
-    which is what the per-expert memory bound cannot afford)."""
-    if len(fc1) == 1:
-        gate, up = torch.chunk(fc1[0], 2, dim=0)
-        return gate, up, fc2[0].contiguous()
-    halves = [torch.chunk(p, 2, dim=0) for p in fc1]
-    return (
-        torch.cat([h[0] for h in halves], dim=0),
-        torch.cat([h[1] for h in halves], dim=0),
-        torch.cat(fc2, dim=1),
-    )
-
-
-# ---- who holds what -----------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
-class Coords:
-    """One rank's Megatron coordinates (what the plan needs to find a piece's holder)."""
+class MoEShard:
+    """One tensor of a MoE layer as one rank holds it: who holds it, which tensor, and how its
+    sender receives it -- what moves point-to-point (``export``) or is read in place (the pieces
+    protocol, ``megatron/pieces.py``). Whole for the router, its biases and the shared gate (expert
+    -1, shard 0); an expert's ETP shard for ``fc1`` / ``fc2``; a shared expert's TP shard."""
 
-    rank: int
-    pp: int
-    tp: int
-    ep: int
-    etp: int
-
-    @staticmethod
-    def mine() -> Coords:
-        from megatron.core import parallel_state as ps
-
-        return Coords(
-            rank=dist.get_rank(),
-            pp=ps.get_pipeline_model_parallel_rank(),
-            tp=ps.get_tensor_model_parallel_rank(),
-            ep=ps.get_expert_model_parallel_rank(),
-            etp=ps.get_expert_tensor_parallel_rank(),
-        )
-
-
-def _moe_modules(chunks: list[torch.nn.Module]) -> dict[int, torch.nn.Module]:
-    """global layer (0-based, from ``layer_number``) -> local MoE MLP module (has ``.router``); the
-    decoder layers of multi-token-prediction layers count too (megatron numbers them after the
-    decoder's: ``num_layers + i``)."""
-    out: dict[int, torch.nn.Module] = {}
-    for chunk in chunks:
-        mtp = getattr(getattr(chunk, "mtp", None), "layers", None) or []
-        blocks = [getattr(m, "transformer_layer", None) for m in mtp]
-        for layer in [*getattr(chunk.decoder, "layers", []), *[b for b in blocks if b is not None]]:
-            mlp = getattr(layer, "mlp", None)
-            if mlp is not None and hasattr(mlp, "router") and hasattr(mlp, "experts"):
-                out[int(layer.layer_number) - 1] = mlp
-    return out
+    src: int
+    kind: str  # "router" | "rbias" | "bias" | "fc1" | "fc2" | "fc1b" | "fc2b" | "shared1" | "shared2" | "sgate"
+    expert: int  # global expert (routed shards), else -1
+    shard: int  # ETP / TP shard index, else 0
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 def _renamed(hf: HFMoELayer, layer: int, prefix: str) -> HFMoELayer:
@@ -230,27 +105,16 @@ def _renamed(hf: HFMoELayer, layer: int, prefix: str) -> HFMoELayer:
     )
 
 
-# ---- the exporter -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """One tensor moving to rank 0: who holds it and how rank 0 receives it."""
-
-    src: int
-    kind: str  # "router" | "rbias" | "bias" | "fc1" | "fc2" | "fc1b" | "fc2b" | "shared1" | "shared2" | "sgate"
-    expert: int  # global expert (routed pieces), else -1
-    shard: int  # ETP / TP shard index, else 0
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
 class MegatronMoEExporter:
     """Everything MegatronSource needs for the MoE layers of one model.
 
     ``entries(layer)`` -- the layer's wire ``(name, shape, dtype)`` in stream order, from configs only.
     ``export(layer)`` -- run on every rank, in the same global layer order; yields ``(name, tensor)``
-    on rank 0 only (full HF tensors, wire dtype, contiguous), nothing elsewhere.
+    on each tensor's sender only (rank 0 unless ``plan_owners`` chose; full HF tensors, wire dtype,
+    contiguous), nothing elsewhere.
+
+    What the pieces protocol reads in place (``megatron/pieces.py``): ``exchange_coords``,
+    ``placement`` (holders and coordinates), ``local`` and ``local_tensor``.
     """
 
     def __init__(
@@ -288,24 +152,22 @@ class MegatronMoEExporter:
         if self.E % self.ep:
             raise ValueError(f"num_moe_experts={self.E} is not divisible by expert_model_parallel_size={self.ep}")
         self.E_local = self.E // self.ep
-        self.local = _moe_modules(self.chunks)
-        self._coords: list[Coords] | None = None
-        self._stage_of: dict[int, int] | None = None
-        #: ``senders="owners"`` (``plan_owners``): layer -> its stage's sender (router, shared experts,
-        #: fused experts), and (layer, ep rank) -> the rank sending those experts.
-        self._layer_dst: dict[int, int] = {}
-        self._expert_dst: dict[tuple[int, int], int] = {}
-        #: (layer, ep rank) -> the rank whose experts go to ``_expert_dst`` (expert TP 1, ``plan_owners``)
-        self._expert_src: dict[tuple[int, int], int] = {}
+        #: global layer -> this rank's MoE MLP module of it (``moe_storage.moe_modules``)
+        self.local: dict[int, torch.nn.Module] = moe_modules(self.chunks)
+        #: who holds and who sends each MoE tensor (``moe_placement.py``; one cached exchange)
+        self.placement = MoEPlacement(self.local, ep=self.ep, experts_per_rank=self.E_local)
         #: layers with no transformers counterpart (multi-token prediction): layer -> (the decoder
         #: layer whose names and shapes it shares, the HF prefix its tensors carry instead)
         self.aliases: dict[int, tuple[int, str]] = {}
 
     def layout_of(self, spec: Any) -> ExpertLayout:
+        """The wire layout of experts ``spec``: the requested one, else the checkpoint's."""
         return self.layout or default_expert_layout(spec)
 
     # -- metadata (no collective) ----------------------------------------------------------------
     def hf_layer(self, layer: int) -> HFMoELayer:
+        """``layer``'s HF names and shapes, checked against Megatron's config (raises naming the
+        field that disagrees); a multi-token-prediction layer is renamed from the layer it is built like."""
         if layer in self.aliases:
             return _renamed(self.hf_layer(self.aliases[layer][0]), layer, self.aliases[layer][1])
         hf = self.names.layer(layer)
@@ -402,40 +264,11 @@ class MegatronMoEExporter:
         return self.etp == 1 and all(self.layout_of(self.hf_layer(L).experts) != "fused" for L in layers)
 
     def plan_owners(self, stage_of: dict[int, int], topo: Any, *, spread: bool) -> None:
-        """Choose the sender of every MoE tensor (``core/comm/senders.py`` says why each rule):
-
-        * router, its biases, shared experts and gate: replica 0's stage sender (the stage's first
-          rank), gathered from its TP peers as before;
-        * routed experts of EP rank ``k`` with ``spread`` (expert TP 1, per-expert layout): the lowest
-          rank holding them that is a stage sender of its own replica (``topo.replicas``: its TP
-          group's first rank), so experts leave from where they live; when every holder is another
-          rank's TP peer, the lowest holder sends them to its own replica's stage sender -- the
-          sender it already serves, so it serves one sender only.
-        * without ``spread`` (expert TP > 1, or the fused layout: one tensor for all experts):
-          replica 0's stage sender gathers them, as with ``senders="rank0"``.
-
-        Collective (one cached exchange of coordinates): call on every rank, at construction."""
-        self._placement()
-        assert self._coords is not None
-        replica_of = {r: i for i, g in enumerate(topo.replicas) for row in g for r in row}
-        for layer, stage in stage_of.items():
-            first = topo.stage_ranks(stage)[0]
-            self._layer_dst[layer] = first
-            for k in range(self.ep):
-                if not spread:
-                    self._expert_dst[(layer, k)] = first
-                    continue
-                holders = [c.rank for c in self._coords if c.pp == stage and c.ep == k and c.etp == 0]
-                senders = [h for h in holders if topo.stage_ranks(stage, replica_of[h])[0] == h]
-                src = senders[0] if senders else holders[0]
-                self._expert_dst[(layer, k)] = topo.stage_ranks(stage, replica_of[src])[0]
-                self._expert_src[(layer, k)] = src
-
-    def _dst(self, layer: int, expert: int = -1) -> int:
-        """The rank that sends ``layer``'s tensor (``expert``: a routed expert's; -1: the rest)."""
-        if expert < 0:
-            return self._layer_dst.get(layer, 0)
-        return self._expert_dst.get((layer, expert // self.E_local), self._layer_dst.get(layer, 0))
+        """Choose the sender of every MoE tensor (``MoEPlacement.plan_owners`` states each rule;
+        ``stage_of``: MoE layer -> its pipeline stage). Collective (the one cached exchange of
+        coordinates): call on every rank, at construction."""
+        self.exchange_coords()
+        self.placement.plan_owners(stage_of, topo, spread=spread)
 
     def entry_senders(self, layer: int) -> list[int]:
         """The sending rank of each of ``entries(layer)``, in the same order (no collective after
@@ -450,55 +283,32 @@ class MegatronMoEExporter:
         else:
             per_expert, rest = divmod(len(experts), self.E)
             assert rest == 0, (len(experts), self.E)
-        out = [self._dst(layer)] * head
-        out += [self._dst(layer) if per_expert is None else self._dst(layer, i // per_expert) for i in range(len(experts))]
-        return out + [self._dst(layer)] * tail
+        send = self.placement.sender
+        out = [send(layer)] * head
+        out += [send(layer) if per_expert is None else send(layer, i // per_expert) for i in range(len(experts))]
+        return out + [send(layer)] * tail
 
-    # -- placement (one cached exchange) ---------------------------------------------------------
-    def _placement(self) -> None:
-        if self._coords is not None:
-            return
-        from ..core.check.stream import control_group
-
-        mine = Coords.mine()
-        coords: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(coords, mine, group=control_group())
-        self.stats.collectives += 1
-        stage_of: dict[int, int] = {}
-        for lay in self.local:
-            stage_of[lay] = mine.pp
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, sorted(self.local), group=control_group())
-        self.stats.collectives += 1
-        for c, layers in zip(coords, gathered):
-            for lay in layers:
-                stage_of.setdefault(lay, c.pp)
-        self._coords, self._stage_of = coords, stage_of
-
-    def _holder(self, layer: int, **want: int) -> int:
-        assert self._coords is not None and self._stage_of is not None
-        if layer not in self._stage_of:
-            raise UnmappedParameterError(f"MoE layer {layer} is held by no rank (expected from Megatron config)")
-        stage = self._stage_of[layer]
-        for c in self._coords:  # sorted by rank: the lowest rank is in rank 0's replica
-            if c.pp == stage and all(getattr(c, k) == v for k, v in want.items()):
-                return c.rank
-        raise RuntimeError(f"no rank holds layer {layer} with coordinates {want}")
+    def exchange_coords(self) -> None:
+        """The one cached exchange of every rank's coordinates (``MoEPlacement.exchange``, counted in
+        ``stats``). Collective on its first call: every rank, in the same order."""
+        self.placement.exchange(self.stats)
 
     # -- export (collective over all ranks) ------------------------------------------------------
     def export(self, layer: int) -> Iterator[tuple[str, torch.Tensor]]:
-        self._placement()
+        """``layer``'s MoE tensors, in ``entries(layer)`` order, on their sender; nothing elsewhere.
+        Collective over every rank (each sends what it holds)."""
+        self.exchange_coords()
         hf = self.hf_layer(layer)
         wd = self.dtypes(hf)
         mlp = self.local.get(layer)
         # router weight / expert bias / shared gate: replicated, sent by the lowest holder.
-        src = self._holder(layer)
+        src = self.placement.holder(layer)
 
-        dst = self._dst(layer)
+        dst = self.placement.sender(layer)
 
         def one(kind: str, entry: tuple[str, tuple[int, ...]], dtype: torch.dtype):
             return self._move(
-                [_Piece(src, kind, -1, 0, entry[1], dtype)], mlp, f"layer {layer}'s {entry[0]!r}",
+                [MoEShard(src, kind, -1, 0, entry[1], dtype)], mlp, f"layer {layer}'s {entry[0]!r}",
                 lambda ps, ts: [(entry[0], ts[0])], dst=dst,
             )
 
@@ -520,31 +330,31 @@ class MegatronMoEExporter:
         H, F = self.mcfg.hidden_size, self.mcfg.moe_ffn_hidden_size
         spec = hf.experts
         buf = None
-        if self.layout_of(spec) == "fused" and dist.get_rank() == self._dst(layer):
+        if self.layout_of(spec) == "fused" and dist.get_rank() == self.placement.sender(layer):
             buf = FusedExpertBuffer(spec, wd, device=self._device(mlp))
             self.stats.hold(buf.nbytes)
         for batch in self._batches(layer, spec.expert_bytes(wd)):
-            dst = self._dst(layer, batch[0])
+            dst = self.placement.sender(layer, batch[0])
             pieces = []
             for e in batch:
                 ep_rank, _ = divmod(e, self.E_local)
                 for r in range(self.etp):
-                    h = self._expert_src.get((layer, ep_rank)) if self.etp == 1 else None
-                    h = self._holder(layer, ep=ep_rank, etp=r) if h is None else h  # (plan_owners)
-                    pieces.append(_Piece(h, "fc1", e, r, (2 * F // self.etp, H), wd))
-                    pieces.append(_Piece(h, "fc2", e, r, (H, F // self.etp), wd))
+                    h = self.placement.expert_source(layer, ep_rank) if self.etp == 1 else None
+                    h = self.placement.holder(layer, ep=ep_rank, etp=r) if h is None else h  # (plan_owners)
+                    pieces.append(MoEShard(h, "fc1", e, r, (2 * F // self.etp, H), wd))
+                    pieces.append(MoEShard(h, "fc2", e, r, (H, F // self.etp), wd))
                 if spec.bias:  # ETP 1 (hf_layer): one holder
-                    h = self._holder(layer, ep=ep_rank, etp=0)
-                    pieces.append(_Piece(h, "fc1b", e, 0, (2 * F,), wd))
-                    pieces.append(_Piece(h, "fc2b", e, 0, (H,), wd))
+                    h = self.placement.holder(layer, ep=ep_rank, etp=0)
+                    pieces.append(MoEShard(h, "fc1b", e, 0, (2 * F,), wd))
+                    pieces.append(MoEShard(h, "fc2b", e, 0, (H,), wd))
 
-            def assemble(ps: list[_Piece], ts: list[torch.Tensor], batch=batch):
+            def assemble(ps: list[MoEShard], ts: list[torch.Tensor], batch=batch):
                 out = []
                 n = 2 * self.etp + (2 if spec.bias else 0)
                 for k, e in enumerate(batch):
                     mine = ts[k * n : (k + 1) * n]
-                    gate, up, down = _expert_full(mine[0 : 2 * self.etp : 2], mine[1 : 2 * self.etp : 2])
-                    biases = _expert_biases(mine[-2], mine[-1]) if spec.bias else None
+                    gate, up, down = expert_full(mine[0 : 2 * self.etp : 2], mine[1 : 2 * self.etp : 2])
+                    biases = expert_biases(mine[-2], mine[-1]) if spec.bias else None
                     if buf is not None:
                         buf.put(e, gate, up, down, biases)
                     else:
@@ -567,16 +377,16 @@ class MegatronMoEExporter:
         S = hf.shared[0][1][0]
         pieces = []
         for r in range(self.tp):
-            h = self._holder(layer, tp=r)
-            pieces.append(_Piece(h, "shared1", -1, r, (2 * S // self.tp, H), wd))
-            pieces.append(_Piece(h, "shared2", -1, r, (H, S // self.tp), wd))
+            h = self.placement.holder(layer, tp=r)
+            pieces.append(MoEShard(h, "shared1", -1, r, (2 * S // self.tp, H), wd))
+            pieces.append(MoEShard(h, "shared2", -1, r, (H, S // self.tp), wd))
 
         def assemble_shared(ps, ts):
             gate, up = GLU_LAYOUT.concat(ts[0::2])
             (down,) = ROW.concat(ts[1::2])
             return [(hf.shared[0][0], gate), (hf.shared[1][0], up), (hf.shared[2][0], down)]
 
-        yield from self._move(pieces, mlp, f"layer {layer}'s shared experts", assemble_shared, dst=self._dst(layer))
+        yield from self._move(pieces, mlp, f"layer {layer}'s shared experts", assemble_shared, dst=self.placement.sender(layer))
 
     # -- moving pieces ---------------------------------------------------------------------------
     @staticmethod
@@ -585,9 +395,11 @@ class MegatronMoEExporter:
             return torch.device("cpu")
         return next(mlp.router.parameters()).device
 
-    def _local_piece(self, mlp: torch.nn.Module, p: _Piece, *, own_dtype: bool = False) -> torch.Tensor:
-        """This rank's tensor of ``p`` (shape checked) in ``p.dtype``, contiguous; ``own_dtype``: a
-        floating tensor as Megatron holds it (``iter_pieces``: its consumer casts, ``core/layouts/pieces.py``)."""
+    def local_tensor(self, mlp: torch.nn.Module, p: MoEShard, *, own_dtype: bool = False) -> torch.Tensor:
+        """This rank's tensor of ``p`` (``p.src`` is this rank) read from ``mlp``, its module of the
+        layer: shape checked against the config (raises naming the shard), in ``p.dtype``, contiguous;
+        ``own_dtype``: a floating tensor as Megatron holds it instead, uncast and possibly a view
+        (``iter_pieces``: its consumer casts, ``core/layouts/pieces.py``)."""
         from megatron.core import parallel_state as ps
 
         if p.kind == "router":
@@ -630,17 +442,17 @@ class MegatronMoEExporter:
         for batch in expert_batches(self.E, expert_bytes, self.expert_batch_bytes):
             start = batch[0]
             for e in batch[1:]:
-                if self._dst(layer, e) != self._dst(layer, start):
+                if self.placement.sender(layer, e) != self.placement.sender(layer, start):
                     out.append(range(start, e))
                     start = e
             out.append(range(start, batch[-1] + 1))
         return out
 
-    def _move(self, pieces: list[_Piece], mlp, what: str, assemble, *, dst: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-        """Send this rank's pieces to ``dst`` (``p2p.gather_to``); on ``dst`` assemble and yield."""
+    def _move(self, pieces: list[MoEShard], mlp, what: str, assemble, *, dst: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+        """Send this rank's shards to ``dst`` (``p2p.gather_to``); on ``dst`` assemble and yield."""
         ts = gather_to(
-            [Piece(p.src, p.shape, p.dtype) for p in pieces], dst,
-            local=lambda i: self._local_piece(mlp, pieces[i]), device=self._device(mlp),
+            [Transfer(p.src, p.shape, p.dtype) for p in pieces], dst,
+            local=lambda i: self.local_tensor(mlp, pieces[i]), device=self._device(mlp),
             timeout_s=self.timeout_s, what=what, stats=self.stats,
         )
         if ts is None:

@@ -14,14 +14,14 @@ become pieces:
   kind itself: ``Layout.boxes`` (``core/layouts/tp.py``) says where each piece of the shard's split sits
   in the HF tensors -- the one place that layout math lives, next to ``concat``. No collective.
 * **A kind that cannot place its shards** (``Layout.boxed`` False; none today): the point-to-point
-  gather to rank 0 that ``iter_full`` uses (``MegatronSource._gather_to``, ``p2p.gather_to``);
+  gather to rank 0 that ``iter_full`` uses (``DenseUnits.gather_to``, ``p2p.gather_to``);
   rank 0 yields each HF tensor whole, the others markers. Every rank runs it while producing the
   unit's first item -- the one place the protocol allows a collective.
 * **MoE layers**, right after the layer's last dense unit (as metadata lists them): the router, its
-  bias and its expert bias from the rank ``MegatronMoEExporter`` reads them from (``_holder``: the
-  lowest rank of the layer's stage); routed expert ``e``'s ETP shard ``r`` from
-  ``_holder(ep=e // E_local, etp=r)`` -- the expert-data-parallel copy the exporter reads; shared
-  experts' TP shard ``r`` from ``_holder(tp=r)``; the shared-expert gate like the router. Expert and
+  bias and its expert bias from the rank ``MegatronMoEExporter`` reads them from
+  (``MoEPlacement.holder``: the lowest rank of the layer's stage); routed expert ``e``'s ETP shard
+  ``r`` from ``holder(ep=e // E_local, etp=r)`` -- the expert-data-parallel copy the exporter reads;
+  shared experts' TP shard ``r`` from ``holder(tp=r)``; the shared-expert gate like the router. Expert and
   shared-expert shards are cut by ``GLU_LAYOUT.boxes`` (fc1 ``[gate_r; up_r]``) and ``ROW.boxes``
   (fc2). ``per_expert``: boxes of ``experts.{e}.gate_proj`` ...; ``fused``: expert ``e``'s boxes
   sit at ``(e, ...)`` of ``gate_up_proj`` ``[E, 2I, H]`` (gate rows ``[0, I)``, up rows ``[I, 2I)``:
@@ -30,7 +30,7 @@ become pieces:
   tensors / fused slice ``[e]`` through the spec's own ``expert_tensors`` / ``fill_expert``; such
   experts have biases, which megatron-core allows at ETP 1 only (``hf_layer`` checks), so an ETP
   split of them is never cut (it would raise, naming the layer). The exporter's one cached
-  coordinate exchange (``_placement``) runs on every rank before the first pass's first item.
+  coordinate exchange (``exchange_coords``) runs on every rank before the first pass's first item.
 * Values: the bytes ``iter_full`` sends, or -- for floating tensors -- the values in the
   parameter's own floating dtype, whose plain cast to the wire dtype gives those bytes (the
   protocol lets the consumer cast, into memory it reuses): splits only move elements and a cast is
@@ -40,60 +40,82 @@ become pieces:
 
 Pieces may alias the model's parameters (column / row / GLU / vocabulary / expert pieces are views
 when uncast); anything this module allocates for a piece is new every pass.
+
+What this module reads of the source is one explicit ``MegatronPiecesView`` the source builds (its
+plan, where MoE layers follow, its ``DenseUnits``, its MoE exporter and its metadata agreement), and
+of the exporter only its public methods.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..core.layouts.tp import GLU_LAYOUT, ROW, Box
 from ..core.ground.logs import get_logger
-from ..core.layouts.pieces import Piece, marker, whole_piece
 from ..core.ground.stats import PassStats
-from .moe import _expert_biases, _expert_full, _Piece
+from ..core.layouts.pieces import Piece, marker, whole_piece
+from ..core.layouts.tp import GLU_LAYOUT, ROW, Box
+from .moe import MegatronMoEExporter, MoEShard
+from .moe_storage import expert_biases, expert_full
 from .plan import Unit
+from .units import DenseUnits
 
-__all__ = ["megatron_pieces"]
+__all__ = ["MegatronPiecesView", "megatron_pieces"]
 
 logger = get_logger(__name__)
 
-#: a ``MegatronSource`` (not imported: ``source`` imports this module, and import-linter counts
-#: ``TYPE_CHECKING`` imports as a cycle)
-MegatronSource = Any
 #: ``take(kind, expert, shard, shape, dtype)``: this rank's MoE tensor as the exporter sends it
 Take = Callable[[str, int, int, tuple[int, ...], torch.dtype], torch.Tensor]
 
 
-def megatron_pieces(src: MegatronSource) -> Iterator[Piece]:
-    """This rank's pieces (or a marker) of every tensor of ``src.metadata``, in metadata order.
+@dataclass(frozen=True)
+class MegatronPiecesView:
+    """Everything ``megatron_pieces`` reads of a ``MegatronSource``, handed over explicitly (the
+    source builds it in ``iter_pieces``); nothing else of the source is read."""
+
+    #: the export plan, in metadata order
+    plan: Sequence[Unit]
+    #: plan index -> the MoE layer whose tensors follow that unit in metadata
+    moe_after: Mapping[int, int]
+    #: this rank's dense units: parameters, wire dtypes, vocabulary rows, layout kwargs, the gather
+    units: DenseUnits
+    #: the MoE layers' exporter (None: a dense model)
+    moe: MegatronMoEExporter | None
+    #: the source's cross-rank metadata agreement: collective on the first pass, a no-op after
+    agree: Callable[[], None]
+
+
+def megatron_pieces(view: MegatronPiecesView) -> Iterator[Piece]:
+    """This rank's pieces (or a marker) of every tensor of the source's metadata, in metadata order.
 
     Collective: every rank of the world calls it (the first pass runs the source's metadata
     agreement and the MoE exporter's coordinate exchange before its first item; a gathered unit is
     a point-to-point transfer before that unit's first item)."""
     stats = PassStats().start()
     try:
-        src._start()
-        if src._moe is not None:
-            src._moe._placement()  # cached: a collective on the first pass only, on every rank
-        for i, unit in enumerate(src.plan):
-            per_name = _gathered(src, unit, stats) if not unit.kind.boxed else _unit_boxes(src, unit)
+        view.agree()
+        if view.moe is not None:
+            view.moe.exchange_coords()  # cached: a collective on the first pass only, on every rank
+        for i, unit in enumerate(view.plan):
+            per_name = _gathered(view.units, unit, stats) if not unit.kind.boxed else _unit_boxes(view.units, unit)
             for name, pieces in zip(unit.names, per_name):
                 yield from pieces or (marker(name),)
-            layer = src._moe_after.get(i)
+            layer = view.moe_after.get(i)
             if layer is not None:
-                yield from _moe_pieces(src, layer)
+                assert view.moe is not None
+                yield from _moe_pieces(view.moe, layer)
     finally:
         stats.stop()
-        logger.debug("rank %d: iter_pieces %s", src._topo.rank, stats.as_dict())
+        logger.debug("rank %d: iter_pieces %s", view.units.topo.rank, stats.as_dict())
 
 
-def _unit_boxes(src: MegatronSource, unit: Unit) -> list[list[Piece]]:
+def _unit_boxes(units: DenseUnits, unit: Unit) -> list[list[Piece]]:
     """This rank's boxes of each of ``unit``'s HF tensors (empty lists unless it answers for them)."""
-    topo, kind = src._topo, unit.kind
+    topo, kind = units.topo, unit.kind
     out: list[list[Piece]] = [[] for _ in unit.names]
     ranks = topo.stage_ranks(unit.stage)
     if topo.rank not in ranks:
@@ -101,48 +123,47 @@ def _unit_boxes(src: MegatronSource, unit: Unit) -> list[list[Piece]]:
     tp_rank = ranks.index(topo.rank)
     if kind.dim is None and tp_rank != 0:
         return out  # every TP rank holds all of it: TP rank 0 answers
-    bound = src._bound.get(unit.key)
+    bound = units.bound.get(unit.key)
     if bound is None:
         raise RuntimeError(
             f"rank {topo.rank}: no Megatron parameter bound for {list(unit.names)} on pipeline stage {unit.stage}"
         )
     param = bound.param.detach()
-    rows = src._piece_rows(unit, tp_rank)
+    rows = units.piece_rows(unit, tp_rank)
     if rows is not None:
         if rows == 0:
             return out  # a vocabulary shard of padding only
         param = param[:rows]
-    wd = src._wd[unit.key]
+    wd = units.wire_dtypes[unit.key]
     # A plain cast is the consumer's (core/layouts/pieces.py: it casts into memory it reuses); a kind whose
     # to_wire changes values (a shifted norm) applies it here, as iter_full does.
     plain = not kind.shifts_values and param.is_floating_point() and wd.is_floating_point
     shard = param if plain else kind.to_wire(param, wd)
     boxes = kind.boxes(
-        shard, full=unit.shapes, tp=topo.tp, tp_rank=tp_rank, padded_vocab=src.geometry.padded_vocab,
-        **src._geometry_kw(unit),
+        shard, full=unit.shapes, tp=topo.tp, tp_rank=tp_rank, padded_vocab=units.geometry.padded_vocab,
+        **units.geometry_kw(unit),
     )
     for box in boxes:
         out[box.index].append(Piece(unit.names[box.index], box.offsets, box.tensor))
     return out
 
 
-def _gathered(src: MegatronSource, unit: Unit, stats: PassStats) -> list[list[Piece]]:
+def _gathered(units: DenseUnits, unit: Unit, stats: PassStats) -> list[list[Piece]]:
     """Fallback for a kind ``boxes`` cannot place: ``iter_full``'s point-to-point gather of the
     unit's shards to rank 0 (every rank calls it, in plan order, before the unit's first item; only
     the stage's TP ranks of the sender replica send); rank 0 holds each HF tensor whole."""
-    got = src._gather_to(unit, 0, stats)
+    got = units.gather_to(unit, 0, stats)
     if got is None:
         return [[] for _ in unit.names]
-    outs = unit.kind.concat(got, **src._geometry_kw(unit))
+    outs = unit.kind.concat(got, **units.geometry_kw(unit))
     return [[whole_piece(name, t)] for name, t in zip(unit.names, outs)]
 
 
 # ---- MoE layers ---------------------------------------------------------------------------------
 
 
-def _moe_pieces(src: MegatronSource, layer: int) -> Iterator[Piece]:
+def _moe_pieces(ex: MegatronMoEExporter, layer: int) -> Iterator[Piece]:
     """One MoE layer's pieces (or markers) on this rank, in the exporter's stream (metadata) order."""
-    ex = src._moe
     hf = ex.hf_layer(layer)
     wd = ex.dtypes(hf)
     me = dist.get_rank()
@@ -151,9 +172,9 @@ def _moe_pieces(src: MegatronSource, layer: int) -> Iterator[Piece]:
     def take(kind: str, e: int, shard: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if mlp is None:
             raise RuntimeError(f"rank {me}: holds no module of MoE layer {layer} but is the holder of its {kind}")
-        return ex._local_piece(mlp, _Piece(me, kind, e, shard, shape, dtype), own_dtype=True)
+        return ex.local_tensor(mlp, MoEShard(me, kind, e, shard, shape, dtype), own_dtype=True)
 
-    first = ex._holder(layer)  # router, its biases and the shared-expert gate: as the exporter reads them
+    first = ex.placement.holder(layer)  # router, its biases and the shared-expert gate: as the exporter reads them
 
     def whole(entry: tuple[str, tuple[int, ...]], kind: str, dtype: torch.dtype) -> Piece:
         return whole_piece(entry[0], take(kind, -1, 0, entry[1], dtype)) if first == me else marker(entry[0])
@@ -163,13 +184,13 @@ def _moe_pieces(src: MegatronSource, layer: int) -> Iterator[Piece]:
         yield whole(hf.router_linear_bias, "rbias", wd["rbias"])
     if hf.router_bias is not None:
         yield whole(hf.router_bias, "bias", wd["bias"])
-    yield from _expert_pieces(src, layer, hf, wd["experts"], take)
+    yield from _expert_pieces(ex, layer, hf, wd["experts"], take)
     if hf.shared is not None:
         S, H, tp = hf.shared[0][1][0], ex.mcfg.hidden_size, ex.tp
         boxes: list[Box] = []
-        c = ex._coords[me]  # (the holder of TP shard r has TP rank r: only this rank's can be ours)
+        c = ex.placement.coords_of(me)  # (the holder of TP shard r has TP rank r: only this rank's can be ours)
         r = c.tp
-        if ex._stage_of[layer] == c.pp and ex._holder(layer, tp=r) == me:
+        if ex.placement.stage_of(layer) == c.pp and ex.placement.holder(layer, tp=r) == me:
             s1 = take("shared1", -1, r, (2 * S // tp, H), wd["shared"])
             boxes += GLU_LAYOUT.boxes(s1, full=(hf.shared[0][1], hf.shared[1][1]), tp=tp, tp_rank=r)
             s2 = take("shared2", -1, r, (H, S // tp), wd["shared"])
@@ -181,18 +202,17 @@ def _moe_pieces(src: MegatronSource, layer: int) -> Iterator[Piece]:
         yield whole(hf.shared_gate, "sgate", wd["sgate"])
 
 
-def _expert_pieces(src: MegatronSource, layer: int, hf: Any, wd: torch.dtype, take: Take) -> Iterator[Piece]:
-    """The routed experts this rank answers for (``_holder(ep, etp)``), every name of the wire
+def _expert_pieces(ex: MegatronMoEExporter, layer: int, hf: Any, wd: torch.dtype, take: Take) -> Iterator[Piece]:
+    """The routed experts this rank answers for (``holder(ep, etp)``), every name of the wire
     layout in its order: ``per_expert`` expert-major (gate, up, down of each expert); ``fused``
     part-major (``spec.parts``: every expert's ``gate_up`` boxes, then ``down`` ...)."""
-    ex = src._moe
     spec = hf.experts
     me = dist.get_rank()
     F, H, etp = ex.mcfg.moe_ffn_hidden_size, ex.mcfg.hidden_size, ex.etp
     # The holder of (ep, etp) has those coordinates: only this rank's own can be ours (one lookup per
     # layer, not one per expert and ETP rank over every rank's coordinates).
-    c = ex._coords[me]
-    holder = ex._stage_of[layer] == c.pp and ex._holder(layer, ep=c.ep, etp=c.etp) == me
+    c = ex.placement.coords_of(me)
+    holder = ex.placement.stage_of(layer) == c.pp and ex.placement.holder(layer, ep=c.ep, etp=c.etp) == me
     held = {e: c.etp for e in range(c.ep * ex.E_local, (c.ep + 1) * ex.E_local)} if holder else {}
     layout = ex.layout_of(spec)
     plain = not (spec.transposed or spec.interleaved)
@@ -213,11 +233,11 @@ def _expert_pieces(src: MegatronSource, layer: int, hf: Any, wd: torch.dtype, ta
     def biases(e: int) -> tuple[torch.Tensor, ...] | None:
         if not spec.bias:  # (biased experts are ETP 1: hf_layer checked)
             return None
-        return _expert_biases(take("fc1b", e, 0, (2 * F,), wd), take("fc2b", e, 0, (H,), wd))
+        return expert_biases(take("fc1b", e, 0, (2 * F,), wd), take("fc2b", e, 0, (H,), wd))
 
     def expert_whole(e: int) -> tuple:
         fc1, fc2 = take("fc1", e, 0, (2 * F, H), wd), take("fc2", e, 0, (H, F), wd)
-        return (*_expert_full([fc1], [fc2]), biases(e))
+        return (*expert_full([fc1], [fc2]), biases(e))
 
     if layout == "per_expert":
         per = len(spec.entries("per_expert")) // ex.E  # names per expert, in entries order

@@ -12,7 +12,7 @@ decoder layer, under its own ``layer_number`` (megatron numbers it ``num_layers 
 layer's own tensors bind to ``("mtp", i, suffix)`` (``enorm.weight``, ``hnorm.weight``,
 ``eh_proj.weight``, ``final_layernorm.weight``), ``i`` from the MTP layer's ``layer_number``. The
 embedding copy a last pipeline stage holds for MTP binds to ``("embed",)`` like the first stage's;
-``MegatronSource`` decides which part each key belongs to.
+``part_params`` decides which part (the policy, the MTP draft) each key belongs to.
 
 Each bound parameter also carries the dim along which Megatron's own module splits it over TP
 (``tp_split_dim``): megatron-core's ``ColumnParallelLinear`` / ``RowParallelLinear`` tag their
@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from ..families.base import GLOBAL, canonical_suffix
+from .plan import Unit
 
-__all__ = ["Bound", "model_chunks", "tp_split_dim", "walk_chunks"]
+__all__ = ["Bound", "model_chunks", "part_params", "tp_split_dim", "walk_chunks"]
 
 _ABSENT = object()
 
@@ -147,3 +148,29 @@ def _parameters(chunk: torch.nn.Module):
     for name, param in chunk.named_parameters():
         mod, attr = owner[id(param)]
         yield name, param, tp_split_dim(mod, attr, param)
+
+
+def part_params(
+    bound: dict[tuple, Bound], part: str, *, num_layers: int, pp_rank: int, tied: bool, plan: list[Unit]
+) -> dict[tuple, Bound]:
+    """The walked parameters ``part`` exports (the source then requires every one of them to be in
+    the plan): ``"policy"`` drops the MTP block (``("mtp", ...)`` and decoder layers numbered past
+    ``num_layers``) and, off the first stage, the embedding copy megatron keeps for MTP; ``"mtp"``
+    keeps only the MTP block, plus the shared embedding / output head under the plan's copy keys
+    (``("mtp_embed", i)`` / ``("mtp_head", i)``; tied: the embedding for both) on their stage."""
+    def is_mtp(key: tuple) -> bool:
+        return key[0] == "mtp" or (key[0] == "layer" and key[1] >= num_layers)
+
+    if part == "policy":
+        out = {k: b for k, b in bound.items() if not is_mtp(k)}
+        if pp_rank != 0:
+            out.pop(("embed",), None)
+        return out
+    out = {k: b for k, b in bound.items() if is_mtp(k)}
+    embed = bound.get(("embed",))
+    head = embed if tied else bound.get(("lm_head",))
+    for unit in plan:
+        shared = {"mtp_embed": embed, "mtp_head": head}.get(unit.key[0])
+        if shared is not None and unit.stage == pp_rank:
+            out[unit.key] = shared
+    return out

@@ -2,10 +2,10 @@
 
 At tp=1 every unit of rank 0's pipeline stage is whole on rank 0, and at any tp so are the replicated
 ones (norms). Nothing then needs a peer, and an export of such a model is bound by per-tensor host
-work, not by bytes: a Qwen3-1.7B-shaped model is 310 tensors and 3.2 GiB, which an H200 copies in
-1.6 ms -- about 5 us per tensor. So everything that can be decided once is decided at construction
-(``LocalStep``: the parameter, the rows kept, the layout split, the bytes it allocates) and a pass
-runs detach / trim / cast / split per unit and nothing else.
+work, not by bytes (a device copies the bytes far faster than the host dispatches one op per tensor;
+``docs/evidence.md`` has the figures). So everything that can be decided once is decided at
+construction (``LocalStep``: the parameter, the rows kept, the layout split, the bytes it allocates)
+and a pass runs detach / trim / cast / split per unit and nothing else (``WholePass``).
 
 Units whose HF tensors are views of the parameter (every kind whose split does not copy -- column,
 row, GLU halves, stacked rows, the vocabulary trim -- when the parameter is already in the wire dtype)
@@ -17,9 +17,9 @@ longer matches ``param.data_ptr()`` and that pass splits the new storage as any 
 
 Casts of small tensors are batched (``precast``). A bf16 wire from a model that keeps its norms in
 fp32 (megatron-core builds norm weights in fp32 unless ``Float16Module`` converts them) would
-otherwise launch one cast kernel per norm -- 113 of Qwen3-1.7B's 310 tensors, more host time than
-the rest of the pass. One multi-tensor copy into one new buffer replaces them; the result is
-bitwise what the per-tensor casts give (a cast is elementwise). The batch is bounded
+otherwise launch one cast kernel per norm -- a large share of a dense model's tensors, and more host
+time than the rest of the pass. One multi-tensor copy into one new buffer replaces them; the result
+is bitwise what the per-tensor casts give (a cast is elementwise). The batch is bounded
 (``PRECAST_MAX_NUMEL`` per tensor, ``PRECAST_CAP_BYTES`` in all) and held until the pass ends.
 
 Invariant: every output is contiguous and in the wire dtype, and no output aliases memory the model
@@ -35,9 +35,13 @@ from typing import NamedTuple
 
 import torch
 
+from ..core.ground.stats import PassStats
 from ..core.layouts.tp import Layout
 
-__all__ = ["LocalStep", "local_step", "with_views", "mark_precast", "precast", "PRECAST_MAX_NUMEL", "PRECAST_CAP_BYTES"]
+__all__ = [
+    "LocalStep", "WholePass", "local_step", "with_views", "mark_precast", "nbytes", "precast",
+    "PRECAST_MAX_NUMEL", "PRECAST_CAP_BYTES",
+]
 
 #: Largest tensor (elements) whose cast is batched: a bigger cast is bound by bytes, not launches.
 PRECAST_MAX_NUMEL = 1 << 20
@@ -66,6 +70,7 @@ class LocalStep(NamedTuple):
 
 
 def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of ``shape`` in ``dtype``."""
     n = dtype.itemsize
     for d in shape:
         n *= d
@@ -135,10 +140,9 @@ def precast(steps: list[LocalStep], dtype: torch.dtype) -> tuple[Iterator[torch.
     """The cast of every ``steps[i].param`` (all marked ``precast``), in order, and the bytes held.
 
     One new buffer in ``dtype``, split into one contiguous piece per parameter, filled by one
-    ``torch._foreach_copy_`` (a cast where the dtypes differ; a few multi-tensor kernels). On an
-    H200 this is 0.13 ms for Qwen3-1.7B's 113 fp32 norms, against 1.1 ms for a cast per tensor and
-    0.8 ms for a ``torch.cat`` of them cast once -- ``cat`` of many inputs is host-bound itself.
-    The buffer is new every pass: a yielded piece is never overwritten by a later pass.
+    ``torch._foreach_copy_`` (a cast where the dtypes differ; a few multi-tensor kernels) -- faster
+    than a cast per tensor, and than a ``torch.cat`` of them cast once: ``cat`` of many inputs is
+    host-bound itself. The buffer is new every pass: a yielded piece is never overwritten by a later pass.
     """
     sizes = [s.param.numel() for s in steps]
     flat = torch.empty(sum(sizes), dtype=dtype, device=steps[0].param.device)
@@ -146,3 +150,66 @@ def precast(steps: list[LocalStep], dtype: torch.dtype) -> tuple[Iterator[torch.
     with torch.no_grad():  # the sources are parameters; nothing here is part of a graph
         torch._foreach_copy_(out, [s.param for s in steps])
     return iter(out), flat.numel() * dtype.itemsize
+
+
+class WholePass:
+    """One pass over the units rank 0 holds whole (``LocalStep`` s), in the order the pass meets
+    them: ``start`` runs the batched cast of the steps marked ``precast``; ``export`` yields one
+    unit's HF tensors by the one of its three ways that applies; ``account`` adds what was yielded
+    and held to the pass's stats when the pass ends (early or not)."""
+
+    def __init__(self, precast_steps: list[LocalStep], dtype: torch.dtype) -> None:
+        self._precast, self._dtype = precast_steps, dtype
+        self._casts: Iterator[torch.Tensor] = iter(())
+        self._precast_bytes = 0  # the batched cast's buffer, held until the pass ends
+        self._held = 0  # the largest cast-and-split allocation of one unit
+        self._tensors = self._bytes = 0
+
+    def start(self) -> None:
+        """The batched cast of every ``precast`` step (one buffer for the whole pass)."""
+        if self._precast:
+            self._casts, self._precast_bytes = precast(self._precast, self._dtype)
+
+    def export(self, names: Sequence[str], step: LocalStep) -> Iterator[tuple[str, torch.Tensor]]:
+        """One unit's HF tensors, named ``names``: its views split at construction (while the
+        parameter's storage is the one they were made from), its piece of the batched cast (its split
+        is the identity), or its cast and split now."""
+        if step.views is not None and step.param.data_ptr() == step.ptr:
+            return self._views(step)
+        if step.identity:
+            return self._cast_piece(names, step)
+        return self._cast_and_split(names, step)
+
+    def _views(self, step: LocalStep) -> Iterator[tuple[str, torch.Tensor]]:
+        self._tensors += len(step.views)
+        self._bytes += step.total
+        yield from step.views
+
+    def _cast_piece(self, names: Sequence[str], step: LocalStep) -> Iterator[tuple[str, torch.Tensor]]:
+        self._tensors += 1
+        self._bytes += step.total
+        yield names[0], next(self._casts)
+
+    def _cast_and_split(self, names: Sequence[str], step: LocalStep) -> Iterator[tuple[str, torch.Tensor]]:
+        if step.precast:
+            t = next(self._casts)
+        else:
+            t = step.param.detach()
+            if step.rows is not None:
+                t = t[: step.rows]
+            if t.dtype != step.dtype:
+                t = t.to(step.dtype)
+        outs = step.split(t)
+        del t
+        self._held = max(self._held, step.extra)
+        for name, out, size in zip(names, outs, step.sizes):
+            self._tensors += 1
+            self._bytes += size
+            yield name, out
+        del outs
+
+    def account(self, stats: PassStats) -> None:
+        """Add the tensors and bytes yielded, and the memory held, to ``stats`` (at the pass's end)."""
+        stats.tensors += self._tensors
+        stats.bytes += self._bytes
+        stats.peak_extra_bytes = max(stats.peak_extra_bytes, self._precast_bytes + self._held)

@@ -1,13 +1,13 @@
 """Point-to-point "gather to one rank": the one mover both Megatron paths (dense TP shards and MoE
-expert pieces) use to bring pieces to the sender.
+expert shards) and delta's round use to bring tensors to the sender.
 
 Invariants:
 
-* Every participant calls ``gather_to`` with the same ``pieces`` list (same order, same sources,
+* Every participant calls ``gather_to`` with the same ``transfers`` list (same order, same sources,
   shapes and dtypes, computed from configs), so sends and receives pair up without tags.
-* Only ``dst`` allocates receive buffers; a source rank sends exactly the pieces it is named for,
-  each produced by ``local(i)`` (already in its wire dtype and contiguous). Other ranks do nothing.
-* Every wait is bounded by ``timeout_s`` on gloo (``groups.wait_p2p``): a peer that never takes its
+* Only ``dst`` allocates receive buffers; a source rank sends exactly the transfers it is named for,
+  each tensor produced by ``local(i)`` (already in its wire dtype and contiguous). Other ranks do nothing.
+* Every wait is bounded by ``timeout_s`` on gloo (``waits.wait_p2p``): a peer that never takes its
   side makes this rank raise ``SyncTimeoutError`` naming the peer and ``what`` -- on the receiver
   and on every sender alike. Waiting on each request keeps the tensors alive until the transfer
   finished, whatever stream the caller is on.
@@ -29,17 +29,25 @@ from ..ground.logs import get_logger
 from ..ground.stats import PassStats
 from .waits import wait_p2p
 
-__all__ = ["Piece", "PostedGather", "gather_to", "post_gather"]
+__all__ = ["Transfer", "PostedGather", "gather_to", "post_gather"]
 
 logger = get_logger(__name__)
 
 
-class Piece(NamedTuple):
-    """One tensor moving to ``dst``: the global rank holding it, and how ``dst`` receives it."""
+class Transfer(NamedTuple):
+    """One tensor moving to ``dst``: the global rank holding it, and how ``dst`` receives it.
+
+    (Not a checkpoint piece -- ``core/layouts/pieces.Piece`` is a box of a checkpoint tensor; this
+    is one point-to-point message of a gather.)"""
 
     src: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+#: The old name of ``Transfer``, kept only until delta (``sources/delta/pieces_round.py``) imports ``Transfer``
+#: (issue 44); nothing else may use it.
+Piece = Transfer
 
 
 class PostedGather:
@@ -86,7 +94,7 @@ class PostedGather:
 
 
 def post_gather(
-    pieces: Sequence[Piece],
+    transfers: Sequence[Transfer],
     dst: int,
     *,
     local: Callable[[int], torch.Tensor],
@@ -100,7 +108,7 @@ def post_gather(
     if rank == dst:
         out: list[torch.Tensor] = []
         waits = []
-        for i, p in enumerate(pieces):
+        for i, p in enumerate(transfers):
             if p.src == rank:
                 out.append(local(i))
                 continue
@@ -112,7 +120,7 @@ def post_gather(
             out.append(buf)
         return PostedGather(out, waits, "src", what, held)
     sends = []
-    for i, p in enumerate(pieces):
+    for i, p in enumerate(transfers):
         if p.src == rank:
             t = local(i)
             # the request holds the tensor until the transfer finished, whatever stream the caller is on
@@ -122,7 +130,7 @@ def post_gather(
 
 
 def gather_to(
-    pieces: Sequence[Piece],
+    transfers: Sequence[Transfer],
     dst: int,
     *,
     local: Callable[[int], torch.Tensor],
@@ -131,9 +139,9 @@ def gather_to(
     what: str,
     stats: PassStats,
 ) -> list[torch.Tensor] | None:
-    """Bring ``pieces`` to global rank ``dst``: on ``dst`` the tensors in ``pieces`` order (its own
+    """Bring ``transfers`` to global rank ``dst``: on ``dst`` the tensors in ``transfers`` order (its own
     from ``local(i)``), elsewhere None once this rank's sends completed.
 
     ``what`` names the transfer in errors (e.g. the HF parameter). ``stats`` counts each send or
     receive as a collective and the received bytes; memory held is the caller's to account."""
-    return post_gather(pieces, dst, local=local, device=device, what=what, stats=stats).finish(timeout_s)
+    return post_gather(transfers, dst, local=local, device=device, what=what, stats=stats).finish(timeout_s)
