@@ -50,7 +50,7 @@ from ..core.ground.logs import current_rank, get_logger
 from ..core.ground.stats import PassStats
 from .gather import BatchedGather, GatherShard
 from .lora import own_type
-from .plan import fsdp_units, is_dtensor, is_member, plan_steps
+from .plan import fsdp_units, is_member, plan_steps
 from .shards import fallback_full, local_of
 
 __all__ = ["LoRAAdapterSource", "AdapterModule", "ADAPTER_DTYPES"]

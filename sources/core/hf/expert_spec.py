@@ -55,9 +55,9 @@ __all__ = [
 ExpertLayout = Literal["per_expert", "fused"]
 EXPERT_LAYOUTS: tuple[str, ...] = ("per_expert", "fused")
 
-#: transformers-5 in-memory leaf names of fused routed experts (no ``.weight``), and of their biases.
+#: transformers-5 in-memory leaf names of fused routed experts (no ``.weight``; their biases add
+#: ``_bias``: ``ExpertLayerSpec.part_of``).
 _FUSED_LEAVES = ("gate_up_proj", "down_proj")
-_BIAS_LEAVES = ("gate_up_proj_bias", "down_proj_bias")
 
 #: A fused tensor of one layer's experts: its in-memory leaf name.
 Part = Literal["gate_up", "gate_up_bias", "down", "down_bias"]
