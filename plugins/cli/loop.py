@@ -26,7 +26,7 @@ import torch
 from .common import format_bytes
 
 if TYPE_CHECKING:  # importing the driver imports vLLM: not for the CLI's Ctrl-C path (``progress``)
-    from ..sync import SyncReport, WeightSync
+    from ..sync import SyncReport, WeightSync  # noqa: F401 - SyncReport: in the Verify alias (a string)
 
 __all__ = ["DemoResult", "Verdict", "progress", "train_and_sync"]
 
