@@ -43,7 +43,7 @@ def naive_export(src) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from weightsync.sources.core.layouts.tp import vocab_rows
+    from weightsync.sources.core.layouts.rows import vocab_rows
 
     topo, g = src._topo, src.geometry
     tp_group = ps.get_tensor_model_parallel_group()

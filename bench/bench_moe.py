@@ -89,7 +89,7 @@ def megatron_world(rank, world_size, *, a, mode):
     layout = "fused" if mode == "fused" else "per_expert"
     ex = MegatronMoEExporter(model, hf, mcfg, expert_layout=layout, dtype=torch.bfloat16,
                              expert_batch_bytes=batch)
-    ex._placement()  # the one cached coordinate exchange (not per pass)
+    ex.exchange_coords()  # the one cached coordinate exchange (not per pass)
     rss0 = _rss_kib()
     ex.stats.start()
     for lay in range(a["layers"]):

@@ -9,7 +9,7 @@ import torch
 import megatron_worlds as mw
 from weightsync.sources.core.ground.errors import UnmappedParameterError
 from weightsync.sources.families import megatron_to_hf
-from weightsync.sources.core.layouts.tp import vocab_is_chunked, vocab_rows
+from weightsync.sources.core.layouts.rows import vocab_is_chunked, vocab_rows
 
 
 @pytest.mark.parametrize("family", mw.FAMILIES)

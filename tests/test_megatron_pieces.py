@@ -72,7 +72,8 @@ def test_layout_boxes_tile_what_concat_builds(tp):
     """For every kind: the boxes of TP shards 0..tp-1 (of TP rank 0 only for a kind every rank holds
     whole) cover each HF tensor exactly once with the values ``concat`` of all shards puts there;
     the vocabulary's trimmed rows (250 of 256 padded) sit at ``vocab_rows``."""
-    from weightsync.sources.core.layouts.tp import KINDS, VOCAB, vocab_rows
+    from weightsync.sources.core.layouts.rows import vocab_rows
+    from weightsync.sources.core.layouts.tp import KINDS, VOCAB
 
     covered = set()
     for kind, full, geo in _kinds():

@@ -214,7 +214,7 @@ class PiecesRound:
     def _move(self, changes: dict[int, list[Changed]], plan: list[str | None], table: list,
               lo: int, hi: int, rank: int, world: int, stats: DeltaStats) -> dict[int, torch.Tensor]:
         """Send this rank's segments to rank 0 / receive every rank's there: ``{rank: buffer}`` on 0."""
-        from ..core.comm.p2p import Piece as Transfer
+        from ..core.comm.p2p import Transfer
         from ..core.comm.p2p import gather_to
         from ..core.ground.stats import PassStats
 

@@ -9,7 +9,7 @@ knows about that family:
   flags: q/k/v bias, q/k norm..., or its own attention table, e.g. DeepSeek-V3's latent attention);
 * ``megatron_fields(hf_config)`` / ``gpt_model_fields(hf_config)``: the ``TransformerConfig``
   fields and ``GPTModel`` arguments of a Megatron model of that config. The one builder
-  (``weightsync.plugins.testbed.megatron_build``) builds from them and ``MegatronSource`` checks a live
+  (``weightsync.plugins.testbed.megatron``) builds from them and ``MegatronSource`` checks a live
   model against the same table;
 * its MoE roles (router, router bias, shared expert, shared-expert gate), for ``sources/moe_names``;
 * what it refuses, and why: configs no Megatron model expresses (``unsupported``), configs the

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..core.layouts.tp import chunk_rows
+from ..core.layouts.rows import chunk_rows
 from .buffers import capacity
 from ..core.ground.logs import get_logger
 from ..core.ground.stats import PassStats

@@ -487,6 +487,6 @@ class MegatronSource(WeightSource):
                     stats.yielded(out.numel() * out.element_size())
                     yield name, out
                 del outs
-                stats.hold(-stats._extra)
+                stats.hold(-stats.held_bytes)
         finally:
             stats.stop()

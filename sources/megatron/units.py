@@ -178,7 +178,7 @@ class DenseUnits:
         )
         if got is None:
             if any(p.src == rank for p in transfers):
-                stats.hold(-stats._extra)
+                stats.hold(-stats.held_bytes)
             return None
         stats.hold(sum(t.numel() * t.element_size() for t, p in zip(got, transfers) if p.src != rank))
         return got
@@ -186,13 +186,13 @@ class DenseUnits:
     def post(self, unit: Unit, stats: PassStats) -> PostedGather:
         """``unit``'s gather to its sender, posted (``p2p.post_gather``); its ``held_bytes`` is the
         memory it holds until finished (receive buffers, shards cast for sending), already in ``stats``."""
-        before = stats._extra
+        before = stats.held_bytes
         posted = post_gather(
             self._transfers(unit), self.dst(unit), local=lambda i: self.shard(unit, stats), device=self.device,
             what=repr(unit.names[0]), stats=stats,
         )
         stats.hold(posted.held_bytes)
-        posted.held_bytes = stats._extra - before
+        posted.held_bytes = stats.held_bytes - before
         return posted
 
     def concat(

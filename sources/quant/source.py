@@ -40,7 +40,7 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, Shard, WeightSource
 
 from ..core.check.stream import check_stream, local_shape
-from ..core.layouts.tp import chunk_rows
+from ..core.layouts.rows import chunk_rows
 from ..core.ground.logs import current_rank, get_logger
 from ..core.ground.errors import FP8ConfigError
 from .config import _FUSED_EXPERTS, FP8Config, QuantPlan

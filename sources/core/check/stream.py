@@ -53,7 +53,7 @@ from ..comm.waits import (
     next_tag,
 )
 from .integrity import checksum_tensor, resolve_checksums
-from ..layouts.tp import chunk_rows
+from ..layouts.rows import chunk_rows
 from ..ground.logs import get_logger
 from ..ground.ranks import multi_rank
 

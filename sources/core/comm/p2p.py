@@ -45,11 +45,6 @@ class Transfer(NamedTuple):
     dtype: torch.dtype
 
 
-#: The old name of ``Transfer``, kept only until delta (``sources/delta/pieces_round.py``) imports ``Transfer``
-#: (issue 44); nothing else may use it.
-Piece = Transfer
-
-
 class PostedGather:
     """A ``gather_to`` whose sends and receives are posted and not yet waited for
     (``post_gather``). ``finish()`` waits (bounded) and returns what ``gather_to`` returns;

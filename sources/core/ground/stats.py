@@ -50,5 +50,10 @@ class PassStats:
             self._extra += nbytes
             self.peak_extra_bytes = max(self.peak_extra_bytes, self._extra)
 
+    @property
+    def held_bytes(self) -> int:
+        """Extra bytes ``hold`` has accounted and not yet released (what is held right now)."""
+        return self._extra
+
     def as_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if not k.startswith("_")}

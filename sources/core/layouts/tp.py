@@ -74,13 +74,8 @@ from .rows import (
     split_glu,
     split_qkv,
     split_stack,
-    vocab_is_chunked,  # noqa: F401  (importers that predate rows.py; see below)
     vocab_rows,
 )
-
-# ``chunk_rows``, ``vocab_rows`` and ``vocab_is_chunked`` are still imported from here by modules written
-# before ``rows.py`` existed (fsdp/gather.py, quant/source.py, check/stream.py, bench/bench_megatron.py,
-# tests/test_megatron_names.py, tests/test_megatron_pieces.py); new code imports them from ``rows``.
 
 __all__ = [
     "Box",
