@@ -1,12 +1,27 @@
-"""Diagnostic (not a part): where weightsync's FP8 codes differ from vLLM's compiled quantizer on an fp32
-(2048, 6144) input (bench_fp8's edge case), and the Triton code Inductor generated for it."""
+"""Diagnostic (not a part): where weightsync's FP8 codes differ from vLLM's compiled quantizer on bench_fp8's
+edge cases, called in bench_fp8's own order (Inductor's compiled code depends on the shapes it saw before)."""
 
 from __future__ import annotations
 
-import glob
 import os
 
 import torch
+
+
+def _cases() -> list[tuple[torch.Tensor, str]]:
+    """bench_gpu_fp8's edge cases, generated exactly as it does."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    cases = []
+    for shape in [(1, 1), (7, 300), (128, 128), (129, 257), (1000, 130), (2048, 6144), (384, 2048),
+                  (300, 208), (130, 1040)]:
+        for dt in (torch.bfloat16, torch.float32):
+            x = torch.randn(shape, generator=g) * 2
+            if shape[0] >= 256:
+                x[:128, :128] = 0
+                x[128:256, :128] *= 1e-40
+                x[:128, -100:] *= 1e30
+            cases.append((x.to(dt).cuda(), f"{shape} {str(dt)[6:]}"))
+    return cases
 
 
 def main() -> None:
@@ -14,49 +29,57 @@ def main() -> None:
 
     from weightsync.sources import quantize_blocks
 
-    g = torch.Generator(device="cpu").manual_seed(0)
-    for shape, scaled in (((2048, 6144), True), ((2048, 6144), False), ((1024, 1024), False), ((4096, 4096), False)):
-        x = torch.randn(shape, generator=g) * 2
-        if scaled:
-            x[:128, :128] = 0
-            x[128:256, :128] *= 1e-40
-            x[:128, -100:] *= 1e30
-        x = x.cuda()
-        rq, rs = per_block_cast_to_fp8(x, [128, 128], use_ue8m0=False)
-        q, s = quantize_blocks(x, (128, 128))
-        sd = (s != rs)
-        qd = (q.view(torch.uint8) != rq.view(torch.uint8))
-        print(f"[f32] {shape} scaled={scaled}: scales differ in {int(sd.sum())} of {s.numel()} blocks; "
-              f"codes differ in {int(qd.sum())}", flush=True)
-        xb = x.view(shape[0] // 128, 128, shape[1] // 128, 128).abs().amax(dim=(1, 3))
-        r448 = torch.tensor(1.0, device="cuda") / torch.tensor(448.0, device="cuda")
-        for (i, j) in sd.nonzero().tolist()[:4]:
-            a = xb[i, j]
-            c = a.clamp(min=1e-4)
-            print(f"[f32]   block {i},{j}: amax {a.item()!r} vllm sf {rs[i, j].item()!r} ours {s[i, j].item()!r} "
-                  f"a/448 {(c / 448.0).item()!r} a*r448 {(c * r448).item()!r} "
-                  f"a/448(t) {(c / torch.tensor(448.0, device='cuda')).item()!r}", flush=True)
-        for (i, j) in qd.nonzero().tolist()[:6]:
-            bi, bj = i // 128, j // 128
-            sf = rs[bi, bj]
-            v = x[i, j]
-            print(f"[f32]   code {i},{j}: x {v.item()!r} sf {sf.item()!r} same_sf {bool(s[bi, bj] == sf)} "
-                  f"vllm {rq[i, j].view(torch.uint8).item()} ours {q[i, j].view(torch.uint8).item()} "
-                  f"x*(1/sf) {(v * (1.0 / sf)).item()!r} x/sf {(v / sf).item()!r}", flush=True)
-    seen = 0
-    for f in sorted(glob.glob(os.environ.get("TORCHINDUCTOR_CACHE_DIR", "/tmp/ind") + "/**/*.py", recursive=True)):
-        src = open(f).read()
-        if "triton" in src and ("float8" in src or "fp8" in src):
-            for line in src.splitlines():
-                t = line.strip()
-                if t.startswith(("tmp", "x", "r0", "xnumel", "rnumel", "def triton", "@triton")) or "tl.store" in t \
-                        or "div" in t or "rcp" in t:
-                    print("[ind]", os.path.basename(f)[:12], t[:170], flush=True)
-            seen += 1
-            if seen >= 6:
-                break
-    print(f"[ind] {seen} inductor files with fp8", flush=True)
+    for x, what in _cases():
+        for ue in (False, True):
+            rq, rs = per_block_cast_to_fp8(x, [128, 128], use_ue8m0=ue)
+            q, s = quantize_blocks(x, (128, 128), scale_fmt="ue8m0" if ue else None)
+            sd = s != rs
+            qd = q.view(torch.uint8) != rq.view(torch.uint8)
+            if not (sd.any() or qd.any()):
+                continue
+            print(f"[f32] {what} ue8m0={ue}: scales differ in {int(sd.sum())} of {s.numel()}; codes in {int(qd.sum())}",
+                  flush=True)
+            for i, j in sd.nonzero().tolist()[:4]:
+                print(f"[f32]   scale {i},{j}: vllm {rs[i, j].item()!r} ours {s[i, j].item()!r}", flush=True)
+            for i, j in qd.nonzero().tolist()[:8]:
+                bi, bj = i // 128, j // 128
+                v, sf = x[i, j].float(), rs[bi, bj]
+                inv = torch.tensor(1.0, device="cuda") / sf
+                print(f"[f32]   code {i},{j}: x {v.item()!r} ({v.view(torch.int32).item():#x}) sf {sf.item()!r} "
+                      f"same_sf {bool(s[bi, bj] == sf)} vllm {rq[i, j].view(torch.uint8).item():#x} "
+                      f"ours {q[i, j].view(torch.uint8).item():#x} x*inv {(v * inv).item()!r} "
+                      f"({(v * inv).view(torch.int32).item():#x}) x/sf {(v / sf).item()!r}", flush=True)
+
+
+def history() -> None:
+    """The failing case alone in a fresh process (Inductor compiles it for its static shape), then again
+    after bench_fp8's sequence of shapes (Inductor has recompiled with dynamic shapes): does vLLM's
+    quantizer give the same bytes both times, and which equals weightsync's?"""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    from weightsync.sources import quantize_blocks
+
+    cases = _cases()
+    x = next(c for c, what in cases if what == "(2048, 6144) float32")
+    q, s = quantize_blocks(x, (128, 128))
+    a_q, a_s = per_block_cast_to_fp8(x, [128, 128], use_ue8m0=False)
+    b_q = b_s = o_q = None
+    for c, what in cases:  # bench_fp8's order: vLLM then weightsync, each with and without UE8M0
+        for ue in (False, True):
+            r = per_block_cast_to_fp8(c, [128, 128], use_ue8m0=ue)
+            o = quantize_blocks(c, (128, 128), scale_fmt="ue8m0" if ue else None)
+            if what == "(2048, 6144) float32" and not ue:
+                (b_q, b_s), o_q = r, o[0]
+    print(f"[hist] in the sequence, weightsync vs weightsync first: codes "
+          f"{int((o_q.view(torch.uint8) != q.view(torch.uint8)).sum())}", flush=True)
+
+    def diff(p, r):
+        return int((p.view(torch.uint8) != r.view(torch.uint8)).sum())
+
+    print(f"[hist] alone vs ours: codes {diff(a_q, q)} scales {int((a_s != s).sum())}; after the sequence vs "
+          f"ours: codes {diff(b_q, q)} scales {int((b_s != s).sum())}; alone vs after: codes {diff(a_q, b_q)}",
+          flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    history() if os.environ.get("DIAG_HISTORY") else main()
