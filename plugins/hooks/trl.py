@@ -23,9 +23,8 @@ Invariants, and why:
 * **Reports land in TRL's metrics**: each sync's numeric report (``weightsync/...``) is appended to
   the trainer's ``_metrics["train"]``, which GRPO averages and logs beside its own loss and rewards at
   the next logging step; TRL's loss entries are not touched.
-* **Async GRPO** (``trl.experimental.async_grpo``) is not wrapped here: its ``weight_transfer=``
-  seam and ``_sync_weight_merged`` would take weightsync, but no test against the real server fits
-  the suite yet (docs/design.md, "TRL's async GRPO").
+* **Async GRPO** (``trl.experimental.async_grpo``) is ``trl_async.WeightSyncAsyncGRPOTrainer``: the
+  same idea through TRL's ``weight_transfer=`` seam and its merged sync.
 """
 
 from __future__ import annotations
