@@ -112,12 +112,13 @@ class SaveReport:
 
 def _hf_model(source: WeightSource) -> nn.Module | None:
     """The transformers model behind ``source`` (through ``checked()``, ``torch.compile``/activation
-    checkpointing/DDP wrappers and PEFT), or None. ``FSDPSource`` and vLLM's ``ModuleSource`` keep it
-    as ``_module``; other sources may expose ``model``."""
+    checkpointing/DDP wrappers and PEFT), or None. ``FSDPSource`` exposes it as ``module``; vLLM's
+    ``ModuleSource`` keeps it as ``_module`` (vLLM's own attribute: it has no public one); other
+    sources may expose ``model``."""
     inner = source
     while isinstance(inner.__dict__.get("source"), WeightSource):  # checked() and similar wrappers
         inner = inner.__dict__["source"]
-    for attr in ("model", "_module"):
+    for attr in ("model", "module", "_module"):
         try:
             model = getattr(inner, attr, None)
         except Exception:  # noqa: BLE001 - a property that cannot answer: no model

@@ -11,7 +11,7 @@ knows about that family:
   fields and ``GPTModel`` arguments of a Megatron model of that config. The one builder
   (``weightsync.plugins.testbed.megatron``) builds from them and ``MegatronSource`` checks a live
   model against the same table;
-* its MoE roles (router, router bias, shared expert, shared-expert gate), for ``sources/moe_names``;
+* its MoE roles (router, router bias, shared expert, shared-expert gate), for ``sources/megatron/moe_names.py``;
 * what it refuses, and why: configs no Megatron model expresses (``unsupported``), configs the
   builder cannot build (``unbuildable``).
 

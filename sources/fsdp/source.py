@@ -336,6 +336,11 @@ class FSDPSource(WeightSource):
             return self._out_dtypes
         return self._lora_items.wire_dtypes(self._resolve(), self._out_dtypes)
 
+    @property
+    def module(self) -> nn.Module:
+        """The module this source streams, as it was passed (wrappers included); never modified."""
+        return self._module
+
     @cached_property
     def metadata(self) -> list[ParamMeta]:
         metas: list[ParamMeta] = []
