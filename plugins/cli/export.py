@@ -37,6 +37,7 @@ import sys
 from typing import Any
 
 from ..testbed.presets import UserError, load_config
+from .launch import interrupted_by_signal
 
 __all__ = ["run_export", "validate_export", "parse_size", "lora_model", "ADAPTER_DTYPES"]
 
@@ -181,6 +182,8 @@ def run_export_adapter(args: argparse.Namespace) -> int:
         if got[0] != "ok":
             raise RuntimeError(f"rank 0 could not write {out}: {got[0]}") from err
     except Exception as e:  # noqa: BLE001 - a failed export is a verdict, in words
+        if interrupted_by_signal():  # Ctrl-C reached this rank: a peer's failure is its echo
+            raise KeyboardInterrupt("SIGINT") from e
         if rank == 0:
             print(f"weightsync export: FAIL: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -219,6 +222,8 @@ def run_export(args: argparse.Namespace) -> int:
             source, args.out, max_shard_bytes=parse_size(args.max_shard_size), config=config, overwrite=args.overwrite
         )
     except Exception as e:  # noqa: BLE001 - a failed export is a verdict, in words
+        if interrupted_by_signal():  # Ctrl-C reached this rank: a peer's failure is its echo
+            raise KeyboardInterrupt("SIGINT") from e
         if rank == 0:
             print(f"weightsync export: FAIL: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -14,6 +14,7 @@ each rank's process group, any helper's group -- is killed, and the launcher exi
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -139,7 +140,24 @@ class interrupts_as_keyboard_interrupt:  # noqa: N801 - used as a context manage
             signal.signal(sig, old)
 
 
+#: the signal that interrupted this process (inside ``interrupts_as_keyboard_interrupt``), if any
+_SIGNALLED: list[str] = []
+
+
+def interrupted_by_signal() -> bool:
+    """Whether SIGINT / SIGTERM reached this process inside ``interrupts_as_keyboard_interrupt``. A
+    rank stopped by Ctrl-C often fails as an echo first -- a peer stopped mid-collective, so the
+    sync raises ``PeerFailedError`` -- and that is an interruption, not a failure to report."""
+    return bool(_SIGNALLED)
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
+    if not _SIGNALLED:
+        # From here on this process unwinds on purpose, and so do its peers (the launcher signals
+        # every rank): their failures reach this rank as echoes (a peer left a collective), which
+        # weightsync logs as warnings. The user asked for the stop; the one line they get says it.
+        logging.getLogger("weightsync").setLevel(logging.ERROR)
+    _SIGNALLED.append(signal.Signals(signum).name)
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 

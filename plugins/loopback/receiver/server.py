@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import threading
 import time
 import traceback
@@ -52,6 +53,16 @@ class _Server(ThreadingHTTPServer):
     #: stdlib's default listen backlog is 5.
     request_queue_size = 128
     daemon_threads = True
+
+    def handle_error(self, request: object, client_address: tuple) -> None:
+        """A client that hung up before its answer (a trainer stopped by Ctrl-C mid-call) needs no
+        answer and is no server error: logged at debug, not printed as a traceback on stderr.
+        Anything else is the stdlib's report."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError)):
+            logger.debug("receiver: client %s hung up before its answer (%s)", client_address, exc)
+            return
+        super().handle_error(request, client_address)
 
 
 class ReceiverServer:
