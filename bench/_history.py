@@ -74,6 +74,10 @@ def last(bench: str, shape: str, ratio: str, path: str = HISTORY) -> dict | None
 
 
 def _commit() -> str:
+    """The commit a record is made at: ``$WEIGHTSYNC_COMMIT`` when set (the GPU machine's copy of the
+    tree carries a stale ``.git``, so a device run passes the commit it was started from), else git's."""
+    if os.environ.get("WEIGHTSYNC_COMMIT"):
+        return os.environ["WEIGHTSYNC_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
