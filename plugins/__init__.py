@@ -24,8 +24,7 @@ only when it is used. To add a name, add one line to ``_LAZY``.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from weightsync.sources.toolkit import lazy_exports
 
 _LAZY: dict[str, str] = {
     # the sync driver, HTTP control plane, reports, preflight checks
@@ -65,12 +64,4 @@ _LAZY: dict[str, str] = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -27,8 +27,7 @@ Heavy imports (vLLM, megatron-core) happen only when a name that needs them is f
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .core.ground.lazy import lazy_exports
 
 from .core.ground import errors as _errors
 from .core.ground.errors import (
@@ -101,8 +100,4 @@ __all__ = [
     "PassStats",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -4,7 +4,8 @@
 errors); this module holds the plumbing a driver, a transport, the checkpoint writer or the CLI needs
 from the sources' side and that a training loop never touches: bounded cross-rank waits and the
 failure board, integrity checksums, Hugging Face naming, the safetensors format, the model families'
-lookup, the transfer group of many senders, the "is this a multi-rank run?" test.
+lookup, the transfer group of many senders, the "is this a multi-rank run?" test, and ``lazy_exports``
+(how this module and the plugins' packages export their names lazily).
 
 The import contracts (``pyproject.toml``) let plugins import ``weightsync.sources`` and this module,
 never the sub-packages behind them. Names load lazily (PEP 562): importing the toolkit costs nothing
@@ -13,8 +14,7 @@ until a name is used. To export another name, add one line to ``_LAZY``.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .core.ground.lazy import lazy_exports
 
 _LAZY: dict[str, str] = {
     # ranks, logging, bounded waits and the failure board (sources/core/ground, sources/core/comm)
@@ -43,14 +43,6 @@ _LAZY: dict[str, str] = {
     "tp_split_dim": "weightsync.sources.megatron.walk",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = sorted([*_LAZY, "lazy_exports"])
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -15,7 +15,7 @@ May import: ``weightsync.sources`` and ``weightsync.sources.toolkit``, and the p
 ``lora_adapter``, ``testbed``). Inside, ``trainer/`` and ``worker/`` build on ``receiver/``, never the
 reverse (a ``layers`` contract).
 
-This package imports nothing at import time, so the receiver process (which must import it) stays
+This package imports nothing heavy at import time, so the receiver process (which must import it) stays
 light. A trainer-end name (``LoopbackTrainerInitInfo``, ...) or ``register`` imports ``trainer/``,
 which registers the engines in vLLM -- the info a ``trainer_init`` call needs therefore brings its
 engine with it. Receiver names come from ``receiver/``.
@@ -23,8 +23,7 @@ engine with it. Receiver names come from ``receiver/``.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from weightsync.sources.toolkit import lazy_exports
 
 _LAZY: dict[str, str] = {
     # trainer end (imports vLLM; registers "loopback" and "loopback_sparse" when first imported)
@@ -47,12 +46,4 @@ _LAZY: dict[str, str] = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
