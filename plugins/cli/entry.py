@@ -37,7 +37,7 @@ from .launch import (
     EXIT_OK,
     EXIT_USAGE,
     finish,
-    interrupted_by_signal,
+    failed,
     interrupts_as_keyboard_interrupt,
     launch,
     ranks_up,
@@ -313,11 +313,7 @@ def _run(args: argparse.Namespace) -> int:
                         checksums=args.checksums, quantize=args.quantize,
                     )
             except Exception as e:  # noqa: BLE001 - a failed sync is a verdict, in words
-                if interrupted_by_signal():  # Ctrl-C reached this rank: a peer's failure is its echo
-                    raise KeyboardInterrupt("SIGINT") from e
-                if dist.get_rank() == 0:
-                    print(f"weightsync demo: FAIL: {type(e).__name__}: {e}", file=sys.stderr)
-                return EXIT_FAIL
+                return failed("demo", e, rank=dist.get_rank())
             return EXIT_OK if res.ok else EXIT_FAIL
         if args.command == "export":
             from .export import run_export

@@ -33,11 +33,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from typing import Any
 
 from ..testbed.presets import UserError, load_config
-from .launch import interrupted_by_signal
+from .launch import failed
 
 __all__ = ["run_export", "validate_export", "parse_size", "lora_model", "ADAPTER_DTYPES"]
 
@@ -182,11 +181,7 @@ def run_export_adapter(args: argparse.Namespace) -> int:
         if got[0] != "ok":
             raise RuntimeError(f"rank 0 could not write {out}: {got[0]}") from err
     except Exception as e:  # noqa: BLE001 - a failed export is a verdict, in words
-        if interrupted_by_signal():  # Ctrl-C reached this rank: a peer's failure is its echo
-            raise KeyboardInterrupt("SIGINT") from e
-        if rank == 0:
-            print(f"weightsync export: FAIL: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        return failed("export", e, rank=rank)
     if rank == 0:
         files = ["adapter_model.safetensors", "adapter_config.json"]
         size = os.path.getsize(os.path.join(out, files[0]))
@@ -222,11 +217,7 @@ def run_export(args: argparse.Namespace) -> int:
             source, args.out, max_shard_bytes=parse_size(args.max_shard_size), config=config, overwrite=args.overwrite
         )
     except Exception as e:  # noqa: BLE001 - a failed export is a verdict, in words
-        if interrupted_by_signal():  # Ctrl-C reached this rank: a peer's failure is its echo
-            raise KeyboardInterrupt("SIGINT") from e
-        if rank == 0:
-            print(f"weightsync export: FAIL: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        return failed("export", e, rank=rank)
     if rank == 0:
         rate = report.total_size / report.seconds / 1e6 if report.seconds > 0 else float("inf")
         print(

@@ -151,6 +151,17 @@ def interrupted_by_signal() -> bool:
     return bool(_SIGNALLED)
 
 
+def failed(command: str, error: BaseException, *, rank: int) -> int:
+    """The verdict of ``command`` after ``error`` on this rank: ``EXIT_FAIL``, said in one line by rank 0
+    -- unless Ctrl-C reached this rank, when the error is its peers' stop echoed (they left a
+    collective) and the command ends as interrupted (``KeyboardInterrupt``)."""
+    if interrupted_by_signal():
+        raise KeyboardInterrupt("SIGINT") from error
+    if rank == 0:
+        print(f"weightsync {command}: FAIL: {type(error).__name__}: {error}", file=sys.stderr)
+    return EXIT_FAIL
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     if not _SIGNALLED:
         # From here on this process unwinds on purpose, and so do its peers (the launcher signals
