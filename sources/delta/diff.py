@@ -8,7 +8,10 @@ Invariants:
 * **Bounded memory**: one snapshot per piece, in the wire dtype (bytes per element of the rank's
   shard: 2 for bf16), where the piece lives (``"device"``) or in host memory (``"cpu"``, pinned when
   the piece is on an accelerator). Nothing else is kept between rounds.
-* The snapshot changes only through ``commit``, with exactly the values the round delivers.
+* The snapshot changes only with exactly the values the round delivers: through ``commit`` /
+  ``commit_group`` on the torch path; on the kernel's path (``diff_triton``) the kernel writes the
+  new bits as it diffs, and a round that stops before delivering them drops that bucket's snapshot
+  (``drop_pending``), so its next diff carries every element.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 
 from ..core.layouts.pieces import Piece
 
-__all__ = ["Snapshots", "Changed", "bits", "has_nan", "changed_positions"]
+__all__ = ["Snapshots", "Changed", "bits", "has_nan", "any_nan", "changed_positions"]
 
 _INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -42,6 +45,14 @@ def has_nan(values: torch.Tensor) -> bool:
             return bool(((b & 0x7F) == 0x7F).any())
         return bool((((b & 0x7C) == 0x7C) & ((b & 0x03) != 0)).any())
     return bool(torch.isnan(values).any())
+
+
+def any_nan(found: list[Changed]) -> bool:
+    """Whether any of ``found``'s new values is a NaN: the kernel's flags where every piece has one,
+    else one check over all values (one pass and one host sync, not one per piece)."""
+    if all(ch.nan is not None for ch in found):
+        return any(ch.nan for ch in found)
+    return has_nan(torch.cat([ch.values.reshape(-1) for ch in found])) if found else False
 
 
 Key = tuple[str, tuple[int, ...], tuple[int, ...]]
@@ -79,10 +90,16 @@ class Changed:
     piece: Piece
     pos: torch.Tensor | None
     values: torch.Tensor
+    #: whether ``values`` hold a NaN, where the diff already knows (the kernel's flags); None: ask them
+    nan: bool | None = None
 
     @property
     def count(self) -> int:
         return self.values.numel()
+
+    def has_nan(self) -> bool:
+        """Whether a new value is a NaN (the kernel's flag where it ran: no pass, no sync)."""
+        return has_nan(self.values) if self.nan is None else self.nan
 
     def whole(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole box in the wire ``dtype``, shaped as the box."""
@@ -103,8 +120,10 @@ class Snapshots:
         #: per exchange group and (wire dtype, device): (pieces' signature, flat snapshot)
         self._groups: dict[tuple, tuple[tuple, torch.Tensor]] = {}
         self._scratch: dict[torch.device, torch.Tensor] = {}
-        #: per bucket: (pieces' signature, ``diff_triton.Layout``), for the kernels' block table
+        #: per bucket: (pieces' signature, ``diff_triton.Layout``), for the kernel's block table
         self._layouts: dict[tuple, tuple[tuple, Any]] = {}
+        #: per bucket: changed elements of its last kernel diff (the next output's capacity guess)
+        self._last_changed: dict[tuple, int] = {}
         #: buckets diffed by ``diff_triton`` so far (a count the round's stats report)
         self.kernel_buckets = 0
 
@@ -129,6 +148,7 @@ class Snapshots:
         self._groups.clear()
         self._scratch.clear()
         self._layouts.clear()
+        self._last_changed.clear()
 
     def _cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``t`` in ``dtype``, flattened, in a scratch buffer reused across pieces and rounds: a fresh
@@ -185,7 +205,11 @@ class Snapshots:
 
         The snapshot of a group is one flat tensor per bucket, kept with the pieces' signature (names,
         offsets, shapes): a group whose pieces changed shape or place has no snapshot (every element).
-        ``commit_group`` makes it what the round delivers. Same results as ``diff`` piece by piece."""
+        ``commit_group`` makes it what the round delivers. Same results as ``diff`` piece by piece.
+
+        On CUDA (or Triton's interpreter) a bucket of contiguous pieces of one dtype is one
+        ``diff_triton`` launch instead: cast, compare, compact and snapshot update in one read of each
+        element, one host sync per bucket; its output is sized from the bucket's last count."""
         out: list[Changed | None] = [None] * len(items)
         buckets: dict[tuple, list[int]] = {}
         for j, (p, dt) in enumerate(items):
@@ -216,11 +240,21 @@ class Snapshots:
                 layout = self._layouts.get(bkey)
                 if layout is None or layout[0] != sig:
                     layout = self._layouts[bkey] = (sig, kern.Layout(sizes, dev))
-                flat_pos, local, vals, counts = kern.diff(tensors, snap, dt, layout[1],
-                                                          self._flat_scratch(kern.need(layout[1]), torch.uint8, dev))
-                for j, p, ps, vs in zip(js, pieces, local.split(counts), vals.split(counts)):
-                    out[j] = Changed(p, ps, vs)
-                pending.append((bkey, sig, None, flat_pos, vals))
+                n = starts[-1]
+                cap = min(n, max(n // 16, self._last_changed.get(bkey, 0) * 5 // 4) + kern.BLOCK)
+                # the kernel writes the new bits into ``snap`` as it diffs: the held snapshot itself
+                # (committed now; ``drop_pending`` forgets it if the round stops), or a device copy of a
+                # host one (committed by positions at ``commit_group``, as the torch path does)
+                r = kern.diff(tensors, snap, dt, layout[1], capacity=cap)
+                self._last_changed[bkey] = sum(r.counts)
+                for j, p, ps, vs, nan in zip(js, pieces, r.pos.split(r.counts), r.values.split(r.counts), r.nan):
+                    out[j] = Changed(p, ps, vs, nan)
+                if snap is held[1]:
+                    pending.append((bkey, sig, "written", None, None))
+                else:
+                    cnt = torch.tensor(r.counts, dtype=torch.int64).to(dev, non_blocking=True)
+                    flat = r.pos.long() + layout[1].pflat.repeat_interleave(cnt, output_size=r.pos.numel())
+                    pending.append((bkey, sig, None, flat, r.values))
                 self.kernel_buckets += 1
                 continue
             cur = self._flat_scratch(starts[-1], dt, dev)
@@ -240,6 +274,8 @@ class Snapshots:
     def commit_group(self) -> None:
         """Make the group snapshots what the groups diffed since the last call deliver."""
         for bkey, sig, whole, pos, vals in self.__dict__.pop("_pending", []):
+            if isinstance(whole, str):  # "written": the kernel updated the held snapshot as it diffed
+                continue
             if whole is not None:
                 self._groups[bkey] = (sig, whole if self.where == "device" or whole.device.type == "cpu" else self._fresh(whole))
                 continue
@@ -248,8 +284,12 @@ class Snapshots:
                 flat.index_copy_(0, pos.to(flat.device), bits(vals).to(flat.device))
 
     def drop_pending(self) -> None:
-        """Forget diffs not committed (a round that stopped before its snapshot update)."""
-        self.__dict__.pop("_pending", None)
+        """Forget diffs not committed (a round that stopped before its snapshot update). A snapshot the
+        kernel already wrote holds values the receiver may not: it is dropped, so the bucket's next
+        diff carries every element (the next round is an anchor anyway: ``DeltaSource``)."""
+        for bkey, _, whole, _, _ in self.__dict__.pop("_pending", []):
+            if isinstance(whole, str):
+                self._groups.pop(bkey, None)
 
     def _flat_scratch(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         nbytes = n * torch.empty((), dtype=dtype).element_size()

@@ -1,24 +1,38 @@
-"""A group's bitwise diff as two Triton kernels (CUDA; Triton's interpreter runs them on CPU in tests).
+"""A group's bitwise diff in one Triton kernel launch (CUDA; Triton's interpreter runs it on CPU in tests).
 
 What ``Snapshots.diff_group`` does with torch ops -- cast every piece into one flat scratch, compare
-words, ``nonzero``, gather, split per piece -- costs a pass over the group per op and a host sync per
-``nonzero``. Here the pieces are read where they live, once, in their own dtype:
+words, ``nonzero``, gather, split per piece, then ``index_copy_`` into the snapshot at commit -- is a
+pass over the group per op and a host sync per ``nonzero``. Here one launch per bucket (the group's
+pieces of one dtype, end to end) reads each master element and each snapshot element once:
 
-``mark``: one program per ``BLOCK`` elements of one piece (a block never spans two pieces). It loads
-the block, casts it to the wire dtype (round to nearest even, as torch's ``.to``), compares the wire
-bits with the snapshot's as integers, and writes the block's changed count and a bitmask (1 bit per
-element). Reads: the piece once and the snapshot once; writes 1/8 byte per element.
+one program per ``BLOCK`` elements of one piece (a block never spans two pieces). It loads the block,
+casts it to the wire dtype (round to nearest even, as torch's ``.to``), compares the wire bits with
+the snapshot's as integers, and counts the changed elements. The block's place in the output is the
+number of changed elements in every block before it: a **decoupled look-back** scan (Merrill &
+Garland). Each program takes a ticket (an atomic counter: a program only waits on programs that
+started before it, so it cannot wait on one that is not resident), publishes its count, then reads
+its predecessors' published words ``LOOK`` at a time back to the nearest one that has published its
+inclusive prefix, and publishes its own inclusive prefix. Flag and value share one 64-bit word, so a
+reader never sees a flag without its value. The changed elements' wire values and int32 positions
+in their piece go to ``slot = exclusive prefix + rank within the block``, and the snapshot takes the
+new wire bits at those positions in the same pass.
 
-``extract``: one program per block with a non-zero count. It expands the bitmask, takes each changed
-element's slot from the block's exclusive prefix count plus its rank in the block, loads only the
-changed elements again (masked lanes issue no memory request) and writes the wire value, its flat
-position in the group and its position in its piece.
+Invariants:
 
-Invariants: the output is in ascending flat order (block order, then lane order), so each piece's
-changes are one contiguous run, as ``torch.nonzero`` gives; the bits compared are exactly the bits of
-the wire values (``-0.0`` vs ``0.0`` differ; NaN is left to the caller, which refuses it); the
-snapshot is read, never written (the caller commits after delivery). One host sync per group: the
-per-piece counts, needed to size the outputs.
+* **Order**: slots ascend with (block, lane), so each piece's changes are one contiguous run in
+  ascending position, as ``torch.nonzero`` gives and vLLM's sparse patches carry.
+* **Bits**: the bits compared and written are exactly torch's cast on the same device, NaN included
+  (a NaN's pattern is torch's, measured once per device and sign: ``_nan_bits``); ``-0.0`` vs
+  ``0.0`` differ. A changed NaN is flagged per piece (vLLM's apply reads NaN as "unchanged"; the
+  round refuses it).
+* **Bounded output, never a lost change**: the output holds ``capacity`` slots. A block whose
+  changes do not fit writes nothing and leaves its snapshot elements as they were, so the blocks that
+  wrote form a prefix of the block order; ``diff`` then launches again over the bucket with room for
+  the rest (blocks already written now compare equal) and appends. Capacity is the caller's guess
+  (``Snapshots`` keeps the last round's count per bucket): one launch and one host sync per bucket in
+  the usual round, two of each when the guess was short.
+* The snapshot is written in place: the caller must treat a bucket whose changes were not delivered
+  as having no snapshot (``Snapshots.drop_pending`` does).
 """
 
 from __future__ import annotations
@@ -29,91 +43,102 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK", "Layout", "eligible", "diff"]
+__all__ = ["BLOCK", "Layout", "Result", "eligible", "diff"]
 
-#: elements per program; a multiple of 32 (one bitmask word per 32 elements)
+#: elements per program; the block scan and the anchor update are over this many lanes
 BLOCK = 4096
+#: predecessors read per look-back step
+LOOK = 32
+#: published word: flag in bits 60-61 (1 = the block's own count, 2 = its inclusive prefix), value below
+AGG, INC, VALUE = 1 << 60, 2 << 60, (1 << 60) - 1
+_AGG, _INC, _VALUE = tl.constexpr(AGG), tl.constexpr(INC), tl.constexpr(VALUE)
 
 _INT = {1: tl.uint8, 2: tl.int16, 4: tl.int32}
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+#: per wire dtype: (mask of the magnitude bits, bits of +inf): a NaN's magnitude is above inf's
+_NAN_TEST = {torch.bfloat16: (0x7FFF, 0x7F80), torch.float16: (0x7FFF, 0x7C00),
+             torch.float32: (0x7FFFFFFF, 0x7F800000)}
 
 
 @triton.jit
-def _block_of(b, blk_piece_ptr, blk_start_ptr, poff_ptr, plen_ptr, pflat_ptr, BLOCK: tl.constexpr):
-    """Program ``b``'s piece: element offset of the piece from the base pointer, the block's indices
-    within the piece, their mask, and the piece's start in the flat group."""
-    p = tl.load(blk_piece_ptr + b)
-    s = tl.load(blk_start_ptr + b)
-    off = tl.load(poff_ptr + p)
-    n = tl.load(plen_ptr + p)
-    f = tl.load(pflat_ptr + p)
-    idx = s + tl.arange(0, BLOCK).to(tl.int64)
-    return off, idx, idx < n, f
-
-
-@triton.jit
-def _wire_bits(x, WIRE: tl.constexpr, INT: tl.constexpr, RNE16: tl.constexpr):
+def _wire_bits(x, nan_pos, nan_neg, WIRE: tl.constexpr, INT: tl.constexpr, RNE16: tl.constexpr):
     """``x`` cast to the wire dtype, as the integers of its bits. ``RNE16`` (float32 to bfloat16):
     round to nearest even in integer arithmetic, torch's own formula (``c10::BFloat16``), so every
-    backend -- the GPU and Triton's CPU interpreter alike -- gives torch's bits for every non-NaN."""
+    backend -- the GPU and Triton's CPU interpreter alike -- gives torch's bits for every non-NaN; a
+    NaN gets the pattern torch's cast gives it on this device (``nan_pos`` / ``nan_neg`` by sign)."""
     if RNE16:
         u = x.to(tl.uint32, bitcast=True)
         r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        r = tl.where(x != x, 0x7FC0, r)
-        return r.to(tl.uint16).to(tl.int16, bitcast=True)
+        r = r.to(tl.uint16).to(tl.int16, bitcast=True)
+        return tl.where(x != x, tl.where((u >> 31) != 0, nan_neg, nan_pos).to(tl.int16), r)
     return x.to(WIRE).to(INT, bitcast=True)
 
 
 @triton.jit
-def _mark_kernel(base_ptr, snap_ptr, mask_ptr, count_ptr, blk_piece_ptr, blk_start_ptr, poff_ptr, plen_ptr,
-                 pflat_ptr, BLOCK: tl.constexpr, WIRE: tl.constexpr, INT: tl.constexpr, RNE16: tl.constexpr):
-    b = tl.program_id(0)
-    off, idx, m, f = _block_of(b, blk_piece_ptr, blk_start_ptr, poff_ptr, plen_ptr, pflat_ptr, BLOCK)
+def _fused_kernel(base_ptr, snap_ptr, val_ptr, pos_ptr, state_ptr, ticket_ptr, nan_ptr, blk_piece_ptr,
+                  blk_start_ptr, poff_ptr, plen_ptr, pflat_ptr, capacity, nan_pos, nan_neg,
+                  BLOCK: tl.constexpr, LOOK: tl.constexpr, WIRE: tl.constexpr, INT: tl.constexpr,
+                  RNE16: tl.constexpr, ABS: tl.constexpr, INF: tl.constexpr):
+    # the ticket, not program_id: every program with a smaller ticket has started (forward progress)
+    b = tl.atomic_add(ticket_ptr, 1).to(tl.int64)
+    p = tl.load(blk_piece_ptr + b)
+    s0 = tl.load(blk_start_ptr + b)
+    off = tl.load(poff_ptr + p)
+    n = tl.load(plen_ptr + p)
+    f = tl.load(pflat_ptr + p)
+    idx = s0 + tl.arange(0, BLOCK).to(tl.int64)
+    m = idx < n
     x = tl.load(base_ptr + off + idx, mask=m, other=0.0)
-    w = _wire_bits(x, WIRE, INT, RNE16)
+    w = _wire_bits(x, nan_pos, nan_neg, WIRE, INT, RNE16)
     s = tl.load(snap_ptr + f + idx, mask=m, other=0)
-    ch = ((w != s) & m).to(tl.uint32)
-    tl.store(count_ptr + b, tl.sum(ch.to(tl.int32), axis=0))
-    words = tl.sum(tl.reshape(ch, (BLOCK // 32, 32)) << tl.arange(0, 32).to(tl.uint32)[None, :], axis=1)
-    tl.store(mask_ptr + b.to(tl.int64) * (BLOCK // 32) + tl.arange(0, BLOCK // 32), words.to(tl.int32, bitcast=True))
-
-
-@triton.jit
-def _extract_kernel(base_ptr, mask_ptr, count_ptr, excl_ptr, blk_piece_ptr, blk_start_ptr, poff_ptr, plen_ptr,
-                    pflat_ptr, val_ptr, flat_ptr, local_ptr, BLOCK: tl.constexpr, WIRE: tl.constexpr,
-                    INT: tl.constexpr, RNE16: tl.constexpr):
-    b = tl.program_id(0)
-    c = tl.load(count_ptr + b)
-    if c > 0:
-        off, idx, m, f = _block_of(b, blk_piece_ptr, blk_start_ptr, poff_ptr, plen_ptr, pflat_ptr, BLOCK)
-        words = tl.load(mask_ptr + b.to(tl.int64) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)).to(tl.uint32,
-                                                                                                   bitcast=True)
-        bits = tl.reshape((words[:, None] >> tl.arange(0, 32).to(tl.uint32)[None, :]) & 1, (BLOCK,)).to(tl.int32)
-        ch = bits != 0
-        slot = tl.load(excl_ptr + b) + (tl.cumsum(bits, axis=0) - bits).to(tl.int64)
-        x = tl.load(base_ptr + off + idx, mask=ch, other=0.0)
-        tl.store(val_ptr + slot, _wire_bits(x, WIRE, INT, RNE16), mask=ch)
-        tl.store(flat_ptr + slot, f + idx, mask=ch)
-        tl.store(local_ptr + slot, idx.to(tl.int32), mask=ch)
+    ch = (w != s) & m
+    chi = ch.to(tl.int32)
+    c = tl.sum(chi, axis=0).to(tl.int64)
+    # state_ptr[0] stands for "before the first block" (inclusive 0); block b publishes at b + 1
+    tl.atomic_xchg(state_ptr + b + 1, c | _AGG)
+    lanes = tl.arange(0, LOOK)
+    excl = b * 0
+    j = b  # the nearest predecessor's word not yet added
+    done = (b < 0).to(tl.int32)  # 0, typed
+    while done == 0:
+        at = j - lanes
+        word = tl.load(state_ptr + at, mask=at > 0, other=_INC, volatile=True)
+        flag = word >> 60
+        val = word & _VALUE
+        stop = tl.min(tl.where(flag != 1, lanes, LOOK), axis=0)  # first word that is not a bare count
+        fstop = tl.sum(tl.where(lanes == stop, flag, 0), axis=0)  # its flag (0: not published yet)
+        excl += tl.sum(tl.where((lanes < stop) | ((lanes == stop) & (fstop == 2)), val, 0), axis=0)
+        j -= stop
+        done = (fstop == 2).to(tl.int32)
+    tl.atomic_xchg(state_ptr + b + 1, (excl + c) | _INC)
+    if (c > 0) & (excl + c <= capacity):
+        slot = excl + (tl.cumsum(chi, axis=0) - chi).to(tl.int64)
+        tl.store(val_ptr + slot, w, mask=ch)
+        tl.store(pos_ptr + slot, idx.to(tl.int32), mask=ch)
+        tl.store(snap_ptr + f + idx, w, mask=ch)
+        isnan = ch & ((w.to(tl.int32) & ABS) > INF)
+        if tl.sum(isnan.to(tl.int32), axis=0) > 0:
+            tl.atomic_max(nan_ptr + p, 1)
 
 
 def eligible(pieces: list[torch.Tensor], snap: torch.Tensor, wire: torch.dtype) -> bool:
-    """Whether the kernels take this bucket: contiguous pieces of one floating dtype they can cast
+    """Whether the kernel takes this bucket: contiguous pieces of one floating dtype it can cast
     (fp32 / bf16 / fp16) into a 2- or 4-byte floating wire dtype, a contiguous snapshot, one device."""
     if not pieces or wire not in _TL or wire.itemsize not in (2, 4) or snap.dtype != wire or not snap.is_contiguous():
         return False
     d0, dev = pieces[0].dtype, pieces[0].device
-    return d0 in _TL and all(t.dtype == d0 and t.device == dev and t.is_contiguous() for t in pieces)
+    return (d0 in _TL and snap.device == dev
+            and all(t.dtype == d0 and t.device == dev and t.is_contiguous() for t in pieces))
 
 
 class Layout:
     """The block table of a bucket's pieces (depends on their sizes only, so it is kept with the
-    snapshot and reused every round): per block its piece and start; per piece its length and flat
-    start."""
+    snapshot and reused every round): per block its piece and start; per piece its length, flat
+    start and the index of its last block's published word (for the per-piece counts)."""
 
     def __init__(self, sizes: list[int], device: torch.device) -> None:
         nblk = [(n + BLOCK - 1) // BLOCK for n in sizes]
-        piece = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), torch.tensor(nblk))
+        piece = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), torch.tensor(nblk, dtype=torch.int64))
         first = torch.tensor([0] + nblk[:-1], dtype=torch.int64).cumsum(0)
         start = (torch.arange(int(sum(nblk)), dtype=torch.int64) - first[piece.long()]) * BLOCK
         flat = torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0)
@@ -122,53 +147,104 @@ class Layout:
         self.start = start.to(device)
         self.plen = torch.tensor(sizes, dtype=torch.int64).to(device)
         self.pflat = flat.to(device)
+        #: word index (state_ptr + b + 1) of each piece's last block; a piece with no block points at
+        #: its predecessor's (or at word 0, "before the first block")
+        self.ends = torch.tensor(nblk, dtype=torch.int64).cumsum(0).to(device)
         self.npieces = len(sizes)
+        self.elements = int(sum(sizes))
+        self._offsets: tuple[tuple[int, ...], torch.Tensor] | None = None
+
+    def offsets(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """Each piece's element offset from the first piece's pointer (kept while the pointers are)."""
+        ptrs = tuple(t.data_ptr() for t in pieces)
+        if self._offsets is None or self._offsets[0] != ptrs:
+            esz = pieces[0].element_size()
+            offs = array("q", ((q - ptrs[0]) // esz for q in ptrs))
+            dev = self.plen.device
+            self._offsets = (ptrs, torch.frombuffer(offs, dtype=torch.int64).to(dev))
+        return self._offsets[1]
 
 
-def diff(pieces: list[torch.Tensor], snap: torch.Tensor, wire: torch.dtype, layout: Layout,
-         scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+class Result:
+    """A bucket's changes: ``pos`` (int32 positions within each piece) and ``values`` (wire dtype), the
+    pieces' runs end to end in ascending order; ``counts`` and ``nan`` (a changed NaN) per piece."""
+
+    __slots__ = ("pos", "values", "counts", "nan", "launches")
+
+    def __init__(self, pos: torch.Tensor, values: torch.Tensor, counts: list[int], nan: list[bool],
+                 launches: int) -> None:
+        self.pos, self.values, self.counts, self.nan, self.launches = pos, values, counts, nan, launches
+
+
+_NAN_BITS: dict[tuple[str, torch.dtype, torch.dtype], tuple[int, int]] = {}
+
+
+def _nan_bits(device: torch.device, src: torch.dtype, wire: torch.dtype) -> tuple[int, int]:
+    """The wire bits torch's cast gives +NaN and -NaN of ``src`` on ``device`` (CPU torch gives 0xFFFF
+    for any float32 NaN to bfloat16, CUDA its canonical NaN): the emulated cast must give the same."""
+    key = (device.type, src, wire)
+    got = _NAN_BITS.get(key)
+    if got is None:
+        t = torch.tensor([float("nan"), -float("nan")], dtype=src, device=device).to(wire)
+        a, b = t.view({2: torch.int16, 4: torch.int32}[wire.itemsize]).tolist()
+        got = _NAN_BITS[key] = (a, b)
+    return got
+
+
+def diff(pieces: list[torch.Tensor], snap: torch.Tensor, wire: torch.dtype, layout: Layout, *,
+         capacity: int) -> Result:
     """Changes of ``pieces`` (in order, laid end to end as the flat group) against ``snap`` (the flat
-    group in ``wire``): ``(flat positions (int64), positions within each piece (int32: a piece has
-    fewer than 2**31 elements, which ``DeltaSource`` guarantees), wire values, per-piece counts)``,
-    ascending. ``scratch``: reusable memory for the bitmask and counts (>= ``need(layout)``)."""
+    group in ``wire``), which takes the new bits of every changed element. ``capacity``: output slots
+    of the first launch (a guess: a short one costs a second launch, never a change). One host sync
+    per launch: the per-piece counts and NaN flags, read together."""
     dev = snap.device
-    esz = pieces[0].element_size()
     base = pieces[0]
-    b0 = base.data_ptr()
-    offs = array("q", ((t.data_ptr() - b0) // esz for t in pieces))
-    poff = torch.frombuffer(offs, dtype=torch.int64).to(dev, non_blocking=dev.type == "cuda")
-    words = layout.blocks * (BLOCK // 32)
-    if scratch is not None and scratch.numel() * scratch.element_size() >= (words + 2 * layout.blocks) * 4:
-        area = scratch.view(torch.int32)
-        mask, counts = area[:words], area[words: words + layout.blocks]
-    else:
-        mask = torch.empty(words, dtype=torch.int32, device=dev)
-        counts = torch.empty(layout.blocks, dtype=torch.int32, device=dev)
-    grid = (layout.blocks,)
-    wtl = _TL[wire]
-    idt = _int_dtype(wire.itemsize)
+    poff = layout.offsets(pieces)
+    idt = {2: torch.int16, 4: torch.int32}[wire.itemsize]
     rne16 = base.dtype == torch.float32 and wire == torch.bfloat16
-    _mark_kernel[grid](base, snap.view(idt), mask, counts, layout.piece, layout.start, poff, layout.plen, layout.pflat,
-                       BLOCK=BLOCK, WIRE=wtl, INT=_INT[wire.itemsize], RNE16=rne16)
-    c64 = counts.to(torch.int64)
-    excl = c64.cumsum(0) - c64
-    per_piece = torch.zeros(layout.npieces, dtype=torch.int64, device=dev).index_add_(0, layout.piece.long(), c64)
-    sizes = per_piece.tolist()  # the one host sync: sizes of the outputs
-    total = sum(sizes)
-    vals = torch.empty(total, dtype=wire, device=dev)
-    flat = torch.empty(total, dtype=torch.int64, device=dev)
-    local = torch.empty(total, dtype=torch.int32, device=dev)
-    if total:
-        _extract_kernel[grid](base, mask, counts, excl, layout.piece, layout.start, poff, layout.plen,
-                              layout.pflat, vals.view(idt), flat, local, BLOCK=BLOCK, WIRE=wtl,
-                              INT=_INT[wire.itemsize], RNE16=rne16)
-    return flat, local, vals, sizes
+    nan_pos, nan_neg = _nan_bits(dev, base.dtype, wire) if rne16 else (0, 0)
+    ab, inf = _NAN_TEST[wire]
+    snap_bits = snap.view(idt)
+    # per launch: words (blocks + 1), the ticket, NaN flags per piece -- zeroed together
+    nblk, npc = layout.blocks, layout.npieces
+    nan_flags = torch.zeros(npc, dtype=torch.int32, device=dev)
+    outs: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+    counts: list[int] | None = None
+    written = 0
+    launches = 0
+    total = -1
+    cap = max(int(capacity), 1)
+    while total < 0 or written < total:
+        state = torch.zeros(nblk + 2, dtype=torch.int64, device=dev)
+        vals = torch.empty(cap, dtype=wire, device=dev)
+        pos = torch.empty(cap, dtype=torch.int32, device=dev)
+        if nblk:
+            _fused_kernel[(nblk,)](base, snap_bits, vals.view(idt), pos, state, state[nblk + 1:], nan_flags,
+                                   layout.piece, layout.start, poff, layout.plen, layout.pflat, cap, nan_pos, nan_neg,
+                                   BLOCK=BLOCK, LOOK=LOOK, WIRE=_TL[wire], INT=_INT[wire.itemsize], RNE16=rne16,
+                                   ABS=ab, INF=inf, num_warps=8)
+        launches += 1
+        ends = state[:nblk + 1].index_select(0, layout.ends) & VALUE
+        info = torch.cat([ends, nan_flags.to(torch.int64)]).tolist()  # the launch's one host sync
+        cum = info[:npc]
+        got = (cum[-1] if npc else 0)
+        if counts is None:  # the first launch sees every change: the per-piece counts of the round
+            total = got
+            counts = [c - a for a, c in zip([0] + cum[:-1], cum)]
+        fit = got if got <= cap else _written(state, nblk, cap)
+        outs.append((pos, vals, fit))
+        written += fit
+        cap = total - written  # the rest fits: changes already written now compare equal
+    nan = [bool(v) for v in info[npc:]]
+    if len(outs) == 1:
+        pos, vals, k = outs[0]
+        return Result(pos[:k], vals[:k], counts or [], nan, launches)
+    return Result(torch.cat([o[0][:o[2]] for o in outs]), torch.cat([o[1][:o[2]] for o in outs]),
+                  counts or [], nan, launches)
 
 
-def need(layout: Layout) -> int:
-    """Bytes of scratch ``diff`` uses for ``layout`` (bitmask and counts)."""
-    return (layout.blocks * (BLOCK // 32) + 2 * layout.blocks) * 4
-
-
-def _int_dtype(size: int) -> torch.dtype:
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32}[size]
+def _written(state: torch.Tensor, nblk: int, cap: int) -> int:
+    """Changes the launch wrote when some did not fit ``cap``: the largest inclusive prefix that did
+    (blocks that wrote are a prefix of the block order)."""
+    incl = state[1: nblk + 1] & VALUE
+    return int(torch.where(incl <= cap, incl, torch.zeros_like(incl)).max().item()) if nblk else 0

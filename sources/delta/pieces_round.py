@@ -31,7 +31,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from ..core.ground.logs import current_rank, get_logger
 from ..core.ground.ranks import multi_rank
 from ..core.layouts.pieces import Piece
-from .diff import Changed, Snapshots, has_nan
+from .diff import Changed, Snapshots, any_nan
 from .exchange import BAD, BOXES, CHANGED, COLS, HELD, NAN, exchange_counts, pack, segment_sizes, unpack
 from .records import Delta, DeltaError, DeltaStats
 
@@ -113,11 +113,10 @@ class PiecesRound:
                     mine.append((i, p))
                 # one diff for the group's pieces (``Snapshots.diff_group``), then its counts
                 found = self.snapshots.diff_group(lo, [(p, metas[i].dtype) for i, p in mine], everything=anchor)
-                nan = has_nan(torch.cat([ch.values for ch in found])) if found and not anchor else (
-                    any(has_nan(ch.values) for ch in found))
+                nan = any_nan(found) if not anchor else any(ch.has_nan() for ch in found)
                 for (i, p), ch in zip(mine, found):
                     row = rows_l[i - lo]
-                    if nan and has_nan(ch.values):
+                    if nan and ch.has_nan():
                         row[NAN] = 1
                     changes.setdefault(i, []).append(ch)
                     row[CHANGED] += ch.count
