@@ -195,7 +195,7 @@ def test_demo_vllm_server_environment_errors_say_how_to_get_one(monkeypatch):
     "args, words",
     [
         (["check", "--model", "gpt-17"], "unknown model preset 'gpt-17'"),
-        (["check", "--config", "/no/such/config.json"], "no such file: /no/such/config.json"),
+        (["check", "--config", "/no/such/config.json"], "--config /no/such/config.json: no such file or folder"),
         (["check", "--layout", "megatron", "--tp", "3"], "--tp 3 must divide the attention heads (4)"),
         (["check", "--layout", "megatron", "--tp", "2", "--nproc", "3"], "--nproc 3 must be a multiple of"),
         (["check", "--layout", "megatron", "--vpp", "2"], "--vpp 2 needs --pp >= 2"),

@@ -144,6 +144,72 @@ def test_cli_json_and_usage_errors(configs, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["sources"][0]["tensors"] == 4 * 11 + 3 and out["time_s"]["total"] > 0
     assert main(["plan", "--config", configs["dense"], "--world", "3", "--replicas", "2"]) == 2
-    assert "replicas=2" in capsys.readouterr().err
+    assert "--world 3 is not a multiple of --replicas 2" in capsys.readouterr().err
     assert main(["plan", "--layout", "megatron", "--backend", "ipc"]) == 2
-    assert "backend='ipc'" in capsys.readouterr().err
+    assert "--backend ipc needs every rank to own every tensor" in capsys.readouterr().err
+
+
+# --- issue 56: plan refuses the layouts check refuses, by the same rule, in the user's flags -------
+
+
+@pytest.fixture(scope="module")
+def big_configs(tmp_path_factory):
+    """Configs with the head / expert counts of the issue's models (tiny widths: plan is meta-only)."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    base = tmp_path_factory.mktemp("plan56")
+    small = dict(hidden_size=64, head_dim=16, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False)
+    moe = Qwen3MoeConfig(num_hidden_layers=8, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=16,
+                         intermediate_size=64, num_attention_heads=32, num_key_value_heads=4, **small)
+    dense = Qwen3Config(num_hidden_layers=4, intermediate_size=64, num_attention_heads=32, num_key_value_heads=8, **small)
+    return {"moe128": _write(base / "moe128", moe), "heads32": _write(base / "heads32", dense)}
+
+
+@pytest.mark.parametrize("argv, rule", [
+    (["--config", "moe128", "--layout", "megatron", "--ep", "3"], "--ep 3 must divide the number of experts (128)"),
+    (["--config", "moe128", "--layout", "megatron", "--ep", "3", "--world", "6"],
+     "--ep 3 must divide the number of experts (128)"),
+    (["--model", "tiny-qwen3-moe", "--layout", "megatron", "--ep", "3"], "--ep 3 must divide the number of experts (4)"),
+    (["--config", "heads32", "--layout", "megatron", "--tp", "3"],
+     "--tp 3 must divide the attention heads (32) and key/value heads (8)"),
+    (["--config", "heads32", "--layout", "megatron", "--tp", "2", "--world", "3"],
+     "--world 3 must be a multiple of --tp x --pp x --ep = 2"),
+    (["--config", "heads32", "--tp", "2"], "--tp applies to --layout megatron only"),
+])
+def test_plan_refuses_what_check_refuses_with_the_same_rule(big_configs, capsys, argv, rule):
+    from weightsync.plugins.cli import main
+
+    argv = [big_configs.get(a, a) for a in argv]
+    t0 = time.perf_counter()
+    assert main(["plan", *argv]) == 2
+    took = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("weightsync: error: ") and rule in err, err
+    assert took < 5, took  # refused from the config's numbers, before the model is built
+    # check refuses the same layout with the same rule (its world flag is --nproc)
+    check = ["--nproc" if a == "--world" else a for a in argv]
+    assert main(["check", *check]) == 2
+    assert rule.replace("--world", "--nproc") in capsys.readouterr().err
+
+
+def test_plan_library_refuses_an_impossible_layout(big_configs):
+    with pytest.raises(ValueError, match=r"ep=3 must divide the number of experts \(128\)"):
+        plan(big_configs["moe128"], layout="megatron", ep=3, world=6)
+
+
+def test_plan_says_which_transport_it_assumed_and_one_byte_unit(big_configs, capsys):
+    import re
+
+    from weightsync.plugins.cli import main
+
+    assert main(["plan", "--config", big_configs["moe128"], "--layout", "megatron", "--ep", "8"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "transport:" in x)
+    assert "nccl (assumed" in line and "--backend ipc" in line, line
+    assert "outside what was measured" in out  # the note that used to say GB beside the table's GiB
+    units = set(re.findall(r"\d (B|KiB|MiB|GiB|TiB|kB|KB|MB|GB|TB)\b(?!/s)", out))
+    assert units and units <= {"B", "KiB", "MiB", "GiB", "TiB"}, units
+    assert main(["plan", "--config", big_configs["moe128"], "--backend", "ipc"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "transport:" in x)
+    assert line.startswith("  transport: ipc (from --backend)") and "--backend nccl" in line, line

@@ -11,7 +11,7 @@ import argparse
 import os
 from typing import Any
 
-__all__ = ["validate_args", "checkpoint_config", "MEGATRON_ONLY", "TORCH_DTYPES"]
+__all__ = ["validate_args", "checkpoint_config", "layout_options", "MEGATRON_ONLY", "TORCH_DTYPES"]
 
 #: Options that only a ``--layout megatron`` run uses.
 MEGATRON_ONLY = ("tp", "pp", "vpp", "ep")
@@ -35,7 +35,7 @@ def validate_args(args: argparse.Namespace) -> Any:
     if args.config and args.model:
         raise UserError("pass --model or --config, not both")
     if args.command in ("check", "export"):
-        _layout_options(args)
+        layout_options(args)
         if args.nproc is None:
             args.nproc = args.tp * args.pp * args.ep if args.layout == "megatron" else 1
     nproc = getattr(args, "nproc", 1)
@@ -83,7 +83,7 @@ def validate_args(args: argparse.Namespace) -> Any:
     return facts
 
 
-def _layout_options(args: argparse.Namespace) -> None:
+def layout_options(args: argparse.Namespace) -> None:
     """``--tp/--pp/--vpp/--ep`` belong to ``--layout megatron``: given with another layout they are
     a usage error naming the option (a run would silently ignore them); with megatron each must be
     >= 1 (``--tp/--pp/--ep`` default to 1)."""
@@ -180,31 +180,13 @@ def _validate_mtp(args: argparse.Namespace, facts: Any) -> None:
 
 
 def _validate_megatron(args: argparse.Namespace, facts: Any) -> None:
-    """``--layout megatron`` sizes against the config's ``ConfigFacts`` (a fact the config file does
-    not state is left to the ranks, which build the real config)."""
+    """``--layout megatron`` sizes against the config's ``ConfigFacts`` by the rules ``plan`` also
+    asks (``testbed.layout_rules``; a fact the config file does not state is left to the ranks,
+    which build the real config), then a model type the CPU builder builds."""
+    from ..testbed.layout_rules import check_megatron_layout
     from ..testbed.presets import MEGATRON_MODEL_TYPES, UserError
 
-    heads, groups = facts.heads, facts.kv_heads
-    if heads is not None and (heads % args.tp or (groups or heads) % args.tp):
-        raise UserError(
-            f"--tp {args.tp} must divide the attention heads ({heads}) and key/value heads ({groups}) "
-            f"of {facts.model_type}"
-        )
-    layers = facts.layers
-    stages = args.pp * (args.vpp or 1)
-    if layers is not None and layers % stages:
-        raise UserError(f"--pp {args.pp} x --vpp {args.vpp or 1} must divide the {layers} layers")
-    experts = facts.experts
-    if args.ep > 1 and (not experts or experts % args.ep):
-        raise UserError(f"--ep {args.ep} must divide the number of experts ({experts or 'none: dense model'})")
-    if args.vpp is not None and (args.vpp < 1 or args.pp < 2):
-        raise UserError(f"--vpp {args.vpp} needs --pp >= 2 and --vpp >= 1 (megatron's interleaved schedule)")
-    unit = args.tp * args.pp * args.ep
-    if args.nproc % unit:
-        raise UserError(
-            f"--nproc {args.nproc} must be a multiple of --tp x --pp x --ep = {unit} "
-            "(megatron splits the ranks into data-parallel replicas of that size)"
-        )
+    check_megatron_layout(facts, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, world=args.nproc)
     if facts.model_type not in MEGATRON_MODEL_TYPES:
         raise UserError(
             f"--layout megatron: no CPU Megatron builder for model_type {facts.model_type!r} "

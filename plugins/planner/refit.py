@@ -19,6 +19,7 @@ from typing import Any
 
 from .constants import Constant, constant
 from .counts import RankCounts, fsdp_counts, fsdp_items, megatron_counts, output_bytes
+from .units import human_bytes
 
 __all__ = ["plan", "RefitPlan", "SourcePlan", "BACKENDS", "DEFAULT_WIRE_GBPS"]
 
@@ -199,6 +200,12 @@ def plan(
         if world % (tp * pp * ep):
             raise ValueError(f"world={world} is not a multiple of tp*pp*ep={tp * pp * ep}")
     label, config = _config(model)
+    if layout == "megatron":
+        from ..testbed.layout_rules import check_megatron_layout, facts_of
+
+        # the rules ``weightsync check`` applies: a layout that cannot exist is refused, never planned
+        check_megatron_layout(facts_of(config), tp=tp, pp=pp, vpp=None if vpp == 1 else vpp, ep=ep, world=world,
+                              world_flag="world", spelling="kwargs")
     from weightsync.sources import FSDPSource
 
     # fp32, as trainers hold master weights: tensors that keep their own dtype on the wire (MoE routers)
@@ -270,12 +277,12 @@ def plan(
                              quant_in=quant_in, dense_bytes=dense_bytes, world=world,
                              wire_gbps=wire_gbps, gather_gbps=gather_gbps, notes=notes, ipc_packed=ipc_packed)
     if wire_gbps is None and backend != "ipc":
-        notes.append(f"wire: {DEFAULT_WIRE_GBPS} GB/s per sender assumed (one 200 Gb/s NIC); pass wire_gbps / --wire-gbps")
+        notes.append(f"wire: {DEFAULT_WIRE_GBPS} GB/s per sender assumed (one 200-gigabit NIC); pass wire_gbps / --wire-gbps")
     mt, mb = _MEASURED.get(backend, _MEASURED_DEFAULT)
     if device == "gpu" and (top.tensors > 10 * mt or top.bytes > 10 * mb):
         notes.append(f"outside what was measured: the GPU per-tensor and copy constants come from one GPU, "
-                     f"up to {mt:,} tensors, {mb / 1e9:.1f} GB; this refit is {top.tensors:,} tensors, "
-                     f"{top.bytes / 1e9:.1f} GB per sender (extrapolated linearly)")
+                     f"up to {mt:,} tensors, {human_bytes(mb)}; this refit is {top.tensors:,} tensors, "
+                     f"{human_bytes(top.bytes)} per sender (extrapolated linearly)")
     bk = {"kind": backend, "senders": senders, "fp8": fp8, "changed": changed, "wire_dtype": str(wd).removeprefix("torch."),
           "device": device, "wire_gbps": wire_gbps or DEFAULT_WIRE_GBPS, "expert_layout": expert_layout}
     return RefitPlan(label if isinstance(model, str) else getattr(config, "model_type", label), parameters, lay, bk,

@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 from .refit import RefitPlan
+from .units import human_bytes
 
 __all__ = ["render", "human_bytes"]
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -150,7 +150,9 @@ def raw_config(preset: str | None = None, path: str | None = None) -> dict[str, 
     if path is not None:
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
-            raise UserError(f"--config: no such file: {file}")
+            where = "no config.json in that folder" if os.path.isdir(path) else "no such file or folder"
+            raise UserError(f"--config {path}: {where} (weightsync downloads nothing: pass a local config.json, "
+                            "or the folder of a downloaded Hugging Face snapshot)")
         try:
             with open(file) as f:
                 raw = json.load(f)
