@@ -21,9 +21,8 @@ Invariants:
 
 * **Order**: slots ascend with (block, lane), so each piece's changes are one contiguous run in
   ascending position, as ``torch.nonzero`` gives and vLLM's sparse patches carry.
-* **Bits**: the bits compared and written are exactly torch's cast on the same device, NaN included
-  (a NaN's pattern is torch's, measured once per device and sign: ``_nan_bits``); ``-0.0`` vs
-  ``0.0`` differ. A changed NaN is flagged per piece (vLLM's apply reads NaN as "unchanged"; the
+* **Bits**: the bits compared and written are exactly torch's cast on the same device, NaN
+  patterns included (``_wire_bits`` says how, per cast and device); ``-0.0`` vs ``0.0`` differ. A changed NaN is flagged per piece (vLLM's apply reads NaN as "unchanged"; the
   round refuses it).
 * **Bounded output, never a lost change**: the output holds ``capacity`` slots. A block whose
   changes do not fit writes nothing and leaves its snapshot elements as they were, so the blocks that
@@ -61,24 +60,62 @@ _NAN_TEST = {torch.bfloat16: (0x7FFF, 0x7F80), torch.float16: (0x7FFF, 0x7C00),
 
 
 @triton.jit
-def _wire_bits(x, nan_pos, nan_neg, WIRE: tl.constexpr, INT: tl.constexpr, RNE16: tl.constexpr):
-    """``x`` cast to the wire dtype, as the integers of its bits. ``RNE16`` (float32 to bfloat16):
-    round to nearest even in integer arithmetic, torch's own formula (``c10::BFloat16``), so every
-    backend -- the GPU and Triton's CPU interpreter alike -- gives torch's bits for every non-NaN; a
-    NaN gets the pattern torch's cast gives it on this device (``nan_pos`` / ``nan_neg`` by sign)."""
-    if RNE16:
-        u = x.to(tl.uint32, bitcast=True)
+def _as_f32(x, BF16_IN: tl.constexpr):
+    """``x`` in float32, exactly (bfloat16 by its bits shifted: Triton's interpreter flushes bfloat16
+    subnormals in a float cast)."""
+    if BF16_IN:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _wire_bits(x, nan_pos, nan_neg, WIRE: tl.constexpr, INT: tl.constexpr, MODE: tl.constexpr,
+               BF16_IN: tl.constexpr):
+    """``x`` cast to the wire dtype, as the integers of its bits, exactly as torch's cast on this
+    device (``MODE``, chosen by ``_mode``):
+
+    0. Triton's own cast: the same dtype, float16 to float32, or float16 wires on CUDA (one ``cvt``
+       instruction, the one torch's CUDA cast uses).
+    1. to bfloat16: round to nearest even in integer arithmetic from the float32 bits, torch's own
+       formula (``c10::BFloat16``), so the GPU and the interpreter give torch's bits for every
+       non-NaN; a NaN gets the pattern torch's cast gives it on this device (``nan_pos`` /
+       ``nan_neg`` by sign: 0xFFFF on CPU, the canonical NaN on CUDA).
+    2. to float16 on CPU (the interpreter): numpy's cast, but a NaN as CPU torch's vector cast (x86
+       F16C) gives it: sign, quiet bit, the top 10 payload bits (numpy sets no quiet bit).
+    3. bfloat16 to float32: the bits shifted (``_as_f32``)."""
+    if MODE == 1:
+        u = _as_f32(x, BF16_IN).to(tl.uint32, bitcast=True)
         r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        r = r.to(tl.uint16).to(tl.int16, bitcast=True)
-        return tl.where(x != x, tl.where((u >> 31) != 0, nan_neg, nan_pos).to(tl.int16), r)
+        w = r.to(tl.uint16).to(tl.int16, bitcast=True)
+        neg = (u >> 31) != 0
+        return tl.where(x != x, tl.where(neg, nan_neg, nan_pos).to(tl.int16), w)
+    if MODE == 2:
+        y = _as_f32(x, BF16_IN)
+        u = y.to(tl.uint32, bitcast=True)
+        w = y.to(tl.float16).to(tl.int16, bitcast=True)
+        q = ((u >> 16) & 0x8000) | 0x7E00 | ((u >> 13) & 0x3FF)
+        return tl.where(x != x, q.to(tl.uint16).to(tl.int16, bitcast=True), w)
+    if MODE == 3:
+        return _as_f32(x, BF16_IN).to(tl.int32, bitcast=True)
     return x.to(WIRE).to(INT, bitcast=True)
+
+
+def _mode(device: torch.device, src: torch.dtype, wire: torch.dtype) -> int:
+    """``_wire_bits``'s ``MODE`` for a cast of ``src`` to ``wire`` on ``device``."""
+    if src == wire:
+        return 0
+    if wire == torch.bfloat16:
+        return 1
+    if wire == torch.float16:
+        return 0 if device.type == "cuda" else 2
+    return 3 if src == torch.bfloat16 else 0
 
 
 @triton.jit
 def _fused_kernel(base_ptr, snap_ptr, val_ptr, pos_ptr, state_ptr, ticket_ptr, nan_ptr, blk_piece_ptr,
                   blk_start_ptr, poff_ptr, plen_ptr, pflat_ptr, capacity, nan_pos, nan_neg,
                   BLOCK: tl.constexpr, LOOK: tl.constexpr, WIRE: tl.constexpr, INT: tl.constexpr,
-                  RNE16: tl.constexpr, ABS: tl.constexpr, INF: tl.constexpr):
+                  MODE: tl.constexpr, BF16_IN: tl.constexpr, ABS: tl.constexpr, INF: tl.constexpr):
     # the ticket, not program_id: every program with a smaller ticket has started (forward progress)
     b = tl.atomic_add(ticket_ptr, 1).to(tl.int64)
     p = tl.load(blk_piece_ptr + b)
@@ -89,7 +126,7 @@ def _fused_kernel(base_ptr, snap_ptr, val_ptr, pos_ptr, state_ptr, ticket_ptr, n
     idx = s0 + tl.arange(0, BLOCK).to(tl.int64)
     m = idx < n
     x = tl.load(base_ptr + off + idx, mask=m, other=0.0)
-    w = _wire_bits(x, nan_pos, nan_neg, WIRE, INT, RNE16)
+    w = _wire_bits(x, nan_pos, nan_neg, WIRE, INT, MODE, BF16_IN)
     s = tl.load(snap_ptr + f + idx, mask=m, other=0)
     ch = (w != s) & m
     chi = ch.to(tl.int32)
@@ -180,8 +217,8 @@ _NAN_BITS: dict[tuple[str, torch.dtype, torch.dtype], tuple[int, int]] = {}
 
 
 def _nan_bits(device: torch.device, src: torch.dtype, wire: torch.dtype) -> tuple[int, int]:
-    """The wire bits torch's cast gives +NaN and -NaN of ``src`` on ``device`` (CPU torch gives 0xFFFF
-    for any float32 NaN to bfloat16, CUDA its canonical NaN): the emulated cast must give the same."""
+    """The bfloat16 bits torch's cast gives +NaN and -NaN of ``src`` on ``device`` (CPU torch: 0xFFFF
+    for any NaN; CUDA's ``cvt``: its canonical NaN): the kernel's emulated cast gives the same."""
     key = (device.type, src, wire)
     got = _NAN_BITS.get(key)
     if got is None:
@@ -201,8 +238,8 @@ def diff(pieces: list[torch.Tensor], snap: torch.Tensor, wire: torch.dtype, layo
     base = pieces[0]
     poff = layout.offsets(pieces)
     idt = {2: torch.int16, 4: torch.int32}[wire.itemsize]
-    rne16 = base.dtype == torch.float32 and wire == torch.bfloat16
-    nan_pos, nan_neg = _nan_bits(dev, base.dtype, wire) if rne16 else (0, 0)
+    mode = _mode(dev, base.dtype, wire)
+    nan_pos, nan_neg = _nan_bits(dev, base.dtype, wire) if mode == 1 else (0, 0)
     ab, inf = _NAN_TEST[wire]
     snap_bits = snap.view(idt)
     # per launch: words (blocks + 1), the ticket, NaN flags per piece -- zeroed together
@@ -221,8 +258,8 @@ def diff(pieces: list[torch.Tensor], snap: torch.Tensor, wire: torch.dtype, layo
         if nblk:
             _fused_kernel[(nblk,)](base, snap_bits, vals.view(idt), pos, state, state[nblk + 1:], nan_flags,
                                    layout.piece, layout.start, poff, layout.plen, layout.pflat, cap, nan_pos, nan_neg,
-                                   BLOCK=BLOCK, LOOK=LOOK, WIRE=_TL[wire], INT=_INT[wire.itemsize], RNE16=rne16,
-                                   ABS=ab, INF=inf, num_warps=8)
+                                   BLOCK=BLOCK, LOOK=LOOK, WIRE=_TL[wire], INT=_INT[wire.itemsize], MODE=mode,
+                                   BF16_IN=base.dtype == torch.bfloat16, ABS=ab, INF=inf, num_warps=8)
         launches += 1
         ends = state[:nblk + 1].index_select(0, layout.ends) & VALUE
         info = torch.cat([ends, nan_flags.to(torch.int64)]).tolist()  # the launch's one host sync
