@@ -134,6 +134,9 @@ def _hf_trainer_world(rank: int, world_size: int, url: str, port: int, out_dir: 
         def on_step_end(self, args, state, control, model=None, **kw):
             self._probe(state, model)
 
+        def on_train_end(self, args, state, control, model=None, **kw):  # after the final sync
+            self._probe(state, model)
+
     trainer.add_callback(sync_cb)
     trainer.add_callback(Probe())
     trainer.train()
@@ -238,12 +241,13 @@ def test_hf_trainer_fsdp2_callback(tmp_path):
     r0, r1 = out[0], out[1]
     assert r0["sharded"] and r1["sharded"]  # accelerate's FSDP2: every parameter a DTensor shard
     assert r0["engine"] == r1["engine"] == "LoopbackTrainerWeightTransferEngine"
-    # cold sync at step 0, then every 2 optimizer steps (gradient accumulation 2: 10 micro-batches);
-    # no sync at the final step 5 (not a multiple of 2, and its report would be logged here).
-    assert [e["step"] for e in r0["logged"]] == [e["step"] for e in r1["logged"]] == [0, 2, 4]
+    # cold sync at step 0, then every 2 optimizer steps (gradient accumulation 2: 10 micro-batches),
+    # then the final sync at train end: step 5 is not a multiple of 2, and the served model must end
+    # on the trained weights (issue 56)
+    assert [e["step"] for e in r0["logged"]] == [e["step"] for e in r1["logged"]] == [0, 2, 4, 5]
     n_params = sum(p.numel() for p in _llama().parameters())
     assert all(e["weightsync/bytes"] == 4 * n_params for e in r0["logged"])  # fp32 on the wire
-    assert sorted(r0["trainer_logits"], key=int) == sorted(r1["trainer_logits"], key=int) == ["0", "2", "4"]
+    assert sorted(r0["trainer_logits"], key=int) == sorted(r1["trainer_logits"], key=int) == ["0", "2", "4", "5"]
     assert r0["losses"][0] != r0["losses"][-1]  # it trained
     # logging_steps=1: the Trainer's own loss line for every step, once, the sync steps included
     assert r0["loss_steps"] == r1["loss_steps"] == [1, 2, 3, 4, 5]
@@ -251,11 +255,11 @@ def test_hf_trainer_fsdp2_callback(tmp_path):
     # What the receiver saw, in order: the engine's init (built at the first sync), then per sync
     # pause / the 4-phase update / resume. (/weight_info: the probe's own version reads, dropped.)
     one = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
-    # the world size checked against the receiver's workers before the init, then three syncs
-    assert [c for c in calls if c != "/weight_info"] == ["/get_world_size", "/init_weight_transfer_engine"] + one * 3, calls
-    assert state["weight_version"] == "4" and state["updates_finished"] == 3
+    # the world size checked against the receiver's workers before the init, then four syncs
+    assert [c for c in calls if c != "/weight_info"] == ["/get_world_size", "/init_weight_transfer_engine"] + one * 4, calls
+    assert state["weight_version"] == "5" and state["updates_finished"] == 4
     previous = before
-    for version in ("0", "2", "4"):
+    for version in ("0", "2", "4", "5"):
         # Each sync committed its step as the weight version before the probe ran.
         assert r0["receiver_version"][version] == version
         want = torch.tensor(r0["trainer_logits"][version])
@@ -333,8 +337,11 @@ def _lightning_world(rank: int, world_size: int, url: str, out_dir: str) -> dict
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             self._probe(module)
 
+        def on_train_end(self, trainer, module):  # after the callback's final sync
+            self._probe(module)
+
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world_size, strategy="ddp", max_steps=6, accumulate_grad_batches=2,
+        accelerator="cpu", devices=world_size, strategy="ddp", max_steps=7, accumulate_grad_batches=2,
         logger=pl.loggers.CSVLogger(out_dir), enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=out_dir, callbacks=[cb, Probe()],
     )
@@ -350,15 +357,16 @@ def test_lightning_callback_ddp(tmp_path):
     with DevServer() as server:
         out = run_world(_lightning_world, 2, timeout=300, url=server.url, out_dir=str(tmp_path))
         snapshots = dict(server.snapshots)
-    assert out[0]["global_step"] == 6
-    # cold sync, then every 2 optimizer steps (accumulate_grad_batches=2: 12 batches per rank)
-    assert out[0]["steps"] == out[1]["steps"] == [0, 2, 4, 6]
-    assert sorted(snapshots, key=int) == ["0", "2", "4", "6"]
+    assert out[0]["global_step"] == 7
+    # cold sync, then every 2 optimizer steps (accumulate_grad_batches=2: 14 batches per rank), then
+    # the final sync at train end of step 7 (not a multiple of 2): the server ends on the trained weights
+    assert out[0]["steps"] == out[1]["steps"] == [0, 2, 4, 6, 7]
+    assert sorted(snapshots, key=int) == ["0", "2", "4", "6", "7"]
     for version, params in out[0]["params"].items():
         assert set(snapshots[version]) == set(params)
         for k, v in params.items():
             torch.testing.assert_close(snapshots[version][k], torch.tensor(v), rtol=0, atol=0)
-    assert not torch.equal(snapshots["0"]["0.weight"], snapshots["6"]["0.weight"])  # it trained
+    assert not torch.equal(snapshots["6"]["0.weight"], snapshots["7"]["0.weight"])  # the last step trained
     metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
     assert "weightsync/bytes" in metrics and "weightsync/send_seconds" in metrics
 

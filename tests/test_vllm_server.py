@@ -610,19 +610,21 @@ def world_trl_grpo(rank: int, world_size: int, *, url: str, model_dir: str, work
 def test_trl_grpo_generates_from_the_server_weightsync_syncs(server, tmp_path):
     """TRL's GRPO, ``use_vllm=True, vllm_mode="server"``, generating from the real vLLM server with
     ``WeightSyncGRPOTrainer`` doing the sync: TRL's NCCL communicator (CUDA only) is never opened,
-    a sync runs before each step's rollouts (versions "0", "1"), after each the server's greedy
+    a sync runs before each step's rollouts (versions "0", "1") and a final one at train end (version
+    "2": the served model ends on the last optimizer step's weights), after each the server's greedy
     tokens equal transformers' on the trainer's weights, and GRPO's own loss / reward logs are there
     with weightsync's report beside them."""
     pytest.importorskip("trl")
     res = run_world(world_trl_grpo, 1, timeout=300, url=server.url, model_dir=server.model_dir, work=str(tmp_path))[0]
     checks = res["checks"]
-    assert [c["step"] for c in checks] == [0, 1], checks
+    assert [c["step"] for c in checks] == [0, 1, 2], checks
     for c in checks:
         assert c["version"] == str(c["step"]), c
         for (want_t, want_lp), (got_t, got_lp) in zip(c["want"], c["got"]):
             assert got_t == want_t, c
             assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) <= LOGPROB_ATOL, c
-    assert checks[0]["want"] != checks[1]["want"]  # the step changed the weights the server then served
+    # each step changed the weights the server then served, the last one's included
+    assert checks[0]["want"] != checks[1]["want"] != checks[2]["want"]
     logs = [h for h in res["history"] if "loss" in h]
     assert [h["step"] for h in logs] == [1, 2], res["history"]
     assert all("reward" in h and "weightsync/bytes" in h for h in logs), logs

@@ -9,6 +9,9 @@ Invariants, and why:
   rank-conditional branch: only the driver decides, inside, that rank 0 talks HTTP.
 * **Reports go to the trainer's loggers** (``logger.log_metrics``; Lightning's loggers write on
   global rank 0 only) and are kept in ``reports``.
+* **The served model ends on the trained weights**: ``on_train_end`` syncs the last optimizer
+  step's weights when the last sync was of an earlier step (``sync_on_train_end=True``, the
+  default): evaluating the served model after ``trainer.fit`` evaluates what was trained.
 * **Built late**: a callable ``sync`` gets the ``LightningModule`` at ``on_train_start``.
 * **Adapter-only with one option** (``adapter_only="/shared/adapters"``, ``hooks/late.py``): the
   PEFT LoRA adapter of the ``PeftModel`` inside the ``LightningModule`` (exactly one) is sent
@@ -43,6 +46,8 @@ class WeightSyncCallback(Callback):
             ``on_train_start``.
         cold_sync: sync at train start (step ``trainer.global_step``).
         log: send each report's metrics to ``trainer.loggers``.
+        sync_on_train_end: at ``on_train_end``, sync the final weights if the last sync was of an
+            earlier step (default True).
         adapter_only: send only the PEFT LoRA adapter (``LoRAAdapterSync``, module docstring): the
             folder the vLLM server reads adapters from, or a dict of ``LoRAAdapterSync`` arguments.
     """
@@ -53,11 +58,13 @@ class WeightSyncCallback(Callback):
         *,
         cold_sync: bool = True,
         log: bool = True,
+        sync_on_train_end: bool = True,
         adapter_only: str | os.PathLike | Mapping[str, Any] | None = None,
     ) -> None:
         self._late = HookSync(sync, owner="WeightSyncCallback", model_arg="pl_module", adapter_only=adapter_only)
         self.cold_sync = cold_sync
         self.log = log
+        self.sync_on_train_end = sync_on_train_end
         self.reports: list[SyncReport | AdapterSyncReport] = []
         self._start_step: int | None = None
 
@@ -86,3 +93,10 @@ class WeightSyncCallback(Callback):
         step = trainer.global_step
         if step != self._start_step and self.sync.should_sync(step):
             self._run(trainer, step)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.sync is None or not self.sync_on_train_end:
+            return
+        last = self.sync.last_report
+        if last is None or last.step != trainer.global_step:
+            self._run(trainer, trainer.global_step)

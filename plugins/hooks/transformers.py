@@ -22,6 +22,11 @@ Invariants, and why:
   Trainer's own log for the step still happens, once, with its own metrics. Without ``trainer=``
   the report goes into ``state.log_history`` directly and is merged into the next ``on_log``
   payload the Trainer emits (its integrations see it then).
+* **The served model ends on the trained weights**: ``on_train_end`` syncs the last optimizer step's
+  weights when the last sync was of an earlier step (``sync_on_train_end=True``, the default), so a
+  user who evaluates the served model after ``trainer.train()`` evaluates what was trained, not the
+  weights of the last multiple of ``every``. Every rank runs ``on_train_end``, so the final sync is
+  collective like every other one.
 * **Built late**: a callable ``sync`` is called with the model at ``on_train_begin``, after
   accelerate prepared (sharded) it, so the source sees the FSDP2 parameters.
 * **Adapter-only with one option** (``adapter_only="/shared/adapters"``, ``hooks/late.py``): a PEFT
@@ -60,7 +65,8 @@ class WeightSyncCallback(TrainerCallback):
         trainer: the Trainer, to hand reports to its loggers (``report_to`` integrations) at the
             sync step itself (recommended); its own ``Trainer.log`` is not called (module docstring).
         cold_sync: sync at ``on_train_begin`` (step ``state.global_step``, 0 for a fresh run).
-        sync_on_train_end: also sync the final weights if the last step was not a sync step.
+        sync_on_train_end: at ``on_train_end``, sync the final weights if the last sync was of an
+            earlier step (default True: the served version is the last optimizer step's).
         adapter_only: send only the PEFT LoRA adapter (``LoRAAdapterSync``, module docstring): the
             folder the vLLM server reads adapters from, or a dict of ``LoRAAdapterSync`` arguments
             (``adapter_dir``, ``lora_name``, ``mode``, ``keep``, ``server_dir``...). None: full syncs.
@@ -72,7 +78,7 @@ class WeightSyncCallback(TrainerCallback):
         *,
         trainer: Any = None,
         cold_sync: bool = True,
-        sync_on_train_end: bool = False,
+        sync_on_train_end: bool = True,
         adapter_only: str | os.PathLike | Mapping[str, Any] | None = None,
     ) -> None:
         self._late = HookSync(sync, owner="WeightSyncCallback", model_arg="model", adapter_only=adapter_only)
@@ -128,6 +134,8 @@ class WeightSyncCallback(TrainerCallback):
             return None
         last = self.sync.last_report
         if last is None or last.step != state.global_step:
+            logger.info("WeightSyncCallback: final sync of step %d at train end (last synced: %s)",
+                        state.global_step, None if last is None else last.step)
             return self._run(args, state, control, state.global_step)
         return None
 

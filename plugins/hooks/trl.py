@@ -23,6 +23,10 @@ Invariants, and why:
 * **Reports land in TRL's metrics**: each sync's numeric report (``weightsync/...``) is appended to
   the trainer's ``_metrics["train"]``, which GRPO averages and logs beside its own loss and rewards at
   the next logging step; TRL's loss entries are not touched.
+* **The served model ends on the trained weights**: TRL syncs *before* each generation, so nothing
+  would sync after the last optimizer step (3 steps ended on version "2"). At ``on_train_end``
+  (every rank) the trainer syncs once more when the last sync was of an earlier step
+  (``sync_on_train_end=True``, the default): the served ``weight_version`` is the last step's.
 * **Async GRPO** (``trl.experimental.async_grpo``) is ``trl_async.WeightSyncAsyncGRPOTrainer``: the
   same idea through TRL's ``weight_transfer=`` seam and its merged sync.
 """
@@ -72,13 +76,33 @@ def __getattr__(name: str) -> Any:  # WeightSyncGRPOTrainer is built on first ac
     return cls
 
 
+def _final_sync_callback() -> type:
+    from transformers import TrainerCallback
+
+    class FinalSync(TrainerCallback):
+        """Calls the trainer's final sync at ``on_train_end`` (which the Trainer runs on every rank)."""
+
+        def __init__(self, trainer: Any) -> None:
+            self.trainer = trainer
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.trainer._weightsync_final()
+
+    return FinalSync
+
+
+def _FinalSync(trainer: Any) -> Any:  # noqa: N802 - builds the callback class on first use (transformers imported then)
+    return _final_sync_callback()(trainer)
+
+
 def _build_class(base: type) -> type:
     class WeightSyncGRPOTrainer(base):  # type: ignore[misc, valid-type]
         """TRL's ``GRPOTrainer`` (``use_vllm=True, vllm_mode="server"``) whose weight sync is
         ``sync`` (a ``WeightSync``, or ``model -> WeightSync`` built at the first sync with the
         prepared model). Every other argument is ``GRPOTrainer``'s. See the module docstring."""
 
-        def __init__(self, *args: Any, sync: WeightSync | Callable[[Any], WeightSync], **kwargs: Any) -> None:
+        def __init__(self, *args: Any, sync: WeightSync | Callable[[Any], WeightSync],
+                     sync_on_train_end: bool = True, **kwargs: Any) -> None:
             grpo_args = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
             if grpo_args is None or not getattr(grpo_args, "use_vllm", False) or getattr(
                 grpo_args, "vllm_mode", None
@@ -93,6 +117,8 @@ def _build_class(base: type) -> type:
             with _without_trl_communicator():
                 super().__init__(*args, **kwargs)
             self.vllm_generation.sync_weights = self._weightsync_sync
+            if sync_on_train_end:
+                self.add_callback(_FinalSync(self))
 
         @property
         def weight_sync(self) -> WeightSync | None:
@@ -108,6 +134,17 @@ def _build_class(base: type) -> type:
                 self._metrics["train"][key].append(value)
             if self.accelerator.is_main_process:
                 self.vllm_generation.vllm_client.reset_prefix_cache()
+
+        def _weightsync_final(self) -> None:
+            """At train end, every rank: sync the last optimizer step's weights unless the last
+            sync already sent them (or no sync ever ran: no server state to bring up to date)."""
+            ws = self._weightsync.sync
+            last = None if ws is None else ws.last_report
+            if ws is None or (last is not None and last.step == int(self.state.global_step)):
+                return
+            logger.info("WeightSyncGRPOTrainer: final sync of step %d at train end (last synced: %s)",
+                        int(self.state.global_step), None if last is None else last.step)
+            self._weightsync_sync()
 
     WeightSyncGRPOTrainer.__module__ = __name__
     return WeightSyncGRPOTrainer
