@@ -334,3 +334,37 @@ def world_bad_pieces(rank: int, world_size: int) -> dict:
         if mode == "ok":
             out["ok_equal"] = equal(recv, {n: t.clone() for n, t in full.items()}) if rank == 0 else []
     return out
+
+
+def world_group_agreement(rank: int, world_size: int) -> dict:
+    """``DeltaSource(group_bytes=None)`` on ranks that disagree on CUDA (rank 1 told it has CUDA, or
+    rank 0): every rank groups by rank 0's choice from the first round on, and the rounds are exact;
+    explicit values that differ are refused on every rank, naming ``group_bytes``."""
+    from unittest import mock
+
+    from weightsync.sources import DeltaSource
+
+    out: dict = {}
+    for cuda_rank in (1, 0):
+        with mock.patch.object(torch.cuda, "is_available", lambda: rank == cuda_rank):
+            src, full = _fake_source("ok")
+            delta = DeltaSource(src)
+            before = delta.group_bytes
+            recv: dict = {}
+            apply(recv, list(delta.iter_deltas()))
+            full["a"][1, 2] += 1.0  # a change, then a delta round
+            carried, _, _ = apply(recv, list(delta.iter_deltas()))
+        got = [None] * world_size
+        dist.all_gather_object(got, (delta.group_bytes, delta._groups))  # noqa: SLF001
+        out[f"cuda_on_{cuda_rank}"] = {
+            "before": before, "after": delta.group_bytes, "all": got,
+            "equal": equal(recv, {n: t.clone() for n, t in full.items()}) if rank == 0 else [],
+            "carried": sorted(carried) if rank == 0 else None,
+        }
+    src, _ = _fake_source("ok")
+    mine = DeltaSource(src, group_bytes=(8 << 10) if rank == 0 else (16 << 10))
+    out["explicit_mismatch"] = errors_of(lambda: list(mine.iter_deltas()))
+    src, _ = _fake_source("ok")
+    same = DeltaSource(src, group_bytes=None if rank == 0 else (64 << 20))  # rank 0's default (no CUDA)
+    out["explicit_same"] = errors_of(lambda: list(same.iter_deltas()))
+    return out

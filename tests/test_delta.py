@@ -256,3 +256,23 @@ def test_group_diff_equals_piece_by_piece():
     tensors[2] = torch.randn(5, 7)  # another shape: that bucket has no snapshot, every element again
     b = grouped.diff_group(0, list(zip(pieces(), wire)), everything=False)
     assert b[2].pos is None and b[3].pos is None and b[0].pos is not None
+
+
+def test_groups_agree_when_ranks_disagree_on_cuda():
+    """``group_bytes=None``: rank 0 decides (its CUDA or not), every rank uses it from the first round;
+    the rounds are exact; explicit values that differ are refused on every rank, by name."""
+    from delta_worlds import world_group_agreement
+    from weightsync.sources.delta.source import DEFAULT_CUDA_GROUP_BYTES, DEFAULT_GROUP_BYTES
+
+    res = run_world(world_group_agreement, 2, timeout=300)
+    for cuda_rank, want in ((1, DEFAULT_GROUP_BYTES), (0, DEFAULT_CUDA_GROUP_BYTES)):
+        f0, f1 = res[0][f"cuda_on_{cuda_rank}"], res[1][f"cuda_on_{cuda_rank}"]
+        own = {cuda_rank: DEFAULT_CUDA_GROUP_BYTES, 1 - cuda_rank: DEFAULT_GROUP_BYTES}
+        assert (f0["before"], f1["before"]) == (own[0], own[1])  # each rank's own default, before
+        assert f0["after"] == f1["after"] == want
+        assert f0["all"][0] == f0["all"][1]  # the same size and the same groups
+        assert f0["equal"] == [] and f0["carried"] == [("a", 6)]
+    for r in (0, 1):
+        err = res[r]["explicit_mismatch"]
+        assert err and "DeltaError" in err and "group_bytes=16384" in err and f"rank {r}:" in err, err
+        assert res[r]["explicit_same"] is None, res[r]["explicit_same"]

@@ -73,8 +73,11 @@ class DeltaSource:
         anchor_every: also make every ``anchor_every``-th round an anchor (None: only when needed).
         snapshot: ``"device"`` (next to the pieces) or ``"cpu"`` (host memory; pinned for GPU pieces).
         group_bytes: tensors exchanged together, in bytes of full wire tensors (one counts exchange
-            and at most one buffer per rank per group). None (default): ``DEFAULT_CUDA_GROUP_BYTES``
-            where CUDA is available, else ``DEFAULT_GROUP_BYTES``. Every rank must use the same groups.
+            and at most one buffer per rank per group). Every rank uses rank 0's: its explicit value,
+            or for None (default) its own default -- ``DEFAULT_CUDA_GROUP_BYTES`` where rank 0 has
+            CUDA, else ``DEFAULT_GROUP_BYTES`` -- agreed at the first round (``_start_round``), so a
+            world where only some ranks have CUDA (gloo) runs with one grouping; a rank passing an
+            explicit value other than the agreed one is refused on every rank at that round.
         timeout_s: bound on each exchange (gloo).
     """
 
@@ -87,10 +90,13 @@ class DeltaSource:
         if anchor_every is not None and (isinstance(anchor_every, bool) or not isinstance(anchor_every, int)
                                          or anchor_every < 1):
             raise ValueError(f"DeltaSource(anchor_every={anchor_every!r}): a positive int or None")
-        if group_bytes is None:
-            group_bytes = DEFAULT_CUDA_GROUP_BYTES if torch.cuda.is_available() else DEFAULT_GROUP_BYTES
-        if isinstance(group_bytes, bool) or not isinstance(group_bytes, int) or group_bytes <= 0:
+        if group_bytes is not None and (isinstance(group_bytes, bool) or not isinstance(group_bytes, int)
+                                        or group_bytes <= 0):
             raise ValueError(f"DeltaSource(group_bytes={group_bytes!r}): a positive int or None")
+        self._group_bytes_arg = group_bytes
+        self._groups_agreed = False  # multi-rank: the first round agrees (``_agree_groups``)
+        if group_bytes is None:  # this rank's own default until the first round agrees on rank 0's
+            group_bytes = DEFAULT_CUDA_GROUP_BYTES if torch.cuda.is_available() else DEFAULT_GROUP_BYTES
         if getattr(source, "senders", "rank0") != "rank0":
             raise ValueError(
                 f"rank {current_rank()}: DeltaSource: the wrapped {type(source).__name__} has "
@@ -229,18 +235,55 @@ class DeltaSource:
         logger.debug("delta round: %s", stats.as_dict())
 
     def _start_round(self) -> bool:
-        """Agree on every rank whether this round is an anchor (any rank needing one decides)."""
+        """Agree on every rank whether this round is an anchor (any rank needing one decides); at the
+        first round, also on the groups (``_agree_groups``), in the same one collective."""
         mine = self.anchor_next
         if not multi_rank():
             return mine
         ranks = group_ranks()
         group = bounded_group(ranks, timeout_s=self.timeout_s, purpose="pass")
+        if not self._groups_agreed:
+            return self._agree_groups(mine, ranks, group)
         flag = torch.tensor([int(mine)], dtype=torch.int64)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
         wait_bounded(work, ranks=ranks, what="the delta round's anchor agreement", timeout_s=self.timeout_s)
         if flag.item() and not mine:
             logger.info("delta round is an anchor: another rank needs one")
         return bool(flag.item())
+
+    def _agree_groups(self, mine: bool, ranks: list[int], group: Any) -> bool:
+        """The first round's agreement: every rank sends (anchor needed, its explicit ``group_bytes`` or
+        0, the group size it would use, CUDA available); every rank takes rank 0's group size, and
+        refuses -- every rank the same way, from the same table -- when a rank passed an explicit
+        value other than that. Ranks with and without CUDA may mix (the diff runs on each rank's own
+        device; the exchange is gloo's): only the grouping must be one, and it is rank 0's."""
+        row = torch.tensor([int(mine), self._group_bytes_arg or 0, self.group_bytes, int(torch.cuda.is_available())],
+                           dtype=torch.int64)
+        rows = [torch.empty_like(row) for _ in ranks]
+        work = dist.all_gather(rows, row, group=group, async_op=True)
+        wait_bounded(work, ranks=ranks, what="the delta round's anchor and group agreement", timeout_s=self.timeout_s)
+        table = [r.tolist() for r in rows]
+        agreed = table[0][2]
+        odd = [(ranks[i], t[1]) for i, t in enumerate(table) if t[1] and t[1] != agreed]
+        if odd:
+            raise DeltaError(
+                f"rank {current_rank()}: DeltaSource(group_bytes=...): rank 0 groups by {agreed} bytes, rank "
+                f"{odd[0][0]} was built with group_bytes={odd[0][1]}; every rank must use the same groups: pass the "
+                "same value everywhere (or None: rank 0's)")
+        cuda = [ranks[i] for i, t in enumerate(table) if t[3]]
+        if cuda and len(cuda) < len(ranks):
+            logger.info("DeltaSource: ranks %s have CUDA, the others not: every rank groups by rank 0's %d bytes",
+                        cuda, agreed)
+        if agreed != self.group_bytes:
+            logger.info("rank %d: DeltaSource groups by rank 0's %d bytes (this rank's default: %d)",
+                        current_rank(), agreed, self.group_bytes)
+            self.group_bytes = agreed
+            self.__dict__.pop("_groups", None)  # recomputed from the agreed size
+        self._groups_agreed = True
+        anchor = any(t[0] for t in table)
+        if anchor and not mine:
+            logger.info("delta round is an anchor: another rank needs one")
+        return anchor
 
     # ---- a source diffed on rank 0 after its own pass --------------------------------------------------
 
