@@ -53,7 +53,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def _torch_path():
+def torch_path():
     old = os.environ.get("WEIGHTSYNC_DELTA_TRITON")
     os.environ["WEIGHTSYNC_DELTA_TRITON"] = "0"
     try:
@@ -97,7 +97,7 @@ def _run(path: str, old: list[torch.Tensor], new: list[torch.Tensor], wire: torc
     pieces = [Piece(f"t{i}", (0,), t.to(device)) for i, t in enumerate(new)]
     k0 = snaps.kernel_buckets
     if path == "torch":
-        with _torch_path():
+        with torch_path():
             found = snaps.diff_group(0, [(p, wire) for p in pieces], everything=False)
     else:
         found = snaps.diff_group(0, [(p, wire) for p in pieces], everything=False)

@@ -234,39 +234,18 @@ def run(kind: str, snapshot: str, device: str, facts: Facts) -> None:
 
 
 def kernel_edges(device: str, facts: Facts) -> None:
-    """``diff_triton`` (the CUDA diff) against torch on edge values: fp32 -> bf16 ties, subnormals,
-    +-0, +-inf, the largest finites (which round to inf), pieces of odd sizes that end mid-block and
-    mid-word; bf16 -> bf16 and fp32 -> fp32 too. The changed set must equal torch's cast + integer
-    compare, bitwise, and the values torch's cast at those positions."""
-    import torch
+    """``diff_triton`` (the fused CUDA diff) against the torch path of ``Snapshots.diff_group`` and a
+    naive oracle (torch's cast + integer compare) on edge values -- NaNs of both signs and several
+    payloads, +-0, +-inf, the largest finites, fp32 / bf16 / fp16 subnormals, round-to-nearest-even
+    ties; fp32, bf16 and fp16 masters into bf16, fp16 and fp32 wires; pieces ending mid-block; a
+    group where every element changed and a 7-slot output (the second launch). Positions, values
+    (bit for bit, NaN patterns included), NaN flags and the committed snapshot
+    (``tests/delta_edges.py``, which the CPU suite runs under Triton's interpreter)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from delta_edges import check
 
-    from weightsync.sources.delta import diff_triton as kern
-
-    g = torch.Generator(device="cpu").manual_seed(5)
-    edge32 = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 3.3895313892515355e38, -3.4e38, 1e-40, -1e-45,
-                           1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-8 + 2**-20, 2**-126, 65504.0, 1e-8],
-                          dtype=torch.float32)
-    for src_dt, wire in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
-                         (torch.float32, torch.float32), (torch.float32, torch.float16)):
-        sizes = [kern.BLOCK * 2 + 17, 1, 31, kern.BLOCK, 5 * kern.BLOCK + 33, 1000]
-        cur = [torch.randn(n, generator=g).to(src_dt) for n in sizes]
-        cur[0][: edge32.numel()] = edge32.to(src_dt)
-        old = [t.clone() for t in cur]
-        for t in old:  # the snapshot holds other values at ~3% of positions, and at every edge value
-            k = torch.rand(t.numel(), generator=g) < 0.03
-            t[k] = t[k] * 1.5 + 1.0
-        old[0][: edge32.numel()] = torch.flip(edge32, (0,)).to(src_dt)
-        cur = [t.to(device) for t in cur]
-        snap = torch.cat([t.to(wire) for t in old]).to(device)
-        want_wire = torch.cat([t.to(wire) for t in cur])
-        ib = {2: torch.int16, 4: torch.int32}[wire.itemsize]
-        want = (want_wire.view(ib) != snap.view(ib)).nonzero().view(-1)
-        flat, local, vals, counts = kern.diff(cur, snap, wire, kern.Layout(sizes, torch.device(device)))
-        ok = (torch.equal(flat, want) and torch.equal(vals.view(ib), want_wire.view(ib)[want])
-              and sum(counts) == want.numel())
-        facts.check(f"diff_triton {src_dt} -> {wire}: changed set and values equal torch's bitwise "
-                    f"({want.numel()} of {snap.numel()})", ok,
-                    None if ok else f"kernel {flat.numel()} vs torch {want.numel()}")
+    for label, ok, detail in check(device, kernels=True):
+        facts.check(f"diff_triton edges: {label}", ok, detail)
 
 
 def main(argv: list[str] | None = None) -> int:
