@@ -9,6 +9,7 @@ parameters, never gathered by weightsync).
 from __future__ import annotations
 
 import copy
+import socket
 
 import pytest
 import torch
@@ -179,3 +180,83 @@ def test_driver_two_ranks_fsdp2():
 
     for f in (f0, f1):
         assert "after shutdown" in f["after_shutdown"] and f["shutdowns"] >= 1
+
+
+def test_a_single_nccl_sender_failing_mid_stream_completes_its_turn(monkeypatch):
+    """vLLM's dense NCCL engine, one sender: its source raises after 2 of 4 tensors. The worker waits in
+    a broadcast for every tensor the update info declared (NCCL has no timeout), so the sender completes
+    the turn with zeros: ``sync`` raises the source's error well before the transfer group's own
+    timeout, the worker got every declared tensor (zeros for the last two) and finished without a
+    ``weight_version``; the next sync is exact and commits. vLLM's real trainer and worker engines;
+    only the communicator is a gloo stand-in (``tests/gloo_comm.py``), whose receive would time out."""
+    import time
+    from functools import cached_property
+
+    import vllm.distributed.weight_transfer.nccl_engine as ne
+    from many_senders_worlds import GlooNCCL, InProcessWorker, share_port  # noqa: F401
+    from vllm.distributed.weight_transfer import ModuleSource
+    from vllm.distributed.weight_transfer.base import WeightSource
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    from weightsync.plugins.sync.driver import WeightSync
+
+    group_timeout = 30.0
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(ne, "open_trainer_endpoint", lambda info, rank=0: GlooNCCL(
+        info.master_address, info.master_port, rank, info.world_size, group_timeout))
+    monkeypatch.setattr(ne, "worker_init_process_group", lambda info, pc: GlooNCCL(
+        info.master_address, info.master_port, info.rank_offset, info.world_size, group_timeout))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+
+    class Flaky(WeightSource):
+        """``ModuleSource`` that raises after ``fail_after`` tensors while armed."""
+
+        def __init__(self) -> None:
+            self.inner = ModuleSource(model)
+            self.fail_after: int | None = None
+
+        @cached_property
+        def metadata(self):
+            return self.inner.metadata
+
+        def iter_full(self):
+            for i, pair in enumerate(self.inner.iter_full()):
+                if self.fail_after is not None and i == self.fail_after:
+                    raise RuntimeError("injected: the source fails mid-stream")
+                yield pair
+
+    src = Flaky()
+    worker = InProcessWorker("cpu")
+    worker.expect(src.metadata)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=port, world_size=2, rank=0, packed=False)
+    ws = WeightSync(src, info, worker, pause=None, timeout_s=60)
+    try:
+        ws.sync(1)
+        assert worker.versions == ["1"]
+        src.fail_after = 2
+        worker.model.loaded = []
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match="injected: the source fails mid-stream"):
+            ws.sync(2)
+        took = time.perf_counter() - t0
+        assert took < group_timeout / 3, f"the failed sync took {took:.1f}s: the worker waited for the missing tensors"
+        names = [m.name for m in src.metadata]
+        assert worker.model.loaded == names, worker.model.loaded  # every declared tensor arrived
+        for n in names[2:]:
+            assert torch.count_nonzero(worker.model.held[n]) == 0, n  # the completed turn: zeros
+        assert worker.versions == ["1", None]  # finished, nothing committed
+        src.fail_after = None
+        worker.expect(src.metadata)
+        ws.sync(3)
+        assert worker.versions == ["1", None, "3"]
+        for n, t in ModuleSource(model).iter_full():
+            assert torch.equal(worker.model.held[n], t), n
+    finally:
+        ws.shutdown()
+        worker.engine.shutdown()

@@ -58,6 +58,8 @@ __all__ = [
     "finishable_pass",
     "start_round",
     "verify_round",
+    "blocking_turns",
+    "BLOCKING_TURN_BACKENDS",
 ]
 
 #: init info flag: the engine sends sparse patches (delta rounds).
@@ -75,6 +77,10 @@ SPARSE_BACKENDS = frozenset({"sparse_nccl"})
 #: and whose sender lets a failure propagate out of ``send_weights``. vLLM's IPC engine is not one:
 #: its ranks meet in per-chunk handle all-gathers and barriers.
 FINISHABLE_PASS_BACKENDS = frozenset({"nccl"})
+#: vLLM's backends whose workers wait inside a device collective for every tensor the update info
+#: declared (NCCL has no timeout): a broadcaster that stops early leaves them blocked for good, so its
+#: turn is completed with zeros (``dense_pass``). IPC is not one: its worker only opens handles.
+BLOCKING_TURN_BACKENDS = frozenset({"nccl"})
 #: vLLM's backends whose worker engine declares ``supports_draft_weight_update = False`` (vLLM 0.33
 #: and 0.34: ``nccl_m2n``, ``sharded_rdt``; 0.34: ``sparse_nccl``).
 DRAFTLESS_BACKENDS = frozenset({"sparse_nccl", "nccl_m2n", "sharded_rdt"})
@@ -143,6 +149,12 @@ def finishable_pass(engine: Any, backend: str) -> bool:
     """Whether a sender of ``engine`` whose consumer failed may finish the source's pass alone: the
     engine's ``weightsync_finishable_pass`` if it has one, else ``backend in FINISHABLE_PASS_BACKENDS``."""
     return bool(getattr(engine, FINISHABLE_PASS, backend in FINISHABLE_PASS_BACKENDS))
+
+
+def blocking_turns(backend: str) -> bool:
+    """Whether a broadcaster of ``backend`` must always send every tensor it declared
+    (``BLOCKING_TURN_BACKENDS``)."""
+    return backend in BLOCKING_TURN_BACKENDS
 
 
 def start_round(engine: Any) -> None:

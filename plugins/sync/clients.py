@@ -10,6 +10,7 @@ unchanged, so an engine sees the user's client's other methods (``full_checksums
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient, WeightTransferUpdatePayload
@@ -31,6 +32,8 @@ class CommittingClient:
         self.committed: str | None = None
         #: many senders: the sync's sender board; a failure posted there withholds the version
         self.turns: Board | None = None
+        #: this rank's own broadcaster failed and completed its turn with zeros (``dense_pass``)
+        self.sender_failed: Callable[[], bool] = lambda: False
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.client.init_weight_transfer_engine(init_info)
@@ -43,7 +46,7 @@ class CommittingClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         version = weight_version if weight_version is not None else self.version
-        if self.turns is not None and self.turns.failure() is not None:
+        if self.sender_failed() or (self.turns is not None and self.turns.failure() is not None):
             version = None  # a sender completed its turn with zeros: finish, commit nothing
         self.client.finish_weight_update(version)
         self.committed = version

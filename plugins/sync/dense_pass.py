@@ -7,15 +7,17 @@ blocked in the source's gathers complete them and reach the outcome exchange ins
 the process-group timeout. ``TrackedSource`` is what the engine iterates: the source unchanged, but
 remembering the pass in flight so that it can be finished.
 
-**Many senders** (a source with ``senders="owners"``, vLLM 0.34's NCCL engine: each tensor is
-broadcast by its first owner, each broadcaster on its own turn while the others wait in that
-turn's broadcasts). A broadcaster whose source fails mid-turn cannot just stop: every other member
-of the transfer group would wait in its next broadcast forever (NCCL has no timeout). So it posts the
-failure on the sync's sender board, completes its turn with zeros of the declared shapes
-(the engine's own ``_checked_iter`` still checks them), and raises after ``send_weights`` returns;
-rank 0, seeing the posted failure, finishes the update without committing the new
-``weight_version``; then the send outcome is agreed and every rank raises. The workers hold zeros
-where the failed turn's tensors should be until the next sync, which sends every tensor again.
+**A broadcaster completes its turn** (vLLM's dense NCCL engine, ``capabilities.blocking_turns``:
+one sender, or many with ``senders="owners"`` in vLLM 0.34, each tensor broadcast by its first
+owner, each broadcaster on its own turn while the others wait in that turn's broadcasts). A
+broadcaster whose source fails mid-turn cannot just stop: the workers (and, with many senders, every
+other member of the transfer group) would wait in the next broadcast forever (NCCL has no timeout).
+So it completes its turn with zeros of the declared shapes (the engine's own ``_checked_iter`` still
+checks them), posts the failure on the sync's sender board when there is one, and raises after
+``send_weights`` returns; rank 0, seeing the failure (its own, or one posted), finishes the update
+without committing the new ``weight_version``; then the send outcome is agreed and every rank
+raises. The workers hold zeros where the failed turn's tensors should be until the next sync, which
+sends every tensor again.
 The cross-rank metadata agreement runs when ``WeightSync`` is built (``CheckedSource``), since no
 exchange can run inside a pass.
 
@@ -67,6 +69,11 @@ class TrackedSource(WeightSource):
         self.passes = 0
         #: many senders (``senders="owners"``): the sync's sender board, set per sync by the driver
         self.turns: Board | None = None
+        #: this rank broadcasts over an engine whose workers block in every declared tensor
+        #: (``capabilities.blocking_turns``): its pass always yields them all; set by ``DensePass``
+        self.completes_turn = False
+        #: this rank's rank (``init_info.rank``), for the failure's log line and board post
+        self.rank = 0
         #: what this broadcaster's source raised in its turn (the turn was completed with zeros)
         self.failure: BaseException | None = None
 
@@ -86,14 +93,14 @@ class TrackedSource(WeightSource):
     def iter_full(self) -> Iterator[Any]:
         self.passes += 1
         self.live = iter(self.source.iter_full())
-        if self.turns is not None and self.turns.rank in broadcast_ranks(self.metadata):
+        if self.completes_turn:
             return self._complete_turn(self.live)
         return self.live
 
     def _complete_turn(self, pairs: Iterator[Any]) -> Iterator[Any]:
         """A broadcaster's pass that always yields every tensor it declared (module docstring):
         after a failure, zeros of the declared shapes and dtypes, on the device of what it yielded."""
-        rank = self.turns.rank  # type: ignore[union-attr]
+        rank = self.rank
         mine = [m for m in self.metadata if m.owners is None or rank in m.owners]
         n = 0
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -106,7 +113,8 @@ class TrackedSource(WeightSource):
             raise
         except BaseException as e:  # noqa: BLE001 - re-raised by the driver after the turn
             self.failure = e
-            self.turns.fail(f"rank {rank}: {type(e).__name__}: {e}")  # type: ignore[union-attr]
+            if self.turns is not None:
+                self.turns.fail(f"rank {rank}: {type(e).__name__}: {e}")
             logger.error("rank %d: source failed after %d of %d tensors (%s); completing the turn with "
                          "zeros so the transfer group does not hang", rank, n, len(mine), e)
             for m in mine[n:]:
@@ -164,6 +172,10 @@ class DensePass:
         turns = Board(f"{board.tag}/senders") if board is not None and self.many_senders else None
         self._turns = self.tracked.turns = self.client.turns = turns
         self.tracked.failure = None
+        self.tracked.rank = self.rank
+        self.tracked.completes_turn = (capabilities.blocking_turns(self.backend)
+                                       and self.rank in broadcast_ranks(self.tracked.metadata))
+        self.client.sender_failed = lambda: self.tracked.failure is not None
 
     def send(self, engine: TrainerWeightTransferEngine, board: Board | None, version: str) -> None:
         """The engine's pass, then the draft's; raises this rank's failure, or a broadcaster's that
@@ -207,11 +219,15 @@ class DensePass:
         """The draft round (module docstring): the engine's source and client swapped for the
         round, restored after it whatever happens. Every rank runs it (the draft source's gathers)."""
         assert self.draft is not None
-        saved = engine.source, engine.client
+        saved = engine.source, engine.client, self.client.sender_failed
         draft = TrackedSource(self.draft)
+        draft.rank, draft.completes_turn = self.rank, self.tracked.completes_turn
+        self.client.sender_failed = lambda: draft.failure is not None  # the draft's turn withholds too
         engine.source, engine.client = draft, DraftClient(self.client)
         try:
             engine.send_weights()
+            if draft.failure is not None:  # completed with zeros: raised once the workers are free
+                raise draft.failure
         except BaseException as e:
             # peers may be blocked in the draft's gathers: finish its pass here, as for the policy's
             if capabilities.finishable_pass(engine, self.backend) and multi_rank():
@@ -222,7 +238,7 @@ class DensePass:
                                  describe(e), describe(e2))
             raise
         finally:
-            engine.source, engine.client = saved
+            engine.source, engine.client, self.client.sender_failed = saved
 
 
 def check_draft(draft: Any, source: Any, init_info: TrainerInitInfo, client: Any, delta: bool) -> None:

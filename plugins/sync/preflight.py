@@ -37,7 +37,10 @@ import torch.distributed as dist
 from weightsync.sources import PreflightError, SilentTransportError
 from weightsync.sources.toolkit import DEFAULT_TIMEOUT_S, broadcast_ranks, control_group, get_logger, multi_rank
 
-__all__ = ["PreflightError", "PreflightReport", "check_engine", "check_weights_changed", "pynccl_disabled_cause"]
+__all__ = [
+    "PreflightError", "PreflightReport", "check_engine", "check_weights_changed", "nccl_library_report",
+    "pynccl_disabled_cause",
+]
 
 logger = get_logger(__name__)
 
@@ -170,11 +173,7 @@ def _nccl_cause(comm: Any) -> str:
     if os.environ.get("VLLM_DISABLE_PYNCCL", "0") not in ("", "0", "false", "False"):
         return "VLLM_DISABLE_PYNCCL is set in the trainer's environment"
     if getattr(comm, "nccl", None) is None:
-        return (
-            "vLLM could not load the NCCL library -- it is missing, or too old for the symbols "
-            "vLLM 0.33 binds (e.g. ncclCommSuspend, absent in NCCL 2.28.9); install the NCCL "
-            "vLLM was built against or point VLLM_NCCL_SO_PATH at it"
-        )
+        return f"vLLM could not load the NCCL library: {nccl_library_report()}"
     version = getattr(comm, "nccl_version", None)
     return f"the communicator was destroyed or shut down (NCCL raw version {version})"
 
@@ -184,11 +183,57 @@ def pynccl_disabled_cause() -> str:
     ``trainer_init``'s error (vLLM 0.34 raises there; 0.33 went on and ``check_engine`` catches it)."""
     if os.environ.get("VLLM_DISABLE_PYNCCL", "0") not in ("", "0", "false", "False"):
         return "vLLM disabled its NCCL communicator because VLLM_DISABLE_PYNCCL is set in the trainer's environment"
-    return (
-        "vLLM disabled its NCCL communicator: it could not load the NCCL library (missing, or older "
-        "than the symbols vLLM binds, e.g. ncclCommSuspend, absent in NCCL 2.28.9) -- install the NCCL "
-        "vLLM was built against or point VLLM_NCCL_SO_PATH at it"
-    )
+    return f"vLLM disabled its NCCL communicator: it could not load the NCCL library: {nccl_library_report()}"
+
+
+def nccl_library_report() -> str:
+    """Which NCCL library vLLM loads (``VLLM_NCCL_SO_PATH`` or the soname), the file and version that
+    name resolves to in this process, and which of the symbols vLLM's wrapper binds it lacks -- the
+    reason vLLM's ``PyNcclCommunicator`` disables itself (e.g. NCCL 2.28.9 has no ``ncclCommSuspend``)."""
+    import ctypes
+
+    try:
+        from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
+        from vllm.utils.nccl import find_nccl_library
+
+        name = find_nccl_library()
+        wanted = [f.name for f in NCCLLibrary.exported_functions]
+    except Exception as e:  # noqa: BLE001 - this report must never raise
+        return f"(vLLM's NCCL wrapper is not importable here: {type(e).__name__}: {e})"
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError as e:
+        return f"{name!r} does not load here ({e}); install NCCL or point VLLM_NCCL_SO_PATH at it"
+    version = "?"
+    try:
+        v = ctypes.c_int()
+        if lib.ncclGetVersion(ctypes.byref(v)) == 0:
+            version = f"{v.value // 10000}.{v.value // 100 % 100}.{v.value % 100}"
+    except AttributeError:
+        pass
+    missing = [n for n in wanted if not hasattr(lib, n)]
+    where = f"{name!r} ({_loaded_path(lib) or 'path unknown'}, NCCL {version})"
+    if not missing:
+        return f"{where} has every symbol vLLM binds"
+    return (f"{where} lacks {', '.join(missing)}, which vLLM's NCCL wrapper binds; install the NCCL vLLM "
+            "was built against or point VLLM_NCCL_SO_PATH at one that has them")
+
+
+def _loaded_path(lib: Any) -> str | None:
+    """The file a ``ctypes.CDLL`` handle was loaded from (glibc's ``dlinfo(RTLD_DI_LINKMAP)``)."""
+    import ctypes
+
+    class _LinkMap(ctypes.Structure):
+        _fields_ = [("l_addr", ctypes.c_void_p), ("l_name", ctypes.c_char_p)]
+
+    try:
+        dlinfo = ctypes.CDLL(None).dlinfo
+        lm = ctypes.POINTER(_LinkMap)()
+        if dlinfo(ctypes.c_void_p(lib._handle), 2, ctypes.byref(lm)) != 0:  # 2: RTLD_DI_LINKMAP
+            return None
+        return lm.contents.l_name.decode() or None
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def _check_ipc(engine: Any, report: PreflightReport, rank: int) -> None:
