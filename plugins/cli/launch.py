@@ -9,6 +9,13 @@ Invariant: Ctrl-C leaves nothing behind. SIGINT / SIGTERM unwind every process t
 ``finally`` blocks (``interrupts_as_keyboard_interrupt``: receivers and servers are stopped, rank 0
 writes the verdict with the syncs done); whatever has not ended within ``STOP_GRACE_S`` -- torchrun,
 each rank's process group, any helper's group -- is killed, and the launcher exits 130 with one line.
+
+Invariant: a dead or stopped rank is a failure, and nothing weightsync started outlives the job. A
+rank killed by a signal reaches the launcher as a record (``torchrun``: torch's torchrun with its
+``ChildFailedError`` written down) and is said in one line naming the rank and the signal, exit 1;
+a rank stopped (SIGSTOP) while its peers gave up is found by the launcher's watch (``_watch``), exit
+1. Either way the launcher stops every process group the launch ever held (``tree.ProcessTree``:
+ranks, the demo's vLLM server, receivers, orphans re-parented to the launcher).
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ import sys
 import tempfile
 import time
 from typing import Sequence
+
+from .torchrun import FAILURE_ENV
+from .tree import ProcessTree, descendants
 
 __all__ = [
     "EXIT_OK", "EXIT_FAIL", "EXIT_USAGE", "EXIT_INTERRUPTED", "STOP_GRACE_S", "ARGV_ENV", "under_torchrun", "launch",
@@ -55,30 +65,43 @@ def launch(nproc: int, argv: Sequence[str], command: str) -> int:
     this process only; it forwards SIGINT to every rank (each unwinds: stops its receiver or vLLM
     server, rank 0 writes the verdict with the syncs done), waits up to ``STOP_GRACE_S`` for torchrun
     to end (a second Ctrl-C cuts the wait), then kills whatever of the tree is left (torchrun, each
-    rank's process group, any helper's group) and prints one line. Exit 130."""
+    rank's process group, any helper's group) and prints one line. Exit 130.
+
+    A rank that dies (a signal, or an exit code other than 0) is a failure, never an interruption:
+    torchrun stops the other ranks (SIGTERM: they unwind as for Ctrl-C), the launcher stops what is
+    left of the tree (``tree.ProcessTree``: helpers orphaned by the dead rank included) and prints one
+    line naming the rank and its signal. Exit 1. A rank that is stopped (SIGSTOP) while its peers
+    gave up (they raise once the process group's timeout passes, ``common.init_cpu_process_group``)
+    ends the job the same way: ``_watch`` notices it and the launcher kills the tree. Exit 1."""
     with tempfile.TemporaryDirectory(prefix="weightsync-") as tmp:
         result = os.path.join(tmp, "result.json")
+        failure_file = os.path.join(tmp, "rank-failure.json")
         # The ranks get their arguments through the environment: torchrun's own parser would
         # otherwise read options such as --nproc as abbreviations of its own.
-        env = dict(os.environ, **{_RESULT_ENV: result, ARGV_ENV: json.dumps(list(argv))})
+        env = dict(os.environ, **{_RESULT_ENV: result, ARGV_ENV: json.dumps(list(argv)), FAILURE_ENV: failure_file})
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"  # each rank's lines as they happen, in order with the launcher's
         env[_T0_ENV] = repr(time.time())
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            sys.executable, "-m", "weightsync.plugins.cli.torchrun", "--standalone",
             "--log-dir", os.path.join(tmp, "torchrun"),  # else torchrun leaves a torchelastic_* folder in /tmp
             "--nproc-per-node", str(nproc), "-m", "weightsync.plugins.cli",
         ]
         print(f"weightsync {command}: starting {nproc} ranks (torchrun) ...", file=sys.stderr, flush=True)
         interrupted = False
-        with interrupts_as_keyboard_interrupt():
-            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-            try:
-                _wait_for_ranks(proc, os.path.join(tmp, _UP_FILE), command)
-                proc.wait()
-            except KeyboardInterrupt:
-                interrupted = True
-                _stop_tree(proc, nproc)
+        stuck: str | None = None
+        tree = ProcessTree()
+        try:
+            with interrupts_as_keyboard_interrupt():
+                proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+                tree.watch(proc)
+                try:
+                    stuck = _watch(proc, tree, os.path.join(tmp, _UP_FILE), result, command)
+                except KeyboardInterrupt:
+                    interrupted = True
+                    _stop_tree(proc, tree, nproc)
+        finally:
+            tree.stop(grace_s=0.0 if interrupted else 5.0 if stuck else STOP_GRACE_S)
         verdict = None
         if os.path.exists(result):
             with open(result) as f:
@@ -87,6 +110,18 @@ def launch(nproc: int, argv: Sequence[str], command: str) -> int:
             line = (verdict or {}).get("interrupted") or f"weightsync {command}: interrupted"
             print(line, file=sys.stderr, flush=True)
             return EXIT_INTERRUPTED
+        dead = None
+        if os.path.exists(failure_file):
+            with open(failure_file) as f:
+                dead = json.load(f)
+        if dead is not None:
+            how = f"was killed by {dead['signal']}" if dead.get("signal") else f"exited with code {dead['exitcode']}"
+            print(f"weightsync {command}: FAIL: rank {dead['rank']} (pid {dead['pid']}) {how}; the other ranks "
+                  "and everything weightsync started were stopped", file=sys.stderr, flush=True)
+            return EXIT_FAIL
+        if stuck is not None:
+            print(f"weightsync {command}: FAIL: {stuck}", file=sys.stderr, flush=True)
+            return EXIT_FAIL
         if verdict is None:
             print(
                 f"weightsync: the {nproc} ranks ended without a verdict (torchrun exit code "
@@ -94,20 +129,56 @@ def launch(nproc: int, argv: Sequence[str], command: str) -> int:
                 file=sys.stderr,
             )
             return EXIT_FAIL
+        if verdict.get("interrupted"):
+            # the ranks unwound on a signal the launcher never sent (a rank signalled by hand, a
+            # scheduler): not the user's Ctrl-C here, so a failure of the job
+            print(f"weightsync {command}: FAIL: a signal reached the ranks, not from this launcher "
+                  f"({verdict['interrupted']})", file=sys.stderr, flush=True)
+            return EXIT_FAIL
         return int(verdict["exit"])
 
 
-def _wait_for_ranks(proc: subprocess.Popen, up_file: str, command: str, every_s: float = 5.0) -> None:
-    """Until rank 0 says the ranks are up (``up_file``) or torchrun ends: a line every ``every_s``
-    saying what is awaited and for how long (each rank imports torch, then they rendezvous)."""
+#: Once a rank ended or rank 0 wrote the verdict, how long the other ranks get to end before the
+#: launcher ends the job itself (torchrun stops the rest of a failed job within its own 30 s).
+ENDING_GRACE_S = 45.0
+
+
+def _watch(proc: subprocess.Popen, tree: ProcessTree, up_file: str, result: str, command: str,
+           every_s: float = 5.0) -> str | None:
+    """Until torchrun ends: record the tree (``tree.snapshot``); until rank 0 says the ranks are up
+    (``up_file``), a line every ``every_s`` saying what is awaited and for how long (each rank
+    imports torch, then they rendezvous). Once a rank ended or the verdict is written, the rest must
+    follow: a rank that is stopped (SIGSTOP) never will, nor do ranks still running after
+    ``ENDING_GRACE_S``. Returns None when torchrun ended by itself, else what held the job (the
+    caller kills the tree)."""
     t0 = time.monotonic()
     next_note = t0 + every_s
-    while proc.poll() is None and not os.path.exists(up_file):
-        if time.monotonic() >= next_note:
-            print(f"  ... waiting for the ranks to start (imports, rendezvous): {time.monotonic() - t0:.0f} s",
-                  file=sys.stderr, flush=True)
-            next_note += every_s
-        time.sleep(0.1)
+    up = False
+    ending_since: float | None = None
+    while proc.poll() is None:
+        tree.snapshot()
+        if not up:
+            up = os.path.exists(up_file)
+            if not up and time.monotonic() >= next_note:
+                print(f"  ... waiting for the ranks to start (imports, rendezvous): {time.monotonic() - t0:.0f} s",
+                      file=sys.stderr, flush=True)
+                next_note += every_s
+        if ending_since is None and (os.path.exists(result) or tree.gone()):
+            ending_since = time.monotonic()
+        if ending_since is not None:
+            stopped = tree.stopped()
+            waited = time.monotonic() - ending_since
+            if stopped and waited > 1.0:
+                gone = tree.gone()
+                held = "; ".join(f"rank {r} (pid {pid}) is stopped (SIGSTOP)" for r, pid in stopped)
+                peers = f" while rank(s) {gone} gave up waiting for it" if gone else ""
+                return f"{held}{peers}; every rank and everything weightsync started were killed"
+            if waited > ENDING_GRACE_S:
+                return (f"rank(s) {sorted(set(tree.ranks.values()) - set(tree.gone()))} still running "
+                        f"{ENDING_GRACE_S:.0f} s after the others ended; every rank and everything weightsync "
+                        "started were killed")
+        time.sleep(0.2)
+    return None
 
 
 def ranks_up(what: str) -> None:
@@ -172,63 +243,20 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (from /proc; empty where there is none)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), ()):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
-
-
-def _stop_tree(proc: subprocess.Popen, nproc: int) -> None:
-    """Ctrl-C in the launcher: SIGINT to each rank, a bounded wait, then SIGKILL to what is left."""
-    tree = descendants(proc.pid)
-    groups = {g for g in (_pgid(p) for p in tree) if g is not None and g != os.getpgrp()}
-    ranks = [p for p in tree if p in groups]  # torchrun starts each rank as its own group leader
+def _stop_tree(proc: subprocess.Popen, tree: ProcessTree, nproc: int) -> None:
+    """Ctrl-C in the launcher: SIGINT to each rank, a bounded wait (a second Ctrl-C cuts it); what is
+    left is killed by the caller's ``tree.stop``."""
+    tree.snapshot()
     print(f"weightsync: Ctrl-C: stopping the {nproc} ranks (up to {STOP_GRACE_S:.0f} s; Ctrl-C again to kill now)",
           file=sys.stderr, flush=True)
-    for pid in ranks:
-        try:
-            os.kill(pid, signal.SIGINT)
-        except ProcessLookupError:
-            pass
+    tree.signal_ranks(signal.SIGINT)
     deadline = time.monotonic() + STOP_GRACE_S
     try:
         while proc.poll() is None and time.monotonic() < deadline:
+            tree.snapshot()
             time.sleep(0.1)
     except KeyboardInterrupt:
         pass
-    # whatever is left: torchrun first (so it restarts nothing), then every group of the tree,
-    # including helpers (a vLLM server) that started after the snapshot or were orphaned
-    tree = set(tree) | set(descendants(proc.pid))
-    groups |= {g for g in (_pgid(p) for p in tree) if g is not None and g != os.getpgrp()}
-    if proc.poll() is None:
-        proc.kill()
-    for g in groups:
-        try:
-            os.killpg(g, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    proc.wait()
 
 
 def finish(code: int, interrupted: str | None = None) -> int:
