@@ -115,15 +115,16 @@ def _mode(device: torch.device, src: torch.dtype, wire: torch.dtype) -> int:
 def _fused_kernel(base_ptr, snap_ptr, val_ptr, pos_ptr, state_ptr, ticket_ptr, nan_ptr, blk_piece_ptr,
                   blk_start_ptr, poff_ptr, plen_ptr, pflat_ptr, capacity, nan_pos, nan_neg,
                   BLOCK: tl.constexpr, LOOK: tl.constexpr, WIRE: tl.constexpr, INT: tl.constexpr,
-                  MODE: tl.constexpr, BF16_IN: tl.constexpr, ABS: tl.constexpr, INF: tl.constexpr):
+                  MODE: tl.constexpr, BF16_IN: tl.constexpr, ABS: tl.constexpr, INF: tl.constexpr,
+                  ALIGN: tl.constexpr):
     # the ticket, not program_id: every program with a smaller ticket has started (forward progress)
     b = tl.atomic_add(ticket_ptr, 1).to(tl.int64)
     p = tl.load(blk_piece_ptr + b)
     s0 = tl.load(blk_start_ptr + b)
-    off = tl.load(poff_ptr + p)
+    off = tl.multiple_of(tl.load(poff_ptr + p), ALIGN)  # ALIGN divides every offset (host-checked):
     n = tl.load(plen_ptr + p)
-    f = tl.load(pflat_ptr + p)
-    idx = s0 + tl.arange(0, BLOCK).to(tl.int64)
+    f = tl.multiple_of(tl.load(pflat_ptr + p), ALIGN)  # lets the loads be vectorized
+    idx = tl.multiple_of(s0, BLOCK) + tl.arange(0, BLOCK).to(tl.int64)
     m = idx < n
     x = tl.load(base_ptr + off + idx, mask=m, other=0.0)
     w = _wire_bits(x, nan_pos, nan_neg, WIRE, INT, MODE, BF16_IN)
@@ -163,9 +164,9 @@ def eligible(pieces: list[torch.Tensor], snap: torch.Tensor, wire: torch.dtype) 
     (fp32 / bf16 / fp16) into a 2- or 4-byte floating wire dtype, a contiguous snapshot, one device."""
     if not pieces or wire not in _TL or wire.itemsize not in (2, 4) or snap.dtype != wire or not snap.is_contiguous():
         return False
-    d0, dev = pieces[0].dtype, pieces[0].device
-    return (d0 in _TL and snap.device == dev
-            and all(t.dtype == d0 and t.device == dev and t.is_contiguous() for t in pieces))
+    d0, dev, p0, esz = pieces[0].dtype, pieces[0].device, pieces[0].data_ptr(), pieces[0].element_size()
+    return (d0 in _TL and snap.device == dev and all(
+        t.dtype == d0 and t.device == dev and t.is_contiguous() and (t.data_ptr() - p0) % esz == 0 for t in pieces))
 
 
 class Layout:
@@ -189,17 +190,29 @@ class Layout:
         self.ends = torch.tensor(nblk, dtype=torch.int64).cumsum(0).to(device)
         self.npieces = len(sizes)
         self.elements = int(sum(sizes))
-        self._offsets: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._flat_align = _align(flat.tolist())
+        self._offsets: tuple[tuple[int, ...], torch.Tensor, int] | None = None
 
-    def offsets(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        """Each piece's element offset from the first piece's pointer (kept while the pointers are)."""
+    def offsets(self, pieces: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """Each piece's element offset from the first piece's pointer, and the largest power of two
+        (<= 8) dividing every such offset and every flat start (kept while the pointers are)."""
         ptrs = tuple(t.data_ptr() for t in pieces)
         if self._offsets is None or self._offsets[0] != ptrs:
             esz = pieces[0].element_size()
             offs = array("q", ((q - ptrs[0]) // esz for q in ptrs))
             dev = self.plen.device
-            self._offsets = (ptrs, torch.frombuffer(offs, dtype=torch.int64).to(dev))
-        return self._offsets[1]
+            self._offsets = (ptrs, torch.frombuffer(offs, dtype=torch.int64).to(dev),
+                             min(self._flat_align, _align(list(offs))))
+        return self._offsets[1], self._offsets[2]
+
+
+def _align(values: list[int]) -> int:
+    """The largest power of two up to 8 dividing every value."""
+    a = 8
+    for v in values:
+        while v % a:
+            a //= 2
+    return a
 
 
 class Result:
@@ -236,7 +249,7 @@ def diff(pieces: list[torch.Tensor], snap: torch.Tensor, wire: torch.dtype, layo
     per launch: the per-piece counts and NaN flags, read together."""
     dev = snap.device
     base = pieces[0]
-    poff = layout.offsets(pieces)
+    poff, align = layout.offsets(pieces)
     idt = {2: torch.int16, 4: torch.int32}[wire.itemsize]
     mode = _mode(dev, base.dtype, wire)
     nan_pos, nan_neg = _nan_bits(dev, base.dtype, wire) if mode == 1 else (0, 0)
@@ -259,7 +272,8 @@ def diff(pieces: list[torch.Tensor], snap: torch.Tensor, wire: torch.dtype, layo
             _fused_kernel[(nblk,)](base, snap_bits, vals.view(idt), pos, state, state[nblk + 1:], nan_flags,
                                    layout.piece, layout.start, poff, layout.plen, layout.pflat, cap, nan_pos, nan_neg,
                                    BLOCK=BLOCK, LOOK=LOOK, WIRE=_TL[wire], INT=_INT[wire.itemsize], MODE=mode,
-                                   BF16_IN=base.dtype == torch.bfloat16, ABS=ab, INF=inf, num_warps=8)
+                                   BF16_IN=base.dtype == torch.bfloat16, ABS=ab, INF=inf, ALIGN=align,
+                                   num_warps=8)
         launches += 1
         ends = state[:nblk + 1].index_select(0, layout.ends) & VALUE
         info = torch.cat([ends, nan_flags.to(torch.int64)]).tolist()  # the launch's one host sync
