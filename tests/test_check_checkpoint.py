@@ -125,6 +125,15 @@ def test_other_weights_pass_and_differing_bytes_are_listed(folders, capsys):
     assert all(int(a) == int(b) == ours[n].numel() for n, a, b in listed)
 
 
+def test_a_wire_dtype_the_folder_was_not_saved_in_gets_a_hint(folders):
+    """Issue 56: ``--dtype bfloat16`` against an fp32 folder lists every floating tensor as a dtype
+    difference and no byte can compare equal; the report says why, in the flags the user typed."""
+    r = run_cli("check", "--checkpoint", folders["seed3"], "--dtype", "bfloat16")
+    out = r.stdout
+    assert r.returncode == 1, (out, r.stderr[-3000:])
+    assert "hint: the folder holds float32 tensors and --dtype bfloat16 sends bfloat16: drop --dtype" in out, out
+
+
 def test_missing_extra_and_dtype_differences_are_listed(folders):
     r = run_cli("check", "--checkpoint", folders["edited"])
     out = r.stdout
@@ -142,11 +151,49 @@ def test_missing_extra_and_dtype_differences_are_listed(folders):
     [
         (["check", "--checkpoint", "/no/such/folder"], "--checkpoint /no/such/folder: no such folder"),
         (["check", "--checkpoint", "NOCONFIG"], "no config.json in it; pass --model or --config"),
+        # issue 56: a file named instead of its folder; a folder holding no checkpoint, refused at
+        # once (it took 10.9 s of building a model to say so)
+        (["check", "--checkpoint", "FILE"], "is a file: pass the folder that holds it (--checkpoint SEED3)"),
+        (["check", "--checkpoint", "DOCS", "--model", "tiny-qwen3"], "no *.safetensors file in the folder"),
     ],
 )
 def test_checkpoint_usage_errors_exit_2(folders, args, words):
-    args = [folders["no-config"] if a == "NOCONFIG" else a for a in args]
+    from pathlib import Path
+
+    docs = str(Path(__file__).resolve().parents[1] / "docs")
+    names = {"NOCONFIG": folders["no-config"], "FILE": os.path.join(folders["seed3"], "model.safetensors"),
+             "DOCS": docs}
+    args = [names.get(a, a) for a in args]
+    words = words.replace("SEED3", folders["seed3"])
     r = _run(*args, timeout=120)
     assert r.returncode == 2, (r.stdout, r.stderr)
     err = [line for line in r.stderr.splitlines() if line.startswith("weightsync")]
     assert len(err) == 1 and words in err[0], r.stderr
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_check_mtp_load_has_no_transformers_load_report(tmp_path, capfd, mtp):
+    """Issue 56: ``check --mtp`` loads a folder holding MTP layers, which transformers drops (no
+    transformers model holds them) and reports in a LOAD REPORT of UNEXPECTED rows that reads as an
+    error. Where weightsync expects that drop (``--mtp``) the report is not shown; elsewhere it is."""
+    import argparse
+
+    from safetensors.torch import load_file, save_file
+
+    from weightsync.plugins.cli.check import trainer_model
+    from weightsync.plugins.testbed.presets import build_model, load_config
+
+    config = load_config("tiny-deepseek-v3")
+    build_model(config, seed=0).save_pretrained(str(tmp_path))
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(str(file))
+    n = config.num_hidden_layers
+    tensors[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(config.hidden_size, 2 * config.hidden_size)
+    tensors[f"model.layers.{n}.enorm.weight"] = torch.ones(config.hidden_size)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    capfd.readouterr()
+    args = argparse.Namespace(checkpoint=str(tmp_path), quantize=None, names_only=False, mtp=mtp,
+                              config=str(tmp_path), model=None)
+    trainer_model(args, config)
+    err = capfd.readouterr().err
+    assert ("LOAD REPORT" in err) is not mtp, err[-2000:]

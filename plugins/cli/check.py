@@ -44,17 +44,23 @@ name: checkpoint tensors the source does not send and sent names the checkpoint 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from weightsync.sources.toolkit import get_logger
+
 from ..testbed.presets import build_model, load_config
 from .build import build_source
 from .common import format_bytes, layout_label
 from .oracle import checkpoint_index, fold_experts, quantized_index, unfold_experts
+
+log = get_logger("weightsync.cli.check")
 
 __all__ = ["run_check", "trainer_model", "FolderLoadError"]
 
@@ -93,12 +99,35 @@ def trainer_model(args: argparse.Namespace, config: Any) -> torch.nn.Module:
     try:
         # What fits (by name and shape) is loaded; what does not stays as built and the comparison
         # lists it (a tensor missing from the folder, one the model lacks, another shape or dtype).
-        return AutoModelForCausalLM.from_pretrained(
-            path, config=config, dtype=_folder_dtype(path), attn_implementation="eager",
-            ignore_mismatched_sizes=True,
-        )
+        with _expected_mtp_drop(getattr(args, "mtp", False)):
+            return AutoModelForCausalLM.from_pretrained(
+                path, config=config, dtype=_folder_dtype(path), attn_implementation="eager",
+                ignore_mismatched_sizes=True,
+            )
     except Exception as e:  # noqa: BLE001 - a usage error naming the folder and the config
         raise FolderLoadError(f"{what}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}") from e
+
+
+@contextlib.contextmanager
+def _expected_mtp_drop(mtp: bool) -> Iterator[None]:
+    """``check --mtp``: no transformers model holds MTP layers, so ``from_pretrained`` of a folder
+    with them reports every MTP tensor as UNEXPECTED in a table (the "LOAD REPORT", with raw ANSI
+    codes) that reads as an error while it is what weightsync expects. Silence transformers' loading
+    warnings for that load only; check compares the folder's MTP tensors itself (its "MTP (draft)"
+    line), and any other mismatch is still listed among its differences."""
+    if not mtp:
+        yield
+        return
+    import logging
+
+    loader = logging.getLogger("transformers")  # the load report and the TP-plan notes of the same load
+    level = loader.level
+    loader.setLevel(logging.ERROR)
+    log.info("check --mtp: transformers drops the folder's MTP tensors on load (expected); its load report is not shown")
+    try:
+        yield
+    finally:
+        loader.setLevel(level)
 
 
 class FolderLoadError(RuntimeError):
@@ -271,6 +300,9 @@ def _report(
             print(f"  first differences ({len(diffs)} in all, metadata order):")
             for item in diffs[:10]:
                 print(f"    {item}")
+            hint = _wire_dtype_hint(dtype, meta, oracle)
+            if hint:
+                print(f"  hint: {hint}")
             failures.append(f"{len(diffs)} difference(s) from checkpoint {checkpoint}, the first listed above")
     else:
         for label, items in (("shape", shape_diff), ("dtype", dtype_diff)):
@@ -285,6 +317,21 @@ def _report(
     ok = not (failures or not_sent or not_in_ckpt or shape_diff or dtype_diff or differ) and bool(meta)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
+
+
+def _wire_dtype_hint(dtype: torch.dtype | None, meta: list[Any], oracle: dict[str, tuple[Any, Any]]) -> str:
+    """``--dtype X`` against a folder saved in another dtype: every floating tensor differs in dtype
+    and no byte can compare equal. Say so, in the flags the user typed, instead of leaving a list of
+    dtype differences (empty when ``--dtype`` was not given or the dtypes agree)."""
+    if dtype is None:
+        return ""
+    folder = Counter(oracle[m.name][0] for m in meta if m.name in oracle and m.dtype == dtype and oracle[m.name][0] != dtype)
+    if not folder:
+        return ""
+    saved = str(folder.most_common(1)[0][0]).removeprefix("torch.")
+    wire = str(dtype).removeprefix("torch.")
+    return (f"the folder holds {saved} tensors and --dtype {wire} sends {wire}: drop --dtype (check then sends the "
+            f"folder's dtype, {saved}) to compare the folder as saved, or export it with --dtype {wire}")
 
 
 def _print_sent(meta: list[Any], world: int, show: int) -> int:

@@ -69,6 +69,10 @@ def validate_args(args: argparse.Namespace) -> Any:
         os.path.isfile(os.path.join(args.checkpoint, "config.json")) or not getattr(args, "quantize_config", None)
     ):
         _fp8_folder(args.checkpoint)
+    if getattr(args, "checkpoint", None) and not any(n.endswith(".safetensors") for n in os.listdir(args.checkpoint)):
+        # answered here, not after the ranks built a model (seconds): nothing in it could be compared
+        raise UserError(f"--checkpoint {args.checkpoint}: no *.safetensors file in the folder (not a checkpoint "
+                        "folder; weightsync export --out DIR or save_pretrained writes one)")
     facts = config_facts(args.model, args.config, hidden=args.hidden, layers=args.layers)
     if getattr(args, "dtype", None) and args.dtype not in TORCH_DTYPES:
         raise UserError(f"--dtype {args.dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
@@ -106,15 +110,20 @@ def layout_options(args: argparse.Namespace) -> None:
 
 
 def checkpoint_config(args: argparse.Namespace) -> None:
-    """``check --checkpoint PATH``: PATH must be a folder; without ``--model``/``--config`` the
-    config is PATH/config.json (sets ``args.config``). Raises ``UserError``; idempotent."""
+    """``check --checkpoint PATH``: PATH must be a folder (a file given instead is named as one,
+    with its folder; ``validate_args`` then wants ``*.safetensors`` in it); without ``--model``/``--config`` the config is
+    PATH/config.json (sets ``args.config``). Raises ``UserError``; idempotent."""
     from ..testbed.presets import UserError
 
     path = getattr(args, "checkpoint", None)
     if path is None:
         return
+    if os.path.isfile(path):
+        raise UserError(f"--checkpoint {path} is a file: pass the folder that holds it "
+                        f"(--checkpoint {os.path.dirname(path) or '.'})")
     if not os.path.isdir(path):
         raise UserError(f"--checkpoint {path}: no such folder")
+
     if not args.model and not args.config:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise UserError(
