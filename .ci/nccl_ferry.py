@@ -37,7 +37,7 @@ import tempfile
 import zipfile
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-KIT = os.path.join(ROOT, ".nccl-kit")
+KIT = os.environ.get("WS_NCCL_KIT", os.path.join(ROOT, ".nccl-kit"))
 MANIFEST = "MANIFEST.json"
 #: where the device keeps the parts and the joined library: outside the work tree
 STASH = os.environ.get("WS_NCCL_STASH", "/tmp/ws-nccl")
@@ -72,13 +72,25 @@ def _record_sha256(wheel: str, member: str) -> str:
 
 
 def pack(args: argparse.Namespace) -> int:
-    """Download the wheel, check the library against its RECORD, compress it (xz -9e) and split it."""
+    """Download the wheel, then ``pack_wheel`` it into ``KIT``."""
     tmp = tempfile.mkdtemp(prefix="ws-nccl-pack-")
     try:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                         "--python-version", "3.12", "--platform", "manylinux_2_18_x86_64",
                         "--platform", "manylinux2014_x86_64", "-d", tmp, args.wheel], check=True)
         wheel = next(os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".whl"))
+        pack_wheel(wheel, KIT)
+        return 0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def pack_wheel(wheel: str, kit: str, *, first_mib: float = FIRST_PART_MIB, part_mib: float = PART_MIB,
+               level: str = "-9e") -> dict:
+    """Check the wheel's ``libnccl.so.2`` against its RECORD, compress it (xz), split it into parts under
+    ``kit`` (emptied first) with ``MANIFEST.json``; returns the manifest."""
+    tmp = tempfile.mkdtemp(prefix="ws-nccl-lib-")
+    try:
         member = "nvidia/nccl/lib/" + LIBRARY
         want = _record_sha256(wheel, member)
         with zipfile.ZipFile(wheel) as z:
@@ -88,31 +100,32 @@ def pack(args: argparse.Namespace) -> int:
         if got != want:
             raise SystemExit(f"nccl-ferry: {member} sha256 {got} != RECORD's {want}")
         xz = lib + ".xz"
-        print(f"nccl-ferry: compressing {os.path.getsize(lib) / 2**20:.0f} MiB (xz -9e, a few minutes)", flush=True)
+        print(f"nccl-ferry: compressing {os.path.getsize(lib) / 2**20:.0f} MiB (xz {level}, minutes for NCCL)",
+              flush=True)
         with open(xz, "wb") as out:
-            subprocess.run(["xz", "-9e", f"-T{max(1, os.cpu_count() or 1)}", "-c", lib], stdout=out, check=True)
-        shutil.rmtree(KIT, ignore_errors=True)
-        os.makedirs(KIT)
+            subprocess.run(["xz", level, f"-T{max(1, os.cpu_count() or 1)}", "-c", lib], stdout=out, check=True)
+        shutil.rmtree(kit, ignore_errors=True)
+        os.makedirs(kit)
         parts, size = [], os.path.getsize(xz)
         with open(xz, "rb") as f:
             k = 0
             while True:
-                chunk = f.read((FIRST_PART_MIB if k == 0 else PART_MIB) << 20)
+                chunk = f.read(int((first_mib if k == 0 else part_mib) * 2**20))
                 if not chunk:
                     break
                 k += 1
                 name = f"part-{k}"
-                with open(os.path.join(KIT, name), "wb") as p:
+                with open(os.path.join(kit, name), "wb") as p:
                     p.write(chunk)
                 parts.append({"name": name, "bytes": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()})
         doc = {"wheel": os.path.basename(wheel), "library": LIBRARY, "library_bytes": os.path.getsize(lib),
                "library_sha256": want, "compressed": "xz", "compressed_bytes": size,
                "compressed_sha256": _sha256(xz), "parts": parts}
-        with open(os.path.join(KIT, MANIFEST), "w") as f:
+        with open(os.path.join(kit, MANIFEST), "w") as f:
             json.dump(doc, f, indent=1)
-        print(f"nccl-ferry: {len(parts)} parts in {KIT} ({size / 2**20:.0f} MiB): "
+        print(f"nccl-ferry: {len(parts)} parts in {kit} ({size / 2**20:.0f} MiB): "
               + ", ".join(f"{p['name']} {p['bytes'] / 2**20:.0f} MiB" for p in parts))
-        return 0
+        return doc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -129,8 +142,8 @@ def stash(_args: argparse.Namespace) -> int:
     """Move every carried part whose hash matches the manifest into ``STASH``; say what is still missing."""
     doc = _manifest()
     os.makedirs(STASH, exist_ok=True)
-    shutil.copyfile(os.path.join(KIT, MANIFEST), os.path.join(STASH, MANIFEST)) if os.path.exists(
-        os.path.join(KIT, MANIFEST)) else None
+    if os.path.exists(os.path.join(KIT, MANIFEST)):
+        shutil.copyfile(os.path.join(KIT, MANIFEST), os.path.join(STASH, MANIFEST))
     for p in doc["parts"]:
         here = os.path.join(KIT, p["name"])
         if not os.path.exists(here):

@@ -1,5 +1,6 @@
 """GPU benchmark at real sizes: one export pass of each source over a Qwen3-8B- or Qwen3-30B-A3B-shaped
-model, against vLLM's ``ModuleSource`` over the same model and a D2D copy of the same bytes.
+model (or Qwen3-1.7B's shape), against vLLM's ``ModuleSource`` over the same model and a D2D copy of the
+same bytes.
 
 The model is built on the meta device and materialized on CUDA with random weights (no download):
 ``--shape qwen3-8b`` (36 layers, 8.2B parameters, 16.4 GB bf16) or ``--shape qwen3-30b-a3b`` (48
@@ -18,6 +19,12 @@ model. Received bytes: every pass's tensors are summed (fp64) per name once and 
 plain model's (per-expert slices of the fused tensors for MoE) -- speed is never bought with a wrong
 byte. ``--profile`` prints a cProfile of one ``FSDPSource`` pass (where per-tensor host time goes).
 
+``--nccl`` (issue 51) times each source through vLLM's dense NCCL engines into a receiver process --
+on one GPU under NCCL 2.30+'s multi-rank mode with the ferried library (``.ci/nccl_ferry.py``) --
+against a bare broadcast of the same bytes on the same communicator, and reports the per-tensor cost.
+One GPU measures NCCL's protocol and per-tensor overheads, not a link's bandwidth.
+
+    python bench/bench_gpu_sizes.py --shape qwen3-1.7b --nccl
     python bench/bench_gpu_sizes.py --shape qwen3-8b
     python bench/bench_gpu_sizes.py --shape qwen3-30b-a3b --layers 12 --profile
     python bench/bench_gpu_sizes.py --dry-run            # CPU, tiny widths, the same code
@@ -44,7 +51,14 @@ def config(shape: str, layers: int | None, dry: bool):
     """The transformers config of ``shape`` (real widths; ``layers`` overrides the depth)."""
     from transformers import Qwen3Config, Qwen3MoeConfig
 
-    if shape == "qwen3-8b":
+    if shape == "qwen3-1.7b":  # the shape of every other GPU bench (tied embeddings)
+        kw = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+        if dry:
+            kw.update(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32)
+        cfg = Qwen3Config(**kw)
+    elif shape == "qwen3-8b":
         kw = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
         if dry:
@@ -73,6 +87,8 @@ def build(cfg, device: str):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
     model.to_empty(device=device)
+    if getattr(cfg, "tie_word_embeddings", False):  # to_empty unties: one tensor again, as loaded models have
+        model.tie_weights()
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -92,13 +108,17 @@ def _drain_sums(src, plain_sums: dict | None):
 
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__, dry_help="CPU, tiny widths")
-    ap.add_argument("--shape", choices=("qwen3-8b", "qwen3-30b-a3b"), default="qwen3-8b")
+    ap.add_argument("--shape", choices=("qwen3-1.7b", "qwen3-8b", "qwen3-30b-a3b"), default="qwen3-8b")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers at full width (stated)")
     ap.add_argument("--profile", action="store_true", help="cProfile one FSDPSource pass")
     ap.add_argument("--sources", default=None, help="comma list of source labels to time (default: all)")
     ap.add_argument("--ipc", action="store_true",
                     help="also time each source through vLLM's real IPC engines (packed and unpacked) into a "
                          "receiver process holding the same model; received per-parameter sums checked")
+    ap.add_argument("--nccl", action="store_true",
+                    help="also time each source through vLLM's real dense NCCL engines (packed and unpacked) into a "
+                         "receiver process, against a bare NCCL broadcast of the same bytes on the same "
+                         "communicator; on one GPU under NCCL's multi-rank mode (tests/gpu/nccl_one_gpu.py)")
     ap.add_argument("--delta", type=float, default=0.0,
                     help="also time DeltaSource(FSDPSource) rounds after changing this fraction of elements")
     args = ap.parse_args(argv)
@@ -135,7 +155,7 @@ def _run(args, facts, device: str, reps: int, warmup: int) -> None:
     plain = build(cfg, device)
     sharded = fsdp2_copy(plain, device)
     nbytes = sum(p.numel() * p.element_size() for p in plain.parameters())
-    full = 36 if args.shape == "qwen3-8b" else 48
+    full = {"qwen3-1.7b": 28, "qwen3-8b": 36}.get(args.shape, 48)
     what = (f"{args.shape} ({cfg.num_hidden_layers} of {full} layers at full width, "
             f"{sum(p.numel() for p in plain.parameters()) / 1e9:.2f}B params, {nbytes / 2**30:.2f} GiB bf16)")
     log(f"[bench_sizes] models built in {time.perf_counter() - t0:.1f}s: {what}")
@@ -196,6 +216,8 @@ def _run(args, facts, device: str, reps: int, warmup: int) -> None:
                             guard.lines[-1])
     if args.ipc:
         _ipc(args, facts, device, sources, cfg, plain, nbytes, reps, warmup, fb, guard)
+    if args.nccl:
+        _nccl(args, facts, device, sources, cfg, plain, nbytes, reps, warmup, fb, guard)
     if args.delta:
         _delta(args, facts, device, sharded, reps, fb, guard)
     guard.finish()
@@ -265,6 +287,120 @@ def _ipc(args, facts, device: str, sources: dict, cfg, plain, nbytes: int, reps:
                                 bad is None, guard.lines[-1])
     finally:
         client.close()
+
+
+#: a refit over NCCL (packed, weightsync's source) against a bare broadcast of the same bytes (issue 51)
+GOAL_NCCL_VS_BROADCAST = 1.1
+
+
+def _nccl(args, facts, device: str, sources: dict, cfg, plain, nbytes: int, reps: int, warmup: int,
+          copy_s: float, guard) -> None:
+    """Each source through vLLM's dense NCCL trainer engine and its worker engine in a receiver process
+    (``tests/gpu/receiver.py``, mode "nccl"), unpacked and packed (1 GiB buffers), one source at a time
+    (each engine is its own communicator with the worker); per source and mode, then a bare broadcast of
+    ``nbytes`` in 1 GiB pieces on the same communicator (the transport alone: no source, no per-tensor
+    work); then one sync into a reset receiver whose per-parameter fp64 sums must equal the trainer's.
+    The per-tensor cost is the unpacked time less the packed time of ``ModuleSource(plain)``, per
+    tensor. A dry run uses the loopback transport (no broadcast floor)."""
+    import torch
+
+    from receiver import shutdown_pair, start_receiver, sums_differ, trainer_engine
+
+    mode = "loopback" if args.dry_run else "nccl"
+    worker_device = device
+    if mode == "nccl":
+        from nccl_one_gpu import loaded_nccl, place, why_not
+
+        where = place(2)
+        if where is None:
+            facts.skip("nccl refits", why_not(2))
+            return
+        worker_device = where[1]
+        facts.number("nccl placement", f"trainer {device}, worker {worker_device}; NCCL_MAX_CTAS="
+                                       f"{os.environ.get('NCCL_MAX_CTAS', '(NCCL default)')}")
+    ref = {n: float(p.double().sum().item()) for n, p in plain.named_parameters()}
+    if device.startswith("cuda"):
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+    client = start_receiver(mode, worker_device, timeout_s=900)
+    piece = 1 << 30 if not args.dry_run else 1 << 20
+    try:
+        client.call("build", (cfg, torch.bfloat16, 7, False))
+        largest = max(p.numel() * p.element_size() for p in plain.parameters())
+        buffer_bytes = max(1 << 30, -(-largest // (1 << 20)) << 20)
+        best: dict[tuple[str, bool], float] = {}
+        for packed in (False, True):
+            tag = "packed" if packed else "unpacked"
+            for name, src in sources.items():
+                eng = trainer_engine(mode, client=client, source=src, packed=packed, buffer_bytes=buffer_bytes)
+                try:
+                    if mode == "nccl" and name == "ModuleSource(plain)" and not packed:
+                        facts.number("nccl communicator", loaded_nccl(eng.model_update_group))
+                    ts = []
+                    for i in range(warmup + reps):
+                        torch.cuda.synchronize() if device.startswith("cuda") else None
+                        t0 = time.perf_counter()
+                        eng.send_weights()
+                        torch.cuda.synchronize() if device.startswith("cuda") else None
+                        if i >= warmup:
+                            ts.append(time.perf_counter() - t0)
+                    bad = sums_differ(client, eng, ref)
+                    facts.check(f"nccl {tag} {name}: the receiver's per-parameter sums equal the trainer's", not bad,
+                                bad[:5])
+                    bare = _bare_broadcast(eng, client, nbytes, piece, reps, warmup) if mode == "nccl" else None
+                finally:
+                    shutdown_pair(eng, client, mode)
+                b, m = min(ts), statistics.median(ts)
+                best[(name, packed)] = b
+                line = (f"{b * 1e3:8.1f} ms best {m * 1e3:8.1f} ms median, {nbytes / b / 1e9:6.1f} GB/s, "
+                        f"{b / copy_s:6.1f}x copy")
+                if bare:
+                    line += f", {b / bare:5.2f}x a bare broadcast of the same bytes ({bare * 1e3:.1f} ms)"
+                log(f"[bench_sizes] nccl {tag:8s} {name:34s} {line}")
+                facts.number(f"nccl {tag} {name}", line)
+                if bare and name.startswith("FSDPSource") and packed:
+                    r = b / bare
+                    facts.number(f"ratio nccl packed {name}/bare broadcast best", round(r, 3),
+                                 f"(goal <= {GOAL_NCCL_VS_BROADCAST}: "
+                                 f"{'met' if r <= GOAL_NCCL_VS_BROADCAST else 'NOT met'})")
+                    g = guard.check(f"nccl packed {name}/bare broadcast best", r, 0.05)
+                    facts.check(f"nccl packed {name}/bare broadcast best no worse than the last recorded run",
+                                g is None, guard.lines[-1])
+        n = len(sources["ModuleSource(plain)"].metadata)
+        if ("ModuleSource(plain)", False) in best and ("ModuleSource(plain)", True) in best:
+            per = (best[("ModuleSource(plain)", False)] - best[("ModuleSource(plain)", True)]) / n
+            facts.number("nccl per-tensor cost (unpacked - packed, ModuleSource(plain), per tensor)",
+                         f"{per * 1e6:.1f} us over {n} tensors")
+    finally:
+        client.close()
+
+
+def _bare_broadcast(eng, client, nbytes: int, piece: int, reps: int, warmup: int) -> float:
+    """Best seconds of broadcasting ``nbytes`` in ``piece``-byte broadcasts on ``eng``'s communicator,
+    the receiver taking them on its own (its ``recv_raw``): the transport's floor for the same bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    comm = eng.model_update_group
+    buf = torch.empty(piece, dtype=torch.uint8, device=comm.device)
+    count = max(1, -(-nbytes // piece))
+    out = []
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        for i in range(warmup + reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fut = pool.submit(client.call, "recv_raw", (piece, count))
+            for _ in range(count):
+                comm.broadcast(buf, src=0, stream=torch.cuda.current_stream())
+            torch.cuda.synchronize()
+            fut.result(timeout=600)
+            if i >= warmup:
+                out.append(time.perf_counter() - t0)
+    del buf
+    return min(out)
 
 
 def _delta(args, facts, device: str, sharded, reps: int, copy_s: float, guard) -> None:

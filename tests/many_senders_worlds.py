@@ -23,6 +23,7 @@ What is vLLM's own and what stands in:
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import types
 from typing import Any
@@ -119,14 +120,22 @@ class InProcessWorker:
         self.model = Received()
         self.device = torch.device(device)
         #: on a GPU, the worker's calls run with its own device current (its communicator, streams
-        #: and buffers live there), whatever thread the trainer engine calls from
-        self._on = (lambda: torch.cuda.device(self.device)) if self.device.type == "cuda" else contextlib.nullcontext
+        #: and buffers live there), whatever thread the trainer engine calls from -- and on a stream of
+        #: its own: where the worker shares rank 0's GPU (NCCL's multi-rank mode, tests/gpu/nccl_one_gpu.py)
+        #: the receive must not queue behind rank 0's matching broadcast on one stream
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._on = self._enter if self.device.type == "cuda" else contextlib.nullcontext
         pc = types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
         vcfg = types.SimpleNamespace(parallel_config=pc, model_config=None)
         self.engine = Worker(WeightTransferConfig(backend="nccl"), vcfg, torch.device(device), self.model)
         self.updates: list[tuple[int, list[str]]] = []
         self.versions: list[str | None] = []
         self.init_payloads: list[dict] = []
+
+    @contextlib.contextmanager
+    def _enter(self) -> Any:
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            yield
 
     def nccl_world_size(self) -> int:
         return 1 + 1  # one trainer sender + one worker, as VLLMHTTPClient counts

@@ -28,8 +28,11 @@ def attempt(fn: Callable[..., None], *args: object) -> BaseException | None:
 
 
 def describe(e: BaseException) -> str:
-    """``"Type: message"``: how a failure is named to the other ranks and in logs."""
-    return f"{type(e).__name__}: {e}"
+    """``"Type: message"``: how a failure is named to the other ranks and in logs, with the notes
+    weightsync added to it (``weightsync: ...``, e.g. why vLLM disabled its NCCL communicator): the
+    other ranks learn the cause, not only the symptom."""
+    notes = [n for n in getattr(e, "__notes__", ()) if isinstance(n, str) and n.startswith("weightsync:")]
+    return f"{type(e).__name__}: {e}" + "".join(f" ({n})" for n in notes)
 
 
 def agree(board: Board | None, phase: str, err: BaseException | None, *, rank: int,

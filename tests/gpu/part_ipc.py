@@ -34,8 +34,12 @@ Checked, packed and unpacked, each over two refits (the second after the trainer
 ``--dry-run`` runs it all on CPU with gloo and a loopback transport instead of CUDA IPC (Megatron's
 forward with ``megatron_side.allow_cpu_forward``).
 
+``--transport nccl`` (parts ``nccl_dense``, ``nccl_fp8``): the same round trips through vLLM's dense NCCL
+engines instead (``NCCLTrainerWeightTransferEngine`` -> ``NCCLWeightTransferEngine``, one sender, one
+worker), on two GPUs or on one under NCCL's multi-rank mode (``nccl_one_gpu``); a skip otherwise.
+
     python tests/gpu/part_ipc.py --source fsdp,megatron,module,safetensors [--family qwen3,glm4_moe]
-        [--dry-run] [--json out.json]
+        [--transport ipc|nccl] [--dry-run] [--json out.json]
 """
 
 from __future__ import annotations
@@ -194,7 +198,7 @@ def run_source(kind: str, family: str, device: str, mode: str, client, facts: Fa
 
     from hf_side import checkpoint_layout, digest, fixed_batch, tiny_config
     from megatron_side import FRONTIER_TYPES
-    from receiver import trainer_engine
+    from receiver import shutdown_pair, trainer_engine
 
     if kind == "lora":
         try:
@@ -234,6 +238,10 @@ def run_source(kind: str, family: str, device: str, mode: str, client, facts: Fa
         tag = f"{label}/{'packed' if packed else 'unpacked'}"
         client.call("build", (cfg, dtype, 1000 + packed, True))
         eng = trainer_engine(mode, client=client, source=src, packed=packed, buffer_bytes=_buffer_bytes(src))
+        if mode == "nccl":
+            from nccl_one_gpu import loaded_nccl
+
+            facts.number(f"{tag} trainer communicator", loaded_nccl(eng.model_update_group))
         try:
             first: list = []  # refit 1's export, compared with refit 2's
             for refit in (1, 2):
@@ -268,7 +276,7 @@ def run_source(kind: str, family: str, device: str, mode: str, client, facts: Fa
                     c["shape_equal"] and c["finite"] and c["rel_err"] <= tol, c,
                 )
         finally:
-            eng.shutdown()
+            shutdown_pair(eng, client, mode)
 
 
 def run_safetensors(kind: str, family: str, device: str, mode: str, client, facts: Facts) -> None:
@@ -290,7 +298,7 @@ def run_safetensors(kind: str, family: str, device: str, mode: str, client, fact
     from transformers import AutoModelForCausalLM
 
     from hf_side import build_hf, digest, fixed_batch, hf_logits, tiny_config
-    from receiver import trainer_engine
+    from receiver import shutdown_pair, trainer_engine
 
     from weightsync.sources import CheckpointError, SafetensorsSource
 
@@ -348,7 +356,7 @@ def run_safetensors(kind: str, family: str, device: str, mode: str, client, fact
                 facts.check(f"{tag}: receiver logits == from_pretrained(folder) logits (rel<= {BF16_SAME_IMPL_REL})",
                             c["shape_equal"] and c["finite"] and c["rel_err"] <= BF16_SAME_IMPL_REL, c)
             finally:
-                eng.shutdown()
+                shutdown_pair(eng, client, mode)
         # Negative controls: a truncated shard. The metadata order starts with the first shard, so
         # the stale source fails before its first tensor.
         victim = os.path.join(folder, shards[0])
@@ -375,7 +383,7 @@ def run_safetensors(kind: str, family: str, device: str, mode: str, client, fact
                         "got nothing", "changed since" in err and not rep["received"],
                         f"{err[:300]}; received {len(rep['received'])}")
         finally:
-            eng.shutdown()
+            shutdown_pair(eng, client, mode)
 
 
 def _first_diff(got, want) -> str:
@@ -390,15 +398,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source", default="module,fsdp,megatron",
                     help="comma list: module,fsdp,lora,megatron,safetensors")
     ap.add_argument("--family", default=DEFAULT_FAMILY, help="comma list of hf_side.FAMILIES")
+    ap.add_argument("--transport", default="ipc", choices=("ipc", "nccl"),
+                    help="vLLM's CUDA IPC engines (default) or its dense NCCL engines")
     ap.add_argument("--dry-run", action="store_true", help="CPU: gloo + loopback transport")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     kinds = [k for k in args.source.split(",") if k]
-    facts = Facts("ipc_" + "_".join(kinds), dry_run=args.dry_run)
+    facts = Facts(f"{args.transport}_" + "_".join(kinds), dry_run=args.dry_run)
     import torch
 
     device = "cpu" if args.dry_run else "cuda:0"
-    mode = "loopback" if args.dry_run else "ipc"
+    mode = "loopback" if args.dry_run else args.transport
+    if mode == "nccl":
+        from nccl_one_gpu import place, why_not
+
+        where = place(2)
+        if where is None:
+            facts.skip("round trips over NCCL", why_not(2))
+            return facts.finish(args.json)
+        device, worker_device = where
+        facts.number("placement", f"trainer {device}, worker {worker_device}")
     if not args.dry_run:
         if not torch.cuda.is_available():
             facts.check("CUDA available", False, "no CUDA device; use --dry-run on CPU")
@@ -412,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         _init_dist(device)
         from receiver import start_receiver
 
-        client = start_receiver(mode, device)
+        client = start_receiver(mode, worker_device if mode == "nccl" else device)
         for family in [f for f in args.family.split(",") if f]:
             for kind in kinds:
                 try:

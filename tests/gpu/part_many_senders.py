@@ -12,9 +12,10 @@ Scenarios (``tests/many_senders_worlds.py``, the same code the CPU test runs; ch
 * 4 trainer ranks (GPUs 0-3; worker on GPU 1, which only the non-sending rank 1 uses): Megatron
   PP2 x TP2, FSDP2 under HSDP 2 x 2 (plain, LoRA merged, MoE). Senders are ranks 0 and 2.
 
-GPUs: the transfer communicator holds each sender and the worker, and NCCL refuses two members of one
-communicator on one GPU, so two senders and a worker need 3 GPUs; the 4-rank scenarios need 4.
-With fewer: a SKIP naming what is missing (``bash .ci/gpu --only many_senders`` on nvidia-h100-x4).
+GPUs: the transfer communicator holds each sender and the worker; NCCL before 2.30 refuses two members
+of one communicator on one GPU, so two senders and a worker need 3 GPUs, the 4-rank scenarios 4. Under
+NCCL 2.30+'s multi-rank mode with the ferried library (part ``nccl_senders``, ``nccl_one_gpu.place``)
+every rank and the worker share GPU 0. Otherwise a SKIP naming what is missing.
 A vLLM with a single NCCL sender (0.33): a SKIP naming the version.
 
 ``--dry-run`` (CPU): the same scenarios on gloo ranks (``tests/worlds.run_world``) with the CPU
@@ -41,16 +42,21 @@ sys.path.insert(1, os.path.dirname(HERE))  # tests/: the scenarios and their hel
 from facts import Facts  # noqa: E402
 
 
-def _child(fn: Callable[..., Any], rank: int, world: int, port: int, kwargs: dict, queue: Any) -> None:
-    """One trainer rank on ``cuda:rank``: NCCL for tensors, gloo for objects (Megatron's groups and
-    weightsync's bounded control groups are created from this default group)."""
+def _child(fn: Callable[..., Any], rank: int, world: int, port: int, kwargs: dict, queue: Any,
+           device: str) -> None:
+    """One trainer rank on ``device`` (its own GPU, or GPU 0 shared under NCCL's multi-rank mode):
+    NCCL for tensors, gloo for objects (Megatron's groups and weightsync's bounded control groups are
+    created from this default group)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     try:
         import torch
         import torch.distributed as dist
 
-        torch.cuda.set_device(rank)
+        from nccl_one_gpu import patch_vllm_stream
+
+        torch.cuda.set_device(device)
+        patch_vllm_stream()
         timeout = datetime.timedelta(seconds=180)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
         dist.init_process_group("cpu:gloo,cuda:nccl", store=store, rank=rank, world_size=world, timeout=timeout)
@@ -67,8 +73,10 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, kwargs: dic
             pass
 
 
-def _gpu_world(fn: Callable[..., Any], world: int, timeout_s: float, **kwargs: Any) -> dict[int, Any]:
-    """``fn`` on ``world`` spawned processes, one per GPU; raises with every rank's error or a hang."""
+def _gpu_world(fn: Callable[..., Any], world: int, timeout_s: float, devices: list[str],
+               **kwargs: Any) -> dict[int, Any]:
+    """``fn`` on ``world`` spawned processes, rank r on ``devices[r]``; raises with every rank's error or a
+    hang."""
     import multiprocessing as mp
     import queue as queue_mod
 
@@ -78,7 +86,7 @@ def _gpu_world(fn: Callable[..., Any], world: int, timeout_s: float, **kwargs: A
     q = ctx.Queue()
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
-    procs = [ctx.Process(target=_child, args=(fn, r, world, store.port, kwargs, q)) for r in range(world)]
+    procs = [ctx.Process(target=_child, args=(fn, r, world, store.port, kwargs, q, devices[r])) for r in range(world)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
@@ -174,19 +182,25 @@ def main(argv: list[str] | None = None) -> int:
 
             from fsdp_worlds import unpack
 
-            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if n < 3:
-                facts.skip("many senders over NCCL", f"needs 3 CUDA devices (2 sending trainer ranks + 1 vLLM worker: "
-                           f"NCCL refuses two members of one communicator on one GPU), 4 for the 4-rank scenarios; "
-                           f"this machine has {n}: run bash .ci/gpu --only many_senders on nvidia-h100-x4")
+            from nccl_one_gpu import place, why_not
+
+            # 2 sending trainer ranks + 1 vLLM worker (in rank 0's process): 3 GPUs, or GPU 0 for all
+            # under NCCL's multi-rank mode; the 4-rank scenarios put 4 trainer ranks on 4 GPUs or on GPU 0
+            three = place(3)
+            if three is None:
+                facts.skip("many senders over NCCL", why_not(3) + ": run bash .ci/gpu --only nccl_senders after the "
+                           "ferry, or many_senders on nvidia-h100-x4")
                 return facts.finish(args.json)
-            res2 = {r: unpack({0: v})[0] for r, v in _gpu_world(world_2, 2, 300, tmp=tmp, device="cuda",
-                                                                   worker_device="cuda:2").items()}
-            if n >= 4:
-                res4 = {r: unpack({0: v})[0] for r, v in _gpu_world(world_4, 4, 400, tmp=tmp, device="cuda",
-                                                                       worker_device="cuda:1").items()}
+            facts.number("placement (2 ranks + worker)", three)
+            res2 = {r: unpack({0: v})[0] for r, v in _gpu_world(world_2, 2, 300, three[:2], tmp=tmp, device="cuda",
+                                                                   worker_device=three[2]).items()}
+            four = place(4)
+            if four is not None:
+                facts.number("placement (4 ranks; worker on rank 1's GPU)", four)
+                res4 = {r: unpack({0: v})[0] for r, v in _gpu_world(world_4, 4, 400, four, tmp=tmp, device="cuda",
+                                                                       worker_device=four[1]).items()}
             else:
-                facts.skip("4-rank scenarios (PP2 x TP2, HSDP 2 x 2)", f"need 4 CUDA devices, this machine has {n}")
+                facts.skip("4-rank scenarios (PP2 x TP2, HSDP 2 x 2)", why_not(4))
     except Exception as e:  # noqa: BLE001
         facts.error("many_senders", e)
     _checks(facts, res2, res4)

@@ -33,7 +33,8 @@ calls them only after ``has_symbol``) instead of disabling the communicator. Eve
 unchanged, the preflight probe included: this is engine-to-engine evidence on the old library, and
 the strict part ``sparse_nccl`` stays the verdict on whether vLLM works there as shipped.
 
-Fewer than two CUDA devices: a SKIP (not a failure). ``--dry-run`` (CPU): the same code with two
+Placement (``nccl_one_gpu.place``): GPU 0 and GPU 1, or both on GPU 0 under NCCL 2.30+'s multi-rank
+mode with the ferried library (part ``nccl_sparse``); a SKIP (not a failure) otherwise. ``--dry-run`` (CPU): the same code with two
 stand-ins only (``sparse_side.install_cpu_standins``): vLLM's ``PyNcclCommunicator`` replaced by a
 gloo group between the two processes with the same ``broadcast`` / ``disabled`` surface, and the CUDA
 stream / device-sync calls vLLM makes unconditionally turned into no-ops; the NCCL run itself is
@@ -271,14 +272,18 @@ def main(argv: list[str] | None = None) -> int:
 
         install_cpu_standins("trainer")
     else:
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n < 2:
+        from nccl_one_gpu import patch_vllm_stream, place, why_not
+
+        where = place(2)
+        if where is None:
             facts.skip("vLLM sparse_nccl engine to engine",
-                       f"needs 2 CUDA devices (trainer GPU 0, worker GPU 1); this machine has {n}: run "
-                       "bash .ci/gpu --only sparse_nccl on the nvidia-h200-x2 kind")
+                       f"{why_not(2)}: run bash .ci/gpu --only nccl_sparse after the ferry, or sparse_nccl on the "
+                       "nvidia-h200-x2 kind")
             return facts.finish(args.json)
-        trainer_dev, worker_dev = "cuda:0", "cuda:1"
+        trainer_dev, worker_dev = where
+        facts.number("placement", f"trainer {trainer_dev}, worker {worker_dev}")
         torch.cuda.set_device(0)
+        patch_vllm_stream()
     if args.old_nccl_shim:
         from sparse_side import OLD_NCCL_MISSING, install_old_nccl_shim
 

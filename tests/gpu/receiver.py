@@ -1,7 +1,8 @@
 """A receiver process for round trips through vLLM's engines, and the client that drives it.
 
-The receiver is a separate (spawned) process holding vLLM 0.33's **real** worker-side
-``IPCWeightTransferEngine`` and a transformers model behind ``HFReceiver``. Only two things are
+The receiver is a separate (spawned) process holding vLLM's **real** worker-side
+``IPCWeightTransferEngine`` (mode "ipc") or ``NCCLWeightTransferEngine`` (mode "nccl") and a
+transformers model behind ``HFReceiver``. Only two things are
 substituted, both outside the data plane under test:
 
 * ``vllm.model_executor.model_loader.mtp_validation`` is stubbed (its import chain needs the whole
@@ -27,7 +28,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["start_receiver", "PipeClient", "LoopbackTrainerEngine", "trainer_engine", "sums_differ"]
+__all__ = ["start_receiver", "PipeClient", "LoopbackTrainerEngine", "trainer_engine", "shutdown_pair", "sums_differ",
+           "free_port"]
 
 
 def _stub_mtp_validation() -> None:
@@ -85,6 +87,37 @@ def _ipc_worker_engine(device: torch.device, model: Any) -> Any:
     return Engine(WeightTransferConfig(backend="ipc"), vcfg, device, model)
 
 
+def _nccl_worker_engine(device: torch.device, model: Any) -> Any:
+    """vLLM's worker-side ``NCCLWeightTransferEngine`` (dense NCCL), reload lifecycle skipped as above.
+    Its communicator joins the trainer's at ``init_transfer_engine`` (one GPU each, or both on one
+    GPU under NCCL's multi-rank mode: ``nccl_one_gpu``)."""
+    _stub_mtp_validation()
+    from nccl_one_gpu import patch_vllm_stream
+
+    patch_vllm_stream()
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    class Engine(NCCLWeightTransferEngine):
+        def start_weight_update(self) -> None:  # layerwise reload needs a vLLM model
+            pass
+
+        def finish_weight_update(self) -> None:
+            pass
+
+    pc = types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
+    vcfg = types.SimpleNamespace(parallel_config=pc, model_config=None)
+    return Engine(WeightTransferConfig(backend="nccl"), vcfg, device, model)
+
+
+_WORKER_ENGINES = {"ipc": _ipc_worker_engine, "nccl": _nccl_worker_engine}
+
+
+def _worker_engine(mode: str, device: torch.device, model: Any) -> Any:
+    make = _WORKER_ENGINES.get(mode)
+    return make(device, model) if make is not None else _LoopbackWorkerEngine(model)
+
+
 class _LoopbackWorkerEngine:
     """CPU stand-in for the worker engine: ``update_weights`` carries the tensors themselves."""
 
@@ -119,6 +152,7 @@ def _receiver_main(conn: Any, mode: str, device_str: str) -> None:
         torch.backends.cuda.matmul.allow_tf32 = False  # logits are compared with fp32 tolerances
     recv: HFReceiver | None = None
     engine: Any = None
+    versions: list[str | None] = []
     while True:
         method, arg = conn.recv()
         try:
@@ -130,15 +164,19 @@ def _receiver_main(conn: Any, mode: str, device_str: str) -> None:
                 return
             elif method == "build":
                 config, dtype, seed, track = arg
+                if engine is not None and mode == "nccl":  # a fresh group per engine
+                    engine.shutdown()
                 recv = HFReceiver(build_hf(config, device=device, dtype=dtype, seed=seed), track=track)
-                engine = _ipc_worker_engine(device, recv) if mode == "ipc" else _LoopbackWorkerEngine(recv)
+                engine = _worker_engine(mode, device, recv)
             elif method == "build_fp8":  # an FP8 checkpoint's tensors (weightsync's FP8CheckpointModel)
                 from weightsync.plugins.testbed.fp8_model import FP8CheckpointModel
 
                 config, dtype, seed, track, quantization = arg
+                if engine is not None and mode == "nccl":  # a fresh group per engine
+                    engine.shutdown()
                 recv = HFReceiver(FP8CheckpointModel(build_hf(config, device=device, dtype=dtype, seed=seed),
                                                      quantization), track=track)
-                engine = _ipc_worker_engine(device, recv) if mode == "ipc" else _LoopbackWorkerEngine(recv)
+                engine = _worker_engine(mode, device, recv)
             elif method == "track":  # digests of every received tensor on (correctness) or off (timing)
                 assert recv is not None
                 recv.track = bool(arg)
@@ -163,6 +201,23 @@ def _receiver_main(conn: Any, mode: str, device_str: str) -> None:
                     engine.update_weights(info)
             elif method == "finish_weight_update":
                 engine.finish_weight_update()
+                versions.append(arg)
+            elif method == "versions":  # every finish's weight_version (None: finished, nothing committed)
+                result = list(versions)
+            elif method == "shutdown_engine":  # NCCL: the trainer destroys its end at the same time
+                if engine is not None:
+                    engine.shutdown()
+            elif method == "recv_raw":  # a bare NCCL broadcast's receiving end: (piece bytes, count)
+                piece, count = arg
+                c = engine.model_update_group
+                buf = torch.empty(piece, dtype=torch.uint8, device=c.device)
+                for _ in range(count):
+                    c.broadcast(buf, src=0, stream=torch.cuda.current_stream())
+                torch.cuda.synchronize(c.device)
+                del buf
+            elif method == "sync":  # NCCL receives are enqueued on a stream: wait before timing them
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
             else:
                 raise ValueError(f"unknown receiver call {method!r}")
             conn.send(("ok", result))
@@ -197,7 +252,7 @@ class PipeClient:
         self.call("update_weights", update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.call("finish_weight_update")
+        self.call("finish_weight_update", weight_version)
 
     def close(self) -> None:
         try:
@@ -212,7 +267,7 @@ class PipeClient:
 
 
 def start_receiver(mode: str, device: str, timeout_s: float = 120.0) -> PipeClient:
-    """Spawn the receiver process (``mode`` "ipc" on CUDA, "loopback" on CPU)."""
+    """Spawn the receiver process (``mode`` "ipc" or "nccl" on CUDA, "loopback" on CPU)."""
     import multiprocessing as mp
     import os
 
@@ -273,8 +328,43 @@ def sums_differ(client: PipeClient, engine: Any, ref: dict[str, float]) -> list[
     return [n for n, v in ref.items() if got.get(n) != v]
 
 
+def free_port() -> int:
+    """A TCP port free on this host now (bound and released): the NCCL rendezvous's store."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shutdown_pair(engine: Any, client: Any, mode: str) -> None:
+    """Shut the trainer engine down; under NCCL together with the worker's communicator (NCCL's
+    destroy may wait for its peer, so neither side may wait alone)."""
+    if mode != "nccl":
+        engine.shutdown()
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        fut = pool.submit(client.call, "shutdown_engine")
+        try:
+            engine.shutdown()
+        finally:
+            fut.result(timeout=120)
+
+
 def trainer_engine(mode: str, *, client: Any, source: Any, packed: bool, buffer_bytes: int) -> Any:
-    """vLLM's real trainer engine through its factory ("ipc"), or the CPU loopback."""
+    """vLLM's real trainer engine through its factory ("ipc", "nccl": one sender, one worker), or the
+    CPU loopback."""
+    if mode == "nccl":
+        from nccl_one_gpu import patch_vllm_stream
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        patch_vllm_stream()
+        info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(), world_size=2, rank=0,
+                                   packed=packed, packed_buffer_size_bytes=buffer_bytes)
+        return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     if mode == "ipc":
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo

@@ -63,7 +63,35 @@ PARTS = [
     # many senders (issue 40): vLLM 0.34's NCCL engines, each stage / replica / EP rank sending its own
     # tensors (a skip below 3 GPUs, 4-rank scenarios from 4: nvidia-h100-x4)
     ("many_senders", "tests/gpu/part_many_senders.py", [], 300),
+    # vLLM's NCCL engines for real on one GPU (issue 51): several NCCL members share GPU 0 under NCCL
+    # 2.30+'s multi-rank mode, with the library the ferry brought (.ci/nccl_ferry.py; NCCL_ENV below is
+    # set for these parts only). Where the library is missing each is a skip naming the ferry.
+    ("nccl_feasible", "tests/gpu/part_nccl_feasible.py", [], 240),
+    ("nccl_dense", "tests/gpu/part_ipc.py", ["--transport", "nccl", "--source", "module,fsdp,megatron,safetensors"], 300),
+    ("nccl_sparse", "tests/gpu/part_sparse_nccl.py", [], 200),
+    ("nccl_senders", "tests/gpu/part_many_senders.py", [], 360),
+    ("nccl_faults", "tests/gpu/part_nccl_faults.py", [], 240),
+    # the image's own NCCL 2.28.9 (no ncclCommSuspend): weightsync must name the library and the symbol
+    ("nccl_preflight", "tests/gpu/part_nccl_faults.py", ["--preflight"], 120),
+    ("bench_nccl", "bench/bench_gpu_sizes.py", ["--shape", "qwen3-1.7b", "--nccl", "--reps", "3", "--warmup", "1"], 300),
 ]
+
+#: parts run under the one-GPU NCCL environment (``NCCL_ENV``); ``nccl_preflight`` deliberately not
+NCCL_PARTS = {"nccl_feasible", "nccl_dense", "nccl_sparse", "nccl_senders", "nccl_faults", "bench_nccl"}
+
+
+def nccl_env() -> dict[str, str]:
+    """The environment of the ``NCCL_PARTS``: the ferried NCCL 2.31 for vLLM (``VLLM_NCCL_SO_PATH``) and
+    for torch's process groups (``LD_PRELOAD``: torch links ``libnccl.so.2`` by soname), the multi-rank
+    mode, NVLink multicast off, few CTAs per rank (``WS_NCCL_MAX_CTAS``, default 32). Empty when the
+    ferry has not run on this machine: the parts then skip, naming it."""
+    lib = os.path.join(os.environ.get("WS_NCCL_STASH", "/tmp/ws-nccl"), "libnccl.so.2")
+    if not os.path.exists(lib):
+        return {}
+    pre = os.environ.get("LD_PRELOAD", "")
+    return {"WS_NCCL_SO": lib, "VLLM_NCCL_SO_PATH": lib, "LD_PRELOAD": lib + (":" + pre if pre else ""),
+            "NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_NVLS_ENABLE": "0",
+            "NCCL_MAX_CTAS": os.environ.get("WS_NCCL_MAX_CTAS", "32")}
 
 
 def env_report(json_path: str | None) -> int:
@@ -111,6 +139,8 @@ def env_report(json_path: str | None) -> int:
 def _run_part(name: str, argv: list[str], timeout: float, json_path: str) -> dict:
     # every part is one rank on an in-process store (HashStore): no port to pick, none to race for
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if name in NCCL_PARTS:
+        env.update(nccl_env())
     print(f"===== {name}: {' '.join(argv[1:])} (timeout {timeout:.0f}s) =====", flush=True)
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv + ["--json", json_path], cwd=ROOT,

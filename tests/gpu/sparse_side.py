@@ -176,7 +176,10 @@ def _worker_main(conn: Any, device_str: str, dry_run: bool, old_nccl_shim: bool)
     if dry_run:
         install_cpu_standins("worker")
     else:
+        from nccl_one_gpu import patch_vllm_stream
+
         torch.cuda.set_device(device)
+        patch_vllm_stream()
     if old_nccl_shim:
         install_old_nccl_shim()
     from vllm.config.weight_transfer import WeightTransferConfig
