@@ -653,3 +653,21 @@ def test_launch_windows_yield_the_tensor_by_tensor_stream():
         assert [(n, t.dtype, tuple(t.shape)) for n, t in got] == \
             [(n, t.dtype, tuple(t.shape)) for n, t in one_by_one], limit
         assert all(_same(a, b) for (_, a), (_, b) in zip(got, one_by_one)), limit
+
+
+def test_torch_path_reciprocal_at_fp8_ties_on_cpu():
+    """The vLLM rule's ``1/sf`` on the torch path: on CPU the IEEE reciprocal (eager vLLM's; no
+    ``div.full.f32`` exists there to match), so a constructed FP8 tie -- ``x * (1/sf)`` exactly halfway
+    between two e4m3 codes -- rounds to even as eager torch does. (On CUDA the same function takes
+    Triton's ``div.full.f32`` through the jiterator: bench_fp8's "kernels == torch path" checks it.)"""
+    from weightsync.sources.quant import fp8 as fp8mod
+
+    amax = torch.tensor([448.0 * 29.0 / 28.0, 1e-6, 3.0], dtype=torch.float32)
+    sf, mult = fp8mod._scales_from_amax(amax, "vllm", None)
+    assert torch.equal(mult.view(torch.int32), (1.0 / sf).view(torch.int32))
+    # a tie: 29.0 lies halfway between e4m3's 28 and 30; round to nearest even gives 28
+    x = torch.full((128, 128), 29.0, dtype=torch.float32)
+    x[0, 0] = 448.0  # amax 448: sf = 1, 1/sf = 1 exactly, so x * (1/sf) = 29.0, a tie
+    q, s = fp8mod.quantize_blocks(x)
+    assert s.item() == 1.0 and q.float()[0, 1].item() == 28.0
+    assert torch.equal(q.view(torch.uint8), (x * (1.0 / s)).to(torch.float8_e4m3fn).view(torch.uint8))

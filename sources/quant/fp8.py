@@ -71,7 +71,9 @@ def _scales_from_amax(amax: torch.Tensor, rule: Rule, scale_fmt: str | None) -> 
         sf = amax.clamp(1e-4) / FP8_MAX
         if scale_fmt == "ue8m0":
             sf = torch.pow(2.0, torch.ceil(torch.log2(sf.abs())))
-        return sf, 1.0 / sf
+        # float32 scales: the kernels' reciprocal (``fused``); UE8M0's powers of two are exact either way
+        # and its kernel path runs this very function
+        return sf, (1.0 / sf) if scale_fmt == "ue8m0" else _reciprocal_as_compiled(sf)
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
     scales = FP8_MAX / safe
     scales = torch.where(amax > 0, scales, torch.ones_like(scales))
@@ -80,6 +82,50 @@ def _scales_from_amax(amax: torch.Tensor, rule: Rule, scale_fmt: str | None) -> 
         inv = torch.pow(2.0, torch.ceil(torch.log2(inv.clamp(min=torch.finfo(torch.float32).tiny))))
         scales = 1.0 / inv
     return inv, scales
+
+
+_RCP_FULL: object | None = None
+_RCP_FULL_CODE = """
+template <typename T> T rcp_full(T x) {
+  float r;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(1.0f), "f"(static_cast<float>(x)));
+  return static_cast<T>(r);
+}
+"""
+
+
+def _reciprocal_as_compiled(sf: torch.Tensor) -> torch.Tensor:
+    """``1.0 / sf`` as vLLM's compiled quantizer and ``fp8_triton`` compute it on CUDA: Triton's ``/``,
+    the PTX instruction ``div.full.f32`` (an approximation within 2 ulp, not IEEE-rounded: at FP8
+    ties the codes can differ from an IEEE reciprocal's). On CUDA the same instruction, through
+    torch's jiterator (NVRTC), so the torch path gives the kernels' bits by construction -- same
+    instruction, same operands. On CPU there is no such instruction to match (its rounding is not
+    documented, so no CPU formula can be proven equal to it): the IEEE reciprocal, which is what
+    eager vLLM computes there. Where the jiterator is unavailable, the IEEE reciprocal with a warning."""
+    global _RCP_FULL
+    if not sf.is_cuda:
+        return 1.0 / sf
+    if _RCP_FULL is None:
+        try:
+            from torch.cuda.jiterator import _create_jit_fn
+
+            _RCP_FULL = _create_jit_fn(_RCP_FULL_CODE)
+        except Exception as e:  # noqa: BLE001 - a build without NVRTC: IEEE, said once
+            import logging
+
+            logging.getLogger(__name__).warning("fp8: no jiterator (%s): the torch path's 1/sf is IEEE-rounded "
+                                                "and may part from the Triton kernels at FP8 ties", e)
+            _RCP_FULL = False
+    if _RCP_FULL is False:
+        return 1.0 / sf
+    try:
+        return _RCP_FULL(sf.contiguous())  # type: ignore[operator]
+    except Exception as e:  # noqa: BLE001 - NVRTC refused the code: IEEE, said once
+        import logging
+
+        logging.getLogger(__name__).warning("fp8: jiterator div.full.f32 failed (%s): IEEE 1/sf", e)
+        _RCP_FULL = False
+        return 1.0 / sf
 
 
 def quantize_blocks(
