@@ -16,20 +16,38 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["init_cpu_process_group", "share", "rank0_printer", "format_bytes", "layout_label"]
+__all__ = ["TIMEOUT_ENV", "sync_timeout_s", "init_cpu_process_group", "share", "rank0_printer", "format_bytes", "layout_label"]
+
+
+#: The CLI's sync timeout in seconds, from the environment (default: weightsync's ``DEFAULT_TIMEOUT_S``).
+TIMEOUT_ENV = "WEIGHTSYNC_TIMEOUT_S"
+
+
+def sync_timeout_s() -> float:
+    """The bound every demo's ``WeightSync`` gets (``timeout_s``) and the trainer's own process group
+    gets too (``init_cpu_process_group``): ``$WEIGHTSYNC_TIMEOUT_S``, else weightsync's default."""
+    from weightsync.sources.toolkit import DEFAULT_TIMEOUT_S
+
+    value = os.environ.get(TIMEOUT_ENV)
+    return float(value) if value else float(DEFAULT_TIMEOUT_S)
 
 
 def init_cpu_process_group() -> None:
-    """The default process group for the demo/check/export: gloo, from torchrun's env, or a 1-rank one."""
+    """The default process group for the demo/check/export: gloo, from torchrun's env, or a 1-rank one.
+
+    Its timeout is the sync timeout (``sync_timeout_s``): weightsync bounds its own waits inside a
+    sync, but between syncs a rank waits in the trainer's collectives (FSDP2's all-gathers, the
+    demo's checks), which only the process group's timeout bounds -- gloo's default is 30 minutes.
+    With the same bound a stopped peer ends the job within about the sync timeout wherever the
+    other ranks wait (the launcher then kills the stopped rank: ``launch``)."""
     if dist.is_initialized():
         return
+    timeout = datetime.timedelta(seconds=sync_timeout_s())
     if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+        dist.init_process_group("gloo", timeout=timeout)
     else:
         # one rank: an in-process store, no port to pick
-        dist.init_process_group(
-            "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=300)
-        )
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 def share(obj: Any) -> Any:

@@ -33,7 +33,7 @@ from weightsync.sources.toolkit import get_logger
 
 from ..testbed.presets import build_model, load_config
 from .build import build_model_and_source, shard_fsdp2
-from .common import format_bytes, layout_label, rank0_printer, share
+from .common import format_bytes, layout_label, rank0_printer, share, sync_timeout_s
 from .loop import DemoResult, Verdict, train_and_sync
 
 __all__ = ["run_delta_demo", "run_check_delta", "DEFAULT_DELTA_LR"]
@@ -82,7 +82,7 @@ def run_delta_demo(
     try:
         delta = DeltaSource(FSDPSource(model, dtype=torch.bfloat16, expert_layout="fused"))
         info = LoopbackSparseTrainerInitInfo("127.0.0.1", 0, 2, rank=rank, checksums=checksums)
-        ws = WeightSync(delta, info, ReceiverClient(url), pause="keep")
+        ws = WeightSync(delta, info, ReceiverClient(url), pause="keep", timeout_s=sync_timeout_s())
         say(
             f"weightsync demo --delta: {config.model_type} ({n_params:,} params, fp32 on the trainer, "
             f"bf16 on the wire) on {world} CPU rank(s), FSDP2 + DeltaSource(FSDPSource) -> loopback_sparse "

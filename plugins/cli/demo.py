@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..testbed.presets import build_model, load_config
 from .build import shard_fsdp2
-from .common import format_bytes, rank0_printer, share
+from .common import format_bytes, rank0_printer, share, sync_timeout_s
 from .loop import DemoResult, Verdict, train_and_sync
 
 __all__ = ["run_demo", "FP8_LOGITS_TOL"]
@@ -93,7 +93,7 @@ def run_demo(
         info = LoopbackTrainerInitInfo(
             "127.0.0.1", port, 2, rank=rank, packed=packed, checksums=checksums
         )
-        ws = WeightSync(source, info, client, pause="keep")
+        ws = WeightSync(source, info, client, pause="keep", timeout_s=sync_timeout_s())
         try:
             say(
                 f"weightsync demo: {config.model_type} ({n_params:,} params, {config.num_hidden_layers} "

@@ -30,7 +30,6 @@ import tempfile
 import time
 from typing import Sequence
 
-from .torchrun import FAILURE_ENV
 from .tree import ProcessTree, descendants
 
 __all__ = [
@@ -73,6 +72,8 @@ def launch(nproc: int, argv: Sequence[str], command: str) -> int:
     line naming the rank and its signal. Exit 1. A rank that is stopped (SIGSTOP) while its peers
     gave up (they raise once the process group's timeout passes, ``common.init_cpu_process_group``)
     ends the job the same way: ``_watch`` notices it and the launcher kills the tree. Exit 1."""
+    from .torchrun import FAILURE_ENV  # here: the torchrun module runs as __main__ in its own process
+
     with tempfile.TemporaryDirectory(prefix="weightsync-") as tmp:
         result = os.path.join(tmp, "result.json")
         failure_file = os.path.join(tmp, "rank-failure.json")

@@ -16,19 +16,23 @@ and ends with the same ``DemoResult`` (``verify`` returns what every rank agreed
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+
+from weightsync.sources import WeightSyncError
 
 from .common import format_bytes
 
 if TYPE_CHECKING:  # importing the driver imports vLLM: not for the CLI's Ctrl-C path (``progress``)
     from ..sync import SyncReport, WeightSync  # noqa: F401 - SyncReport: in the Verify alias (a string)
 
-__all__ = ["DemoResult", "Verdict", "progress", "train_and_sync"]
+__all__ = ["DemoResult", "TrainerCollectiveError", "Verdict", "progress", "train_and_sync"]
 
 #: The demo running in this process (``progress``: what Ctrl-C reports).
 _CURRENT: "DemoResult | None" = None
@@ -65,6 +69,36 @@ class DemoResult:
             f"({world} ranks, {model}, {n_params:,} params) -> {target}" + ("PASS" if self.ok else "FAIL")
         )
         return self.summary
+
+
+class TrainerCollectiveError(WeightSyncError):
+    """A collective of the demo's own work between syncs -- FSDP2's all-gathers and reduce-scatters
+    in the training step, the demo's checks -- failed in the process group: a peer rank stopped
+    past the process group's timeout (which the CLI sets to the sync timeout:
+    ``common.init_cpu_process_group``) or died. Inside a sync weightsync's own bounded waits name
+    the late rank (``SyncTimeoutError``, ``PeerFailedError``); outside one, this names the step."""
+
+
+#: gloo's words for a peer that is gone or late (its errors are plain ``RuntimeError``s)
+_GLOO_PEER_FAILURE = ("Timed out", "pair closure", "Connection closed", "Connection reset", "Broken pipe")
+
+
+@contextmanager
+def _trainer_collectives(rank: int, step: int, what: str) -> Iterator[None]:
+    """A gloo failure of the trainer's own collectives inside the block is raised as a named
+    ``TrainerCollectiveError`` saying where (anything else passes unchanged)."""
+    try:
+        yield
+    except WeightSyncError:
+        raise
+    except RuntimeError as e:
+        if not any(w in str(e) for w in _GLOO_PEER_FAILURE):
+            raise
+        said = re.sub(r"^\[[^]]*\] ", "", str(e).strip())[:200]  # gloo's source location first
+        raise TrainerCollectiveError(
+            f"rank {rank}: step {step}: {what}: a collective of the trainer failed ({said}); "
+            "a peer rank is stopped past the process group's timeout, or gone"
+        ) from e
 
 
 def progress() -> tuple[int, int]:
@@ -107,15 +141,17 @@ def train_and_sync(
     for step in range(0 if cold_start else 1, result.steps + 1):
         loss = None
         if step:
-            ids = torch.randint(0, vocab_size, (4, 32), generator=gen)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
+            with _trainer_collectives(rank, step, "the training step (FSDP2's collectives)"):
+                ids = torch.randint(0, vocab_size, (4, 32), generator=gen)
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                optim.step()
+                optim.zero_grad()
         t0 = time.perf_counter()
         report = ws.sync(step, weight_version=f"step-{step}")
         seconds = time.perf_counter() - t0
-        verdict = verify(step, None if loss is None else loss.item(), report, seconds)
+        with _trainer_collectives(rank, step, "the demo's check of the sync"):
+            verdict = verify(step, None if loss is None else loss.item(), report, seconds)
         if step:  # the syncs counted are the steps' (--steps N: sync 1/N ... N/N)
             result.syncs += 1
             result.verified += int(verdict.ok is True)

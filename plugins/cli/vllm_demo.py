@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..testbed.vllm_server import PROMPTS, greedy, save_served_model, served_model, start_vllm_server
 from .build import shard_fsdp2
-from .common import format_bytes, rank0_printer, share
+from .common import format_bytes, rank0_printer, share, sync_timeout_s
 from .loop import DemoResult, Verdict, train_and_sync
 
 __all__ = ["run_vllm_demo", "LOGPROB_ATOL"]
@@ -101,7 +101,7 @@ def run_vllm_demo(*, steps: int = 3, packed: bool = True, checksums: bool = True
         info = LoopbackTrainerInitInfo(
             "127.0.0.1", 0, 2, rank=rank, packed=packed, checksums=checksums, timeout_s=60
         )
-        ws = WeightSync(source, info, VLLMHTTPClient(url, timeout=60), pause="keep")
+        ws = WeightSync(source, info, VLLMHTTPClient(url, timeout=60), pause="keep", timeout_s=sync_timeout_s())
         try:
             say(
                 f"weightsync demo: {config.model_type} ({n_params:,} params, {config.num_hidden_layers} "
