@@ -300,8 +300,9 @@ def _nccl(args, facts, device: str, sources: dict, cfg, plain, nbytes: int, reps
     (each engine is its own communicator with the worker); per source and mode, then a bare broadcast of
     ``nbytes`` in 1 GiB pieces on the same communicator (the transport alone: no source, no per-tensor
     work); then one sync into a reset receiver whose per-parameter fp64 sums must equal the trainer's.
-    The per-tensor cost is the unpacked time less the packed time of ``ModuleSource(plain)``, per
-    tensor. A dry run uses the loopback transport (no broadcast floor)."""
+    The per-tensor cost is ``ModuleSource(plain)``'s time (no gathers: the engines alone) less the bare
+    broadcast's, per tensor, unpacked and packed. A dry run uses the loopback transport (no broadcast
+    floor)."""
     import torch
 
     from receiver import shutdown_pair, start_receiver, sums_differ, trainer_engine
@@ -331,6 +332,7 @@ def _nccl(args, facts, device: str, sources: dict, cfg, plain, nbytes: int, reps
         largest = max(p.numel() * p.element_size() for p in plain.parameters())
         buffer_bytes = max(1 << 30, -(-largest // (1 << 20)) << 20)
         best: dict[tuple[str, bool], float] = {}
+        bares: dict[tuple[str, bool], float] = {}
         for packed in (False, True):
             tag = "packed" if packed else "unpacked"
             for name, src in sources.items():
@@ -354,6 +356,8 @@ def _nccl(args, facts, device: str, sources: dict, cfg, plain, nbytes: int, reps
                     shutdown_pair(eng, client, mode)
                 b, m = min(ts), statistics.median(ts)
                 best[(name, packed)] = b
+                if bare:
+                    bares[(name, packed)] = bare
                 line = (f"{b * 1e3:8.1f} ms best {m * 1e3:8.1f} ms median, {nbytes / b / 1e9:6.1f} GB/s, "
                         f"{b / copy_s:6.1f}x copy")
                 if bare:
@@ -369,10 +373,12 @@ def _nccl(args, facts, device: str, sources: dict, cfg, plain, nbytes: int, reps
                     facts.check(f"nccl packed {name}/bare broadcast best no worse than the last recorded run",
                                 g is None, guard.lines[-1])
         n = len(sources["ModuleSource(plain)"].metadata)
-        if ("ModuleSource(plain)", False) in best and ("ModuleSource(plain)", True) in best:
-            per = (best[("ModuleSource(plain)", False)] - best[("ModuleSource(plain)", True)]) / n
-            facts.number("nccl per-tensor cost (unpacked - packed, ModuleSource(plain), per tensor)",
-                         f"{per * 1e6:.1f} us over {n} tensors")
+        for packed in (False, True):  # the engines' cost per tensor beyond the transport itself
+            key = ("ModuleSource(plain)", packed)
+            if key in best and key in bares:
+                per = (best[key] - bares[key]) / n
+                facts.number(f"nccl per-tensor cost, {'packed' if packed else 'unpacked'} (ModuleSource(plain) "
+                             "less the bare broadcast, per tensor)", f"{per * 1e6:.1f} us over {n} tensors")
     finally:
         client.close()
 
