@@ -20,7 +20,7 @@ from weightsync.sources.toolkit import get_logger
 
 from .config import VOCAB_DIVISIBLE_BY, MegatronParallel, expert_tp_size, family_of, megatron_config
 from .cpu_patches import cpu_construction, gdn_construction, mla_without_te
-from .specs import hybrid_spec, mla_spec
+from .specs import hybrid_mtp_spec, hybrid_spec, mla_spec
 
 __all__ = ["build_megatron_gpt", "build_chunks"]
 
@@ -111,7 +111,8 @@ def build_chunks(
             if getattr(mcfg, "mtp_num_layers", None):  # multi-token prediction: megatron's own MTP block spec
                 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-                mtp_spec = get_gpt_mtp_block_spec(mcfg, spec, use_transformer_engine=False, vp_stage=vp)
+                mtp_spec = (hybrid_mtp_spec(mcfg, vp) if hybrid else
+                            get_gpt_mtp_block_spec(mcfg, spec, use_transformer_engine=False, vp_stage=vp))
                 mtp = {"mtp_block_spec": mtp_spec} if mtp_spec is not None else {}
             chunks.append(
                 GPTModel(
