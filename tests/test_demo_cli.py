@@ -417,4 +417,6 @@ def test_check_delta_prints_nothing_on_stderr_but_its_own_lines():
     CPU host) is not a user's concern and is dropped where the CLI owns the process."""
     r = _run("check", "--delta", timeout=300)
     assert r.returncode == 0 and r.stdout.rstrip().endswith("PASS"), (r.stdout, r.stderr[-3000:])
-    assert r.stderr.strip() == "", r.stderr[-3000:]
+    # its own lines: the progress heartbeat's (issue 56: never silent for more than a few seconds)
+    other = [line for line in r.stderr.splitlines() if line.strip() and not line.startswith("weightsync check: ... ")]
+    assert other == [], r.stderr[-3000:]

@@ -59,6 +59,7 @@ from ..testbed.presets import build_model, load_config
 from .build import build_source
 from .common import format_bytes, layout_label
 from .oracle import checkpoint_index, fold_experts, quantized_index, unfold_experts
+from .progress import phase
 
 log = get_logger("weightsync.cli.check")
 
@@ -167,6 +168,8 @@ def run_check(args: argparse.Namespace) -> int:
     problems: list[str] = []
     meta, source, oracle = [], None, None
     names_only = bool(getattr(args, "names_only", False))
+    phase(f"building the {args.layout} model and its source"
+          + (" (and save_pretrained's tensors, the oracle)" if not args.checkpoint else ""))
     try:  # no collective inside: a rank that cannot load the folder must not leave the others waiting
         make, oracle = build(args, config, dtype, rank)
         load_error = None
@@ -188,6 +191,8 @@ def run_check(args: argparse.Namespace) -> int:
     folder = _Folder.open(args.checkpoint, problems) if args.checkpoint and rank == 0 else None
     mine = [m for m in meta if m.owners is None or rank in m.owners]
     seen = 0
+    phase(f"one pass of the source: {len(mine)} tensors on this rank"
+          + (", compared with the folder" if folder is not None and not names_only else ""))
     if source is not None:
         bar = tqdm(
             total=len(mine), desc="weightsync check: pass", unit="tensor", file=sys.stderr,

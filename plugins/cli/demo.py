@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..testbed.presets import build_model, load_config
 from .build import shard_fsdp2
+from .progress import phase
 from .common import format_bytes, rank0_printer, share, sync_timeout_s
 from .loop import DemoResult, Verdict, train_and_sync
 
@@ -75,6 +76,7 @@ def run_demo(
     rank, world = dist.get_rank(), dist.get_world_size()
     say = rank0_printer(out)
     config = load_config(preset, config_path, hidden=hidden, layers=layers)
+    phase("building and sharding the model (FSDP2)")
     model = shard_fsdp2(build_model(config, seed=0))
     n_params = sum(p.numel() for p in model.parameters())
 
@@ -87,6 +89,7 @@ def run_demo(
         raise ValueError(f"quantize={quantize!r}: 'fp8' or None")
     qcfg = getattr(source, "quantization_config", None)
     result = DemoResult(steps=steps)
+    phase("starting the loopback receiver (a transformers model in its own process)")
     handle, url, port = _start_receiver(config, rank, qcfg)
     try:
         client = ReceiverClient(url)
@@ -131,6 +134,7 @@ def run_demo(
             ws.shutdown()
     finally:
         if handle is not None:
+            phase("stopping the loopback receiver")
             handle.stop()
     say(result.finish("weightsync demo", world, config.model_type, n_params))
     return result

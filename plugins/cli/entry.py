@@ -235,6 +235,24 @@ def _interrupted_line(args: argparse.Namespace) -> str:
     return f"weightsync {args.command}: interrupted"
 
 
+def exit_now(code: int) -> None:
+    """End this process with ``code`` right after the command: exit handlers run (logging flushed,
+    anything registered with ``atexit``), stdio flushed, then ``os._exit`` -- without the
+    interpreter's teardown of every imported module, seconds of CPU per process once torch,
+    transformers and megatron-core are loaded, during which the user waits after the verdict."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()  # the stdlib's own exit handlers, as a normal exit would run them
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: nothing more can reach the reader
+                pass
+        os._exit(code if isinstance(code, int) else 1)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:
         argv = json.loads(os.environ[ARGV_ENV]) if ARGV_ENV in os.environ else sys.argv[1:]
@@ -286,47 +304,50 @@ def _run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from .common import init_cpu_process_group
+    from .progress import heartbeat
 
     init_cpu_process_group()
     ranks_up(args.command)
-    try:
-        if args.command == "demo":
-            from .demo import run_demo
+    # rank 0: a line at least every few seconds while the command works (progress.py)
+    with heartbeat(args.command, enabled=dist.get_rank() == 0):
+        try:
+            if args.command == "demo":
+                from .demo import run_demo
 
-            try:
-                if args.server == "vllm":
-                    from .vllm_demo import run_vllm_demo
+                try:
+                    if args.server == "vllm":
+                        from .vllm_demo import run_vllm_demo
 
-                    res = run_vllm_demo(steps=args.steps, packed=args.packed, checksums=args.checksums)
-                elif args.delta:
-                    from .delta import DEFAULT_DELTA_LR, run_delta_demo
+                        res = run_vllm_demo(steps=args.steps, packed=args.packed, checksums=args.checksums)
+                    elif args.delta:
+                        from .delta import DEFAULT_DELTA_LR, run_delta_demo
 
-                    res = run_delta_demo(
-                        steps=args.steps, preset=args.model, config_path=args.config, hidden=args.hidden,
-                        layers=args.layers, lr=args.lr if args.lr is not None else DEFAULT_DELTA_LR,
-                        checksums=args.checksums,
-                    )
-                else:
-                    res = run_demo(
-                        steps=args.steps, preset=args.model, config_path=args.config,
-                        hidden=args.hidden, layers=args.layers, packed=args.packed,
-                        checksums=args.checksums, quantize=args.quantize,
-                    )
-            except Exception as e:  # noqa: BLE001 - a failed sync is a verdict, in words
-                return failed("demo", e, rank=dist.get_rank())
-            return EXIT_OK if res.ok else EXIT_FAIL
-        if args.command == "export":
-            from .export import run_export
+                        res = run_delta_demo(
+                            steps=args.steps, preset=args.model, config_path=args.config, hidden=args.hidden,
+                            layers=args.layers, lr=args.lr if args.lr is not None else DEFAULT_DELTA_LR,
+                            checksums=args.checksums,
+                        )
+                    else:
+                        res = run_demo(
+                            steps=args.steps, preset=args.model, config_path=args.config,
+                            hidden=args.hidden, layers=args.layers, packed=args.packed,
+                            checksums=args.checksums, quantize=args.quantize,
+                        )
+                except Exception as e:  # noqa: BLE001 - a failed sync is a verdict, in words
+                    return failed("demo", e, rank=dist.get_rank())
+                return EXIT_OK if res.ok else EXIT_FAIL
+            if args.command == "export":
+                from .export import run_export
 
-            return run_export(args)
-        if getattr(args, "delta", False):
-            from .delta import run_check_delta
+                return run_export(args)
+            if getattr(args, "delta", False):
+                from .delta import run_check_delta
 
-            return run_check_delta(args)
-        from .check import run_check
+                return run_check_delta(args)
+            from .check import run_check
 
-        return run_check(args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            return run_check(args)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 

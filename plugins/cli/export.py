@@ -37,6 +37,7 @@ from typing import Any
 
 from ..testbed.presets import UserError, load_config
 from .launch import failed
+from .progress import phase
 
 __all__ = ["run_export", "validate_export", "parse_size", "lora_model", "ADAPTER_DTYPES"]
 
@@ -212,7 +213,9 @@ def run_export(args: argparse.Namespace) -> int:
     config = load_config(args.model, args.config, hidden=args.hidden, layers=args.layers)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
+        phase(f"building the {args.layout} model and its source")
         source = build_source(args, config, dtype)
+        phase(f"writing {args.out}")
         report = save_safetensors(
             source, args.out, max_shard_bytes=parse_size(args.max_shard_size), config=config, overwrite=args.overwrite
         )

@@ -28,6 +28,7 @@ import torch
 from weightsync.sources import WeightSyncError
 
 from .common import format_bytes
+from .progress import phase
 
 if TYPE_CHECKING:  # importing the driver imports vLLM: not for the CLI's Ctrl-C path (``progress``)
     from ..sync import SyncReport, WeightSync  # noqa: F401 - SyncReport: in the Verify alias (a string)
@@ -140,6 +141,7 @@ def train_and_sync(
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data, as in DP
     for step in range(0 if cold_start else 1, result.steps + 1):
         loss = None
+        phase(f"step {step} of {result.steps}: training" if step else "the cold-start sync")
         if step:
             with _trainer_collectives(rank, step, "the training step (FSDP2's collectives)"):
                 ids = torch.randint(0, vocab_size, (4, 32), generator=gen)
@@ -148,8 +150,10 @@ def train_and_sync(
                 optim.step()
                 optim.zero_grad()
         t0 = time.perf_counter()
+        phase(f"step {step} of {result.steps}: syncing" if step else "the cold-start sync")
         report = ws.sync(step, weight_version=f"step-{step}")
         seconds = time.perf_counter() - t0
+        phase(f"step {step} of {result.steps}: checking what the receiver holds")
         with _trainer_collectives(rank, step, "the demo's check of the sync"):
             verdict = verify(step, None if loss is None else loss.item(), report, seconds)
         if step:  # the syncs counted are the steps' (--steps N: sync 1/N ... N/N)

@@ -31,6 +31,7 @@ from ..testbed.vllm_server import PROMPTS, greedy, save_served_model, served_mod
 from .build import shard_fsdp2
 from .common import format_bytes, rank0_printer, share, sync_timeout_s
 from .loop import DemoResult, Verdict, train_and_sync
+from .progress import phase
 
 __all__ = ["run_vllm_demo", "LOGPROB_ATOL"]
 
@@ -82,6 +83,7 @@ def run_vllm_demo(*, steps: int = 3, packed: bool = True, checksums: bool = True
                 save_served_model(model_dir, seed=1)
                 say(f"weightsync demo: starting a vLLM server ({python}; log {tmp}/server.log) ...")
                 t0 = time.perf_counter()
+                phase("starting the vLLM server")
                 srv = start_vllm_server(python, model_dir, tmp, progress=say)
                 where = ("ok", srv.url, model_dir, srv.pid)
                 say(f"  vLLM server ready at {srv.url} (pid {srv.pid}) in {time.perf_counter() - t0:.1f} s")
@@ -139,6 +141,7 @@ def run_vllm_demo(*, steps: int = 3, packed: bool = True, checksums: bool = True
             ws.shutdown()
     finally:
         if srv is not None:
+            phase("stopping the vLLM server")
             srv.stop()
             say(f"  vLLM server (pid {srv.pid}) stopped")
         if tmp is not None:

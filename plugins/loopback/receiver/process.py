@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 import threading
 import time
 import traceback
@@ -78,6 +79,11 @@ def _receiver_main(model_factory: Callable[[], torch.nn.Module], host: str, port
         conn.close()
         server.serve_forever()
         server.httpd.server_close()
+        # nothing is left to do: end now rather than through a spawned interpreter's teardown of
+        # torch and transformers (seconds of CPU the trainer's stop() would wait out)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(0)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         try:
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"))
