@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import time
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from worlds import CONTEXT, errors_of, run_world
 
 from weightsync.plugins.loopback.receiver import ReceiverClient, start_receiver_process
 from weightsync.plugins.testbed.presets import build_model, load_config
+from weightsync.sources import WeightSyncError
 
 pytestmark = pytest.mark.slow
 
@@ -327,6 +329,45 @@ def test_bad_input_and_corruption_raise_on_every_rank():
     assert state["weight_version"] == "good"
     assert bad_pause and "sideways" in bad_pause
     assert paused is True and resumed is False
+
+
+# --- the last op of a failed round: the peer matched it, then answered with its error ----------
+
+
+class _SlowWork:
+    """A gloo work item whose completion is marked ``after`` polls late (gloo's thread starved on a
+    loaded host), or never (``after=None``: the peer never joined)."""
+
+    def __init__(self, after: int | None) -> None:
+        self.after, self.polls = after, 0
+
+    def is_completed(self) -> bool:
+        self.polls += 1
+        return self.after is not None and self.polls > self.after
+
+    def wait(self) -> None:
+        if self.after is None:
+            raise RuntimeError("timed out")
+
+
+def _rejected() -> None:
+    raise WeightSyncError("loopback receiver rejected the update: injected: cannot load a tensor")
+
+
+def test_an_op_the_peer_matched_completes_although_its_error_came_first():
+    """Issue 56 (a failure of the test below on a busy host): the receiver consumed the last
+    broadcast, raised its load error and answered over HTTP before gloo marked the sender's side of
+    that broadcast done. ``wait_work`` must let the op complete (the transport is aligned, the next
+    round may start) and leave the error to the RPC; a peer that never joins still aborts the wait."""
+    from weightsync.plugins.loopback.receiver.transport import wait_work
+
+    work = _SlowWork(after=40)  # done 40 polls (~0.2 s) after the error arrived
+    wait_work(work, "checksums", rank=0, abort=_rejected, grace_s=30.0)
+    assert work.polls > 40
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="injected: cannot load"):
+        wait_work(_SlowWork(after=None), "checksums", rank=0, abort=_rejected, grace_s=0.3)
+    assert time.monotonic() - t0 < 10
 
 
 # --- world: the receiver fails while loading, mid-stream; the same engine recovers ---------------

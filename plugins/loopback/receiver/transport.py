@@ -166,15 +166,36 @@ def open_transport_group(
     return store, join_transport_group(store, rank=rank, world_size=world_size, timeout_s=timeout_s)
 
 
-def wait_work(work: Any, what: str, *, rank: int, abort: Any = None, poll_s: float = 0.005) -> None:
+#: How long ``wait_work`` still gives a work item to complete once ``abort()`` raised (seconds).
+ABORT_GRACE_S = 2.0
+
+
+def wait_work(
+    work: Any, what: str, *, rank: int, abort: Any = None, poll_s: float = 0.005, grace_s: float = ABORT_GRACE_S,
+) -> None:
     """Wait for a gloo work item; while waiting, ``abort()`` (if given) may raise to stop early
     (e.g. the receiver's RPC already failed, so the peer will never join). The work's own timeout
-    (the group's) bounds the wait otherwise."""
+    (the group's) bounds the wait otherwise.
+
+    Once ``abort()`` raises, the work still gets ``grace_s`` to complete before the error is raised:
+    a peer that matched this op and failed right after (a receiver that consumed the whole stream,
+    then reported a load error) answers while gloo's thread may not yet have marked our side of the
+    op done -- on a loaded host, often. Raising then would call the transport misaligned (the
+    engine refuses every later send) although every op matched; a work that completes within the
+    grace returns normally and the caller reads the peer's error from its RPC instead."""
     if abort is not None:
         import time
 
         while not work.is_completed():
-            abort()
+            try:
+                abort()
+            except BaseException:
+                deadline = time.monotonic() + grace_s
+                while not work.is_completed() and time.monotonic() < deadline:
+                    time.sleep(poll_s)
+                if not work.is_completed():
+                    raise
+                break
             time.sleep(poll_s)
     try:
         work.wait()
