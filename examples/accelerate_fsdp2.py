@@ -21,7 +21,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import FullyShardedDataParallelPlugin
 
-from common import Target, add_args, build_model, init_process_group, receiver_model, tiny_llama_config
+from common import SYNC_TIMEOUT_S, Target, add_args, build_model, init_process_group, receiver_model, tiny_llama_config
 from weightsync.plugins.accelerate import source_from_accelerator
 from weightsync.plugins.sync import WeightSync
 from weightsync.sources import configure_logging
@@ -47,7 +47,7 @@ def main() -> None:
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, optim = accelerator.prepare(model, optim)
         ws = WeightSync(source_from_accelerator(accelerator, model), target.init_info, target.client,
-                        every=args.every, pause="wait")
+                        every=args.every, pause="wait", timeout_s=SYNC_TIMEOUT_S)
         ws.sync(step=0)  # cold sync: vLLM starts from the trainer's weights
         gen = torch.Generator().manual_seed(rank)
         for step in range(1, args.steps + 1):

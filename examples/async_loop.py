@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from common import Target, add_args, build_model, init_process_group, receiver_model, tiny_llama_config
+from common import SYNC_TIMEOUT_S, Target, add_args, build_model, init_process_group, receiver_model, tiny_llama_config
 from weightsync.plugins.sync import WeightSync
 from weightsync.sources import FSDPSource
 from weightsync.sources import configure_logging
@@ -53,7 +53,7 @@ def main() -> None:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        ws = WeightSync(FSDPSource(model), target.init_info, target.client, every=args.every, pause="keep")
+        ws = WeightSync(FSDPSource(model), target.init_info, target.client, every=args.every, pause="keep", timeout_s=SYNC_TIMEOUT_S)
         ws.sync(step=0)
         if rank == 0:  # the rollout side; the sync itself is still called on every rank below
             threading.Thread(target=rollouts, args=(target.client, stop, seen), daemon=True).start()

@@ -34,8 +34,16 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+#: One bound for both: ``WeightSync(timeout_s=SYNC_TIMEOUT_S)`` bounds weightsync's own waits inside a
+#: sync, and the trainer's process group gets the same timeout for its own collectives between syncs
+#: (gloo's default is 30 minutes): a rank that stops then ends the job within about this long instead
+#: of leaving its peers waiting (README, "A rank that dies or stops").
+SYNC_TIMEOUT_S = float(os.environ.get("WEIGHTSYNC_TIMEOUT_S", "300"))
+
+
 def init_process_group() -> tuple[int, int]:
-    """gloo on CPU, nccl with GPUs; from torchrun's environment (or a 1-rank group)."""
+    """gloo on CPU, nccl with GPUs; from torchrun's environment (or a 1-rank group); its timeout is
+    ``SYNC_TIMEOUT_S``."""
     import datetime
 
     import torch
@@ -43,7 +51,7 @@ def init_process_group() -> tuple[int, int]:
 
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        timeout = datetime.timedelta(seconds=600)
+        timeout = datetime.timedelta(seconds=SYNC_TIMEOUT_S)
         if "RANK" not in os.environ:  # plain `python example.py`: one rank, an in-process store
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from common import Target, add_args, build_model, init_process_group, receiver_model, tiny_llama_config
+from common import SYNC_TIMEOUT_S, Target, add_args, build_model, init_process_group, receiver_model, tiny_llama_config
 from weightsync.plugins.sync import WeightSync
 from weightsync.sources import DeltaSource, FSDPSource, configure_logging
 
@@ -50,7 +50,7 @@ def main() -> None:
         fully_shard(model, mesh=mesh)
         optim = torch.optim.Adam(model.parameters(), lr=args.lr)
         delta = DeltaSource(FSDPSource(model, dtype=torch.bfloat16), anchor_every=args.anchor_every)
-        ws = WeightSync(delta, target.init_info, target.client, every=args.every, pause="keep")
+        ws = WeightSync(delta, target.init_info, target.client, every=args.every, pause="keep", timeout_s=SYNC_TIMEOUT_S)
         report = ws.sync(step=0)  # the first sync is an anchor: every element
         if rank == 0:
             print(f"step 0: anchor, {report.delta_changed} elements, {report.delta_sent_bytes} bytes sent")

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainingArguments
 
-from common import Target, add_args, build_model, init_process_group, receiver_model, tiny_llama_config
+from common import SYNC_TIMEOUT_S, Target, add_args, build_model, init_process_group, receiver_model, tiny_llama_config
 from weightsync.plugins.accelerate import source_from_accelerator
 from weightsync.plugins.sync import WeightSync
 from weightsync.plugins.transformers import WeightSyncCallback
@@ -61,7 +61,7 @@ def main() -> None:
 
         def make_sync(model) -> WeightSync:  # called at train begin, after accelerate prepared the model
             source = source_from_accelerator(trainer.accelerator, model)
-            return WeightSync(source, target.init_info, target.client, every=args.every, pause="keep")
+            return WeightSync(source, target.init_info, target.client, every=args.every, pause="keep", timeout_s=SYNC_TIMEOUT_S)
 
         trainer.add_callback(WeightSyncCallback(make_sync, trainer=trainer))
         trainer.train()

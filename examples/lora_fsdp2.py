@@ -26,7 +26,7 @@ from peft import LoraConfig, get_peft_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from common import Target, add_args, build_model, init_process_group, receiver_model, tiny_llama_config
+from common import SYNC_TIMEOUT_S, Target, add_args, build_model, init_process_group, receiver_model, tiny_llama_config
 from weightsync.plugins.sync import WeightSync
 from weightsync.sources import FSDPSource
 from weightsync.sources import configure_logging
@@ -53,7 +53,7 @@ def main() -> None:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         optim = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-2)
-        ws = WeightSync(FSDPSource(model), target.init_info, target.client, every=args.every, pause="wait")
+        ws = WeightSync(FSDPSource(model), target.init_info, target.client, every=args.every, pause="wait", timeout_s=SYNC_TIMEOUT_S)
         ws.sync(step=0)  # cold sync: B starts at zero, so this is the base model
         gen = torch.Generator().manual_seed(rank)
         probe = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))

@@ -95,7 +95,7 @@ def main() -> None:
 
     import torch
 
-    from common import Target, init_process_group, receiver_model, tiny_llama_config
+    from common import SYNC_TIMEOUT_S, Target, init_process_group, receiver_model, tiny_llama_config
     from weightsync.plugins.hooks.megatron import MegatronWeightSync
     from weightsync.sources import configure_logging
 
@@ -109,7 +109,7 @@ def main() -> None:
         model = build_chunks(hf, args.tp, args.pp, args.vpp)  # this rank's VPP chunk list
         optim = torch.optim.SGD([p for m in model for p in m.parameters()], lr=1e-2)
         hook = MegatronWeightSync(model, target.init_info, target.client, hf_config=hf, every=args.every,
-                                  pause="abort")
+                                  pause="abort", timeout_s=SYNC_TIMEOUT_S)
         hook.sync_now(0)  # cold sync
         for iteration in range(1, args.steps + 1):
             for m in model:  # stand-in for forward_backward_func on CPU: a gradient to step on
