@@ -118,16 +118,24 @@ def mtp_source(
 
 class PolicyAndDraft(WeightSource):
     """``--mtp``: the policy source's tensors, then the draft's (``MegatronSource(part="mtp")``), as
-    one source -- what a released DeepSeek-V3 / GLM-4.5 checkpoint holds in one folder (one index).
-    Invariant: the two name sets are disjoint (the MTP layers are numbered after the decoder's);
-    ``metadata`` is the policy's followed by the draft's, and ``iter_full`` streams in that order."""
+    one source -- what a released DeepSeek-V3 / GLM-4.5 / Qwen3-Next / Qwen3.5 checkpoint holds in one
+    folder (one index). Invariant: every name once; ``metadata`` is the policy's followed by the
+    draft's, and ``iter_full`` streams in that order. A draft name the policy has too is the draft's
+    copy of the embedding / output head megatron shares with the MTP block (Qwen3-Next / Qwen3.5 name
+    it ``model.embed_tokens.weight`` / ``lm_head.weight``, as the policy does; DeepSeek / GLM carry
+    their own copies under ``model.layers.{N}.``): the checkpoint holds it once, the policy's, so the
+    draft's is left out -- after checking its shape and dtype are the policy's."""
 
     def __init__(self, policy: WeightSource, draft: WeightSource) -> None:
-        self.policy, self.draft = policy, draft
+        self.policy = policy
         self.hf_config = getattr(policy, "hf_config", None)
-        both = {m.name for m in policy.metadata} & {m.name for m in draft.metadata}
-        if both:
-            raise ValueError(f"PolicyAndDraft: names in both the policy and the draft: {sorted(both)[:5]}")
+        mine = {m.name: m for m in policy.metadata}
+        shared = {m.name for m in draft.metadata if m.name in mine}
+        odd = [m.name for m in draft.metadata if m.name in shared
+               and (tuple(m.shape), m.dtype) != (tuple(mine[m.name].shape), mine[m.name].dtype)]
+        if odd:
+            raise ValueError(f"PolicyAndDraft: names in both the policy and the draft, with other shapes or dtypes: {odd[:5]}")
+        self.draft = _Without(draft, shared) if shared else draft
 
     @functools.cached_property
     def metadata(self) -> list[Any]:
@@ -140,6 +148,22 @@ class PolicyAndDraft(WeightSource):
     def iter_full(self) -> Any:
         yield from self.policy.iter_full()
         yield from self.draft.iter_full()
+
+
+class _Without(WeightSource):
+    """``source`` less the tensors named in ``names`` (metadata and stream; every rank still runs the
+    whole of ``source``'s pass, so its collectives match)."""
+
+    def __init__(self, source: WeightSource, names: set[str]) -> None:
+        self.source, self.names = source, set(names)
+        self.hf_config = getattr(source, "hf_config", None)
+
+    @functools.cached_property
+    def metadata(self) -> list[Any]:
+        return [m for m in self.source.metadata if m.name not in self.names]
+
+    def iter_full(self) -> Any:
+        return ((n, t) for n, t in self.source.iter_full() if n not in self.names)
 
 
 def quantized(args: argparse.Namespace, source: WeightSource) -> WeightSource:

@@ -154,15 +154,10 @@ def _fp8_folder(path: str) -> None:
         )
 
 
-#: ``--mtp``: the families whose MTP block the CPU Megatron builder builds (megatron's
-#: ``get_gpt_mtp_block_spec`` over the decoder's last layer); the hybrid builder (Qwen3-Next /
-#: Qwen3.5) builds none yet
-MTP_BUILDER_SKIPS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
-
-
 def _validate_mtp(args: argparse.Namespace, facts: Any) -> None:
     """``--mtp``: a Megatron layout, a family with MTP names (``family_for(...).mtp``: plain data, no
-    torch) whose MTP block the CPU builder builds, and none of the options it does not combine with."""
+    torch; the CPU builder builds every such family's MTP block), and none of the options it does not
+    combine with."""
     import types
 
     from weightsync.sources.toolkit import family_for
@@ -183,9 +178,7 @@ def _validate_mtp(args: argparse.Namespace, facts: Any) -> None:
         family = None
     if family is None or family.mtp is None:
         raise UserError(f"--mtp: family {facts.model_type!r} has no multi-token-prediction (MTP) layers "
-                        "(DeepSeek-V3/V3.2 and GLM-4.5/GLM-5 have)")
-    if facts.model_type in MTP_BUILDER_SKIPS:
-        raise UserError(f"--mtp: the CPU Megatron builder builds no MTP block for {facts.model_type!r} yet")
+                        "(DeepSeek-V3/V3.2, GLM-4.5/GLM-5, Qwen3-Next and Qwen3.5 have)")
 
 
 def _validate_megatron(args: argparse.Namespace, facts: Any) -> None:
