@@ -241,11 +241,12 @@ def test_hf_callback_and_accelerate_adapter_only(hooks_world):
         # the option turned the WeightSync into an adapter-only sync with its cadence and pause mode
         assert f["hf_sync"] == ("LoRAAdapterSync", 2, "keep")
         assert f["hf_sharded"] == ["DTensor"]  # accelerate's FSDP2 shards: the adapter gathered from them
-        # every=2 (hf): 0, 2; every=3 (acc): 0, 3 -- in the Trainer's log history, on every rank
-        assert sorted(f["hf_steps"]) == [0, 0, 2, 3], f["hf_steps"]
+        # every=2 (hf): 0, 2 and the final step 3 at train end; every=3 (acc): 0, 3 (its last sync
+        # already the final step's) -- in the Trainer's log history, on every rank
+        assert sorted(f["hf_steps"]) == [0, 0, 2, 3, 3], f["hf_steps"]
         # the logged bytes are the adapter's: r=4 x (in + out) of 7 projections (512) x 2 layers, fp32
         assert f["hf_bytes"] == [f["adapter_bytes"]] == [4 * 512 * 2 * 4]
-        assert f["reports"] == {"hf": [(2, "2")], "acc": [(3, "3")]}
+        assert f["reports"] == {"hf": [(3, "3")], "acc": [(3, "3")]}
         if rank != 0:
             assert f["hf_calls"] == [] and f["pl_calls"] == []  # only rank 0 talks to the server
     f0 = hooks_world[0]
@@ -254,16 +255,16 @@ def test_hf_callback_and_accelerate_adapter_only(hooks_world):
     assert not {"init_weight_transfer_engine", "start_weight_update", "update_weights",
                 "finish_weight_update"} & set(calls), calls
     assert [c for c in f0["hf_calls"] if c[0] == "load"] == [("load", "hf"), ("load", "acc"), ("load", "hf"),
-                                                             ("load", "acc")]
-    assert calls.count("pause") == calls.count("resume") == 2  # hf: pause "keep"; acc: pause=None
-    assert [c[1] for c in f0["hf_calls"] if c[0] == "update_weight_version"] == ["0", "0", "2", "3"]
+                                                             ("load", "acc"), ("load", "hf")]
+    assert calls.count("pause") == calls.count("resume") == 3  # hf: pause "keep"; acc: pause=None
+    assert [c[1] for c in f0["hf_calls"] if c[0] == "update_weight_version"] == ["0", "0", "2", "3", "3"]
     # step 0: hf (limits, pause, load, commit, resume), then acc (limits, load, commit: no pause)
     assert calls[:8] == ["server_info", "pause", "load", "update_weight_version", "resume",
                          "server_info", "load", "update_weight_version"], calls
-    steps = {"hf": [0, 2], "acc": [0, 3]}
+    steps = {"hf": [0, 2, 3], "acc": [0, 3]}
     for name, want_steps in steps.items():
         loaded = [lg for n, lg in f0["hf_loads"] if n == name]
-        assert len(loaded) == 2
+        assert len(loaded) == len(want_steps)
         for step, logits in zip(want_steps, loaded):
             _close(logits, f0["trainer_logits"][step])  # PEFT's load of the folder == the trainer's forward
         assert not torch.allclose(torch.tensor(loaded[0]), torch.tensor(loaded[1]))  # it trained
