@@ -5,7 +5,7 @@
 # dependency table and the Python version), so a warm run reuses it and any spec change builds a new
 # one. A cold build (vllm + megatron-core + torch, ~10 GB) takes a few minutes. weightsync itself
 # is installed editable on top, without dependencies, every time (cheap). A cold build prints one
-# line per stage to stderr with the elapsed seconds, and a heartbeat every 20 s naming pip's latest
+# line per stage to stderr with the elapsed seconds, and a heartbeat every 5 s naming pip's latest
 # step (its full output goes to $WEIGHTSYNC_CACHE/build-<key>.log); a warm run prints nothing.
 #   WEIGHTSYNC_CACHE   where venvs are kept (default: ~/.cache/weightsync)
 #   WEIGHTSYNC_PYTHON  interpreter to build the venv from (default: python3)
@@ -26,7 +26,7 @@ WEIGHTSYNC_VENV="$_ws_cache/venv-$_ws_key"
 mkdir -p "$_ws_cache"
 _ws_t0=$SECONDS
 _ws_say() { echo "weightsync: [$(( SECONDS - _ws_t0 ))s] $*" >&2; }
-# _ws_step LABEL CMD...: run CMD with its output in $_ws_log; a heartbeat line every 20 s naming pip's
+# _ws_step LABEL CMD...: run CMD with its output in $_ws_log; a heartbeat line every 5 s naming pip's
 # latest "Collecting / Downloading / Installing ..." line; on failure, the log's tail and a non-zero status.
 _ws_step() {
   local label=$1; shift
@@ -40,7 +40,7 @@ _ws_step() {
     while kill -0 "$pid" 2>/dev/null; do
       sleep 1
       n=$((n + 1))
-      if [ $((n % 20)) -eq 0 ]; then
+      if [ $((n % 5)) -eq 0 ]; then
         # pip's newest step, only when it is new: a long silent step (resolving, unpacking a big wheel)
         # says how long it has been silent instead of repeating a line that is no longer true
         last=$(grep -E '^ *(Collecting|Downloading|Building|Installing|Successfully)' "$_ws_log" | tail -n 1 | sed 's/^ *//' | cut -c1-110 || true)

@@ -27,14 +27,14 @@ _wsc_step() {  # _wsc_step LABEL CMD...: CMD's output to the log; on failure its
   local label=$1; shift
   _wsc_say "$label"
   echo "== $label" >> "$_wsc_log"
-  (  # a line every 20 s: pip's newest step when it is new, else how long pip has been silent
+  (  # a line every 5 s: pip's newest step when it is new, else how long pip has been silent
     "$@" >> "$_wsc_log" 2>&1 &
     pid=$!
     trap 'kill "$pid" 2>/dev/null; exit 130' INT TERM
     n=0; seen=""; quiet=0
     while kill -0 "$pid" 2>/dev/null; do
       sleep 1; n=$((n + 1))
-      if [ $((n % 20)) -eq 0 ]; then
+      if [ $((n % 5)) -eq 0 ]; then
         last=$(grep -E '^ *(Collecting|Downloading|Building|Installing|Successfully)' "$_wsc_log" | tail -n 1 | sed 's/^ *//' | cut -c1-110 || true)
         if [ -n "$last" ] && [ "$last" != "$seen" ]; then seen=$last; quiet=$n; _wsc_say "  ... $last"
         else _wsc_say "  ... still at it (${n} s in this stage; pip silent for $((n - quiet)) s; log: $_wsc_log)"; fi
