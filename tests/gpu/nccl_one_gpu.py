@@ -11,6 +11,7 @@ two NCCLs). ``.ci/gpu`` sets all of these for the ``nccl_*`` parts only (``run_a
 from __future__ import annotations
 
 import os
+from typing import Any
 
 #: NCCL's own advice for several ranks per GPU: few CTAs each (docs/gpu.md has the measured effect)
 DEFAULT_MAX_CTAS = "32"
@@ -73,3 +74,34 @@ def loaded_nccl(comm: object) -> str:
     if isinstance(version, int):
         version = f"{version // 10000}.{version // 100 % 100}.{version % 100}"
     return f"NCCL {version} from {find_nccl_library()} (disabled={getattr(comm, 'disabled', None)})"
+
+
+def run_processes(procs: list[Any], queue: Any, timeout_s: float, what: str) -> dict[int, Any]:
+    """Start ``procs`` (spawned; each puts one ``(rank, "ok" | "error", value)`` on ``queue``), collect
+    every rank's value within ``timeout_s``, then join them, killing any left; raises naming the ranks
+    that hung and every rank's error."""
+    import queue as queue_mod
+    import time
+
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < len(procs) and time.monotonic() < deadline:
+            try:
+                rank, status, value = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+            except queue_mod.Empty:
+                break
+            out[rank] = (status, value)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    missing = [r for r in range(len(procs)) if r not in out]
+    errors = {r: v for r, (st, v) in out.items() if st != "ok"}
+    if missing or errors:
+        raise RuntimeError(f"{what}: ranks {missing} hung (> {timeout_s:g}s); errors: "
+                           + "; ".join(f"rank {r}: {v}" for r, v in sorted(errors.items())))
+    return {r: v for r, (_, v) in out.items()}

@@ -78,7 +78,6 @@ def _gpu_world(fn: Callable[..., Any], world: int, timeout_s: float, devices: li
     """``fn`` on ``world`` spawned processes, rank r on ``devices[r]``; raises with every rank's error or a
     hang."""
     import multiprocessing as mp
-    import queue as queue_mod
 
     import torch.distributed as dist
 
@@ -87,27 +86,9 @@ def _gpu_world(fn: Callable[..., Any], world: int, timeout_s: float, devices: li
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     procs = [ctx.Process(target=_child, args=(fn, r, world, store.port, kwargs, q, devices[r])) for r in range(world)]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    try:
-        while len(out) < world:
-            try:
-                rank, status, value = q.get(timeout=timeout_s)
-            except queue_mod.Empty:
-                break
-            out[rank] = (status, value)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    missing = [r for r in range(world) if r not in out]
-    errors = {r: v for r, (s, v) in out.items() if s != "ok"}
-    if missing or errors:
-        raise RuntimeError(f"world of {world}: ranks {missing} hung (> {timeout_s:g}s); errors: "
-                           + "; ".join(f"rank {r}: {v}" for r, v in sorted(errors.items())))
-    return {r: v for r, (_, v) in out.items()}
+    from nccl_one_gpu import run_processes
+
+    return run_processes(procs, q, timeout_s, f"world of {world}")
 
 
 def _checks(facts: Facts, res2: dict | None, res4: dict | None) -> None:
@@ -178,7 +159,6 @@ def main(argv: list[str] | None = None) -> int:
             res2 = unpack(run_world(world_2, 2, tmp=tmp, timeout=400))
             res4 = unpack(run_world(world_4, 4, tmp=tmp, timeout=400))
         else:
-            import torch
 
             from fsdp_worlds import unpack
 

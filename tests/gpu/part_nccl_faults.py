@@ -292,30 +292,17 @@ def preflight(facts: Facts) -> None:
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_preflight_rank, args=(r, 2, port, "cuda:0", q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    try:
-        for _ in range(2):
-            rank, status, value = q.get(timeout=240)
-            out[rank] = (status, value)
-    finally:
-        for p in procs:
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
+    from nccl_one_gpu import run_processes
+
+    out = run_processes(procs, q, 240, "the preflight's two trainer ranks")
     lib_file = report.split("(", 1)[1].split(",", 1)[0] if "(" in report else "?"
     for rank in (0, 1):
-        status, value = out.get(rank, ("missing", "no answer"))
-        if status != "ok":
-            facts.check(f"rank {rank}: ran", False, value)
-            continue
+        value = out[rank]
         err = value["error"]
         facts.check(f"rank {rank}: sync raises before any byte moves, naming the library file and the missing "
                     "symbol", err != "no error" and lib_file in err and "ncclCommSuspend" in err,
                     f"{value['seconds']}s: {err[:600]}")
-    if out.get(0, ("", {}))[0] == "ok":
-        facts.check("the worker received nothing", out[0][1]["received"] == 0, out[0][1]["received"])
+    facts.check("the worker received nothing", out[0]["received"] == 0, out[0]["received"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,9 +79,8 @@ def _member(rank: int, world: int, port: int, device: str, numel: int, queue: An
 
 def _world(world: int, numel: int, timeout_s: float) -> dict[int, Any]:
     import multiprocessing as mp
-    import queue as queue_mod
 
-    from nccl_one_gpu import place
+    from nccl_one_gpu import place, run_processes
     from receiver import free_port
 
     devices = place(world)
@@ -90,28 +89,7 @@ def _world(world: int, numel: int, timeout_s: float) -> dict[int, Any]:
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_member, args=(r, world, port, devices[r], numel, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(out) < world and time.monotonic() < deadline:
-            try:
-                rank, status, value = q.get(timeout=max(1.0, deadline - time.monotonic()))
-            except queue_mod.Empty:
-                break
-            out[rank] = (status, value)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    missing = [r for r in range(world) if r not in out]
-    errors = {r: v for r, (s, v) in out.items() if s != "ok"}
-    if missing or errors:
-        raise RuntimeError(f"{world} processes on {devices}: ranks {missing} hung (> {timeout_s:g}s); errors: "
-                           + "; ".join(f"rank {r}: {v}" for r, v in sorted(errors.items())))
-    return {r: v for r, (_, v) in out.items()}
+    return run_processes(procs, q, timeout_s, f"{world} processes on {devices}")
 
 
 def main(argv: list[str] | None = None) -> int:
