@@ -255,18 +255,79 @@ def _profile(facts: Facts, device: str, mode: str, cfg, qcfg, bf16, fp8, weights
     return client, client_bf16
 
 
+def _vllm_quantized(fp8, plain: dict, plans: dict) -> dict:
+    """``{name: digest}`` of what the receiver must hold: vLLM's ``per_block_cast_to_fp8`` of each
+    planned weight (codes and scale), every other tensor as the trainer has it."""
+    from hf_side import digest
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    want = {}
+    for m in fp8.source.metadata:
+        t = plain.get(m.name, plain.get("model.embed_tokens.weight") if m.name == "lm_head.weight" else None)
+        if m.name in plans:
+            q, sc = per_block_cast_to_fp8(t, [128, 128])
+            want[m.name], want[plans[m.name].scale_name] = digest(q), digest(sc)
+        elif t is not None:
+            want[m.name] = digest(t)
+    return want
+
+
+def _nccl_round_trip(facts: Facts, device: str, dry_run: bool, cfg, qcfg, fp8, plain: dict, plans: dict) -> None:
+    """Part ``nccl_fp8``: ``FP8Source(FSDPSource)`` through vLLM's dense NCCL engines into a receiver holding
+    an FP8 checkpoint's tensors, unpacked and packed: every received code and scale equals vLLM's
+    quantizer on the trainer's weights, every receiver tensor written."""
+    import torch
+
+    from receiver import shutdown_pair, start_receiver, trainer_engine
+
+    mode, worker = "loopback", device
+    if not dry_run:
+        from nccl_one_gpu import place, why_not
+
+        where = place(2)
+        if where is None:
+            facts.skip("FP8 over NCCL", why_not(2))
+            return
+        mode, worker = "nccl", where[1]
+    want = _vllm_quantized(fp8, plain, plans)
+    client = start_receiver(mode, worker, timeout_s=300)
+    try:
+        client.call("build_fp8", (cfg, torch.bfloat16, 7, True, qcfg))
+        for packed in (False, True):
+            tag = "packed" if packed else "unpacked"
+            eng = trainer_engine(mode, client=client, source=fp8, packed=packed, buffer_bytes=1 << 30)
+            try:
+                client.call("reset")
+                eng.send_weights()
+                rep = client.call("report")
+            finally:
+                shutdown_pair(eng, client, mode)
+            got = dict(rep["received"])
+            bad = [n for n, d in want.items() if got.get(n) != d]
+            facts.check(f"FP8 over NCCL {tag}: received codes and scales == vLLM's quantizer on the trainer's "
+                        "weights, every receiver tensor written", not bad and not rep["missing"],
+                        f"{len(got)} tensors ({sum(1 for n in got if n.endswith('weight_scale_inv'))} scales); "
+                        f"differ {bad[:3]}; missing {rep['missing'][:3]}")
+    finally:
+        client.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__)
     ap.add_argument("--profile", action="store_true",
                     help="diagnose instead of measuring: where a pass's time goes (source alone, quantization's host "
                          "and device time, the receiver's share, cProfile of one packed pass); no goals, no record")
+    ap.add_argument("--transport", choices=("ipc", "nccl"), default="ipc",
+                    help="nccl (part nccl_fp8): only the round trip, through vLLM's dense NCCL engines (on one GPU "
+                         "under NCCL's multi-rank mode): received bytes == vLLM's quantizer, unpacked and packed")
     args = ap.parse_args(argv)
-    facts = Facts("bench_fp8", dry_run=args.dry_run)
-    guard = bench_guard("bench_fp8", SHAPE, args, record=not args.profile)
+    nccl = args.transport == "nccl"
+    facts = Facts("nccl_fp8" if nccl else "bench_fp8", dry_run=args.dry_run)
+    guard = bench_guard("bench_fp8", SHAPE, args, record=not args.profile and not nccl)
     ratios: list[tuple[str, float, float]] = []
     import torch
 
-    from hf_side import bench_config, build_hf, digest, tiny_config
+    from hf_side import bench_config, build_hf, tiny_config
     from receiver import start_receiver, trainer_engine
 
     setup = device_and_reps(args, facts)
@@ -286,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         from weightsync.sources import FP8Source, FSDPSource, quantize_blocks
         from weightsync.sources.quant.fp8 import quantize_many  # noqa: PLC0415
 
-        if not args.profile:
+        if not args.profile and not nccl:
             _numerics(facts, device)
         dist.init_process_group("nccl" if not args.dry_run else "gloo", store=dist.HashStore(),  # 1 rank
                                 rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
@@ -303,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
         plans = fp8._plans
         facts.number("quantized tensors", len(plans))
 
+        if nccl:
+            _nccl_round_trip(facts, device, args.dry_run, cfg, qcfg, fp8, plain, plans)
+            return facts.finish(args.json)
         # 2. quantization alone, one tensor at a time
         weights = [plain[n] for n in plans]
         read = sum(w.numel() * w.element_size() for w in weights)
@@ -344,14 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             return facts.finish(args.json)
 
         # 3. round trips: received bytes == vLLM's quantizer on the trainer's weights
-        want = {}
-        for m in fp8.source.metadata:
-            t = plain.get(m.name, plain.get("model.embed_tokens.weight") if m.name == "lm_head.weight" else None)
-            if m.name in plans:
-                q, s = per_block_cast_to_fp8(t, [128, 128])
-                want[m.name], want[plans[m.name].scale_name] = digest(q), digest(s)
-            elif t is not None:
-                want[m.name] = digest(t)
+        want = _vllm_quantized(fp8, plain, plans)
         client = start_receiver(mode, device, timeout_s=300)
         client.call("build_fp8", (cfg, torch.bfloat16, 7, True, qcfg))
         client_bf16 = start_receiver(mode, device, timeout_s=300)  # the BF16 pass's own receiver

@@ -68,6 +68,7 @@ PARTS = [
     # set for these parts only). Where the library is missing each is a skip naming the ferry.
     ("nccl_feasible", "tests/gpu/part_nccl_feasible.py", [], 240),
     ("nccl_dense", "tests/gpu/part_ipc.py", ["--transport", "nccl", "--source", "module,fsdp,megatron,safetensors"], 300),
+    ("nccl_fp8", "bench/bench_gpu_fp8.py", ["--transport", "nccl"], 200),
     ("nccl_sparse", "tests/gpu/part_sparse_nccl.py", [], 200),
     ("nccl_senders", "tests/gpu/part_many_senders.py", [], 360),
     ("nccl_faults", "tests/gpu/part_nccl_faults.py", [], 240),
@@ -77,7 +78,7 @@ PARTS = [
 ]
 
 #: parts run under the one-GPU NCCL environment (``NCCL_ENV``); ``nccl_preflight`` deliberately not
-NCCL_PARTS = {"nccl_feasible", "nccl_dense", "nccl_sparse", "nccl_senders", "nccl_faults", "bench_nccl"}
+NCCL_PARTS = {"nccl_feasible", "nccl_dense", "nccl_fp8", "nccl_sparse", "nccl_senders", "nccl_faults", "bench_nccl"}
 
 
 def nccl_env() -> dict[str, str]:
