@@ -15,7 +15,7 @@ One job per module:
 * ``substitutes`` -- modules standing in where only TE has one (``MLACoreAttention``,
   ``ZeroCenteredRMSNorm``, ``DuplicatedLinear``);
 * ``specs``       -- the layer specs built from the local spec and those substitutes (MLA / DSA,
-  gated-delta-net hybrids);
+  gated-delta-net hybrids and their MTP block);
 * ``build``       -- ``build_megatron_gpt`` / ``build_chunks``: parallel state and the chunks;
 * ``hf_weights``  -- ``load_hf_weights``: checkpoint tensors laid out as Megatron holds them.
 
