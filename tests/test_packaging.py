@@ -59,7 +59,7 @@ def test_plain_install_registers_the_vllm_plugin_and_the_cli(wheel: zipfile.ZipF
     (ep,) = [n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt")]
     text = wheel.read(ep).decode()
     assert "weightsync = weightsync.plugins.loopback.worker.plugin:register" in text, text
-    assert "weightsync = weightsync.plugins.cli:main" in text, text
+    assert "weightsync = weightsync.plugins.cli:run" in text, text
     # the entry points name modules the wheel holds
     assert "weightsync/plugins/loopback/worker/plugin.py" in wheel.namelist()
     assert "weightsync/plugins/cli/__init__.py" in wheel.namelist()

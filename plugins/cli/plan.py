@@ -69,16 +69,19 @@ def add_parser(sub: argparse._SubParsersAction, presets: str) -> argparse.Argume
 def run_plan(args: argparse.Namespace) -> int:
     """Validate, plan and print; 0, or 2 with one line naming the flag for a bad argument."""
     from ..planner import plan, render
+    from .progress import heartbeat, phase
 
     try:
         _validate(args)
-        p = plan(
-            args.config or args.model or "tiny-qwen3", layout=args.layout, world=args.world, replicas=args.replicas,
-            tp=args.tp or 1, pp=args.pp or 1, vpp=args.vpp, ep=args.ep or 1, backend=args.backend or "nccl",
-            senders=args.senders, changed=args.changed, fp8=args.quantize == "fp8", dtype=args.dtype,
-            expert_layout=args.expert_layout, device=args.device, wire_gbps=args.wire_gbps,
-            gather_gbps=args.gather_gbps, ipc_packed=args.ipc_packed,
-        )
+        with heartbeat("plan"):  # torch and transformers load, the model is built on meta: seconds
+            phase("building the model on the meta device")
+            p = plan(
+                args.config or args.model or "tiny-qwen3", layout=args.layout, world=args.world, replicas=args.replicas,
+                tp=args.tp or 1, pp=args.pp or 1, vpp=args.vpp, ep=args.ep or 1, backend=args.backend or "nccl",
+                senders=args.senders, changed=args.changed, fp8=args.quantize == "fp8", dtype=args.dtype,
+                expert_layout=args.expert_layout, device=args.device, wire_gbps=args.wire_gbps,
+                gather_gbps=args.gather_gbps, ipc_packed=args.ipc_packed,
+            )
     except (ValueError, TypeError) as e:
         print(f"weightsync: error: {as_flags(str(e), args)}", file=sys.stderr)
         return 2
