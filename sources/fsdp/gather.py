@@ -350,6 +350,13 @@ class BatchedGather:
             self._early = None
             self._release()
 
+    def stop_early(self) -> None:
+        """An early unpack of this gather still waiting for its collective gives up (it then reads
+        nothing); one already unpacking finishes. For ``GatherPipeline.close``, before it waits for
+        the helper thread."""
+        if self._early_stop is not None:
+            self._early_stop.set()
+
     def _next_big(self, start: int) -> int | None:
         """The first shard from ``start`` on worth a thread hand-off, or None."""
         for j in range(start, len(self.shards)):

@@ -37,8 +37,10 @@ current step's tensors are yielded. What it guarantees:
   was unpacked, so the groups of a pass reuse memory already paged in instead of faulting in fresh
   memory per group (the pool's idle buffers are counted in the pass's extra bytes and freed when the
   pass ends). With or without overlap: it is not an overlap, only less work per group.
-* **Early stop.** ``close()`` drains every gather posted and not consumed: it waits for it (bounded
-  on gloo) and frees it. When every rank stops at the same step (a consumer that raises on every
+* **Early stop.** ``close()`` drains every gather posted and not consumed -- and the one ``take``
+  handed out last, if the pass stopped before iterating it -- : it waits for it (bounded on gloo)
+  and frees it. The helper thread is stopped first (early unpacks told to give up, its jobs
+  finished), so no buffer is released while the helper still packs into or unpacks from it. When every rank stops at the same step (a consumer that raises on every
   rank alike, a driver that closes the pass on every rank), every rank posted the same gathers, so
   they all complete and the process groups stay aligned: the next pass works. When ranks stop at
   different points the groups cannot stay aligned, overlapped or not (a rank waits in a gather the
@@ -93,6 +95,10 @@ class GatherPipeline:
         self._next = 0  # first step not yet considered for posting
         self.peak_ahead_bytes = 0
         self._pool = None  # CPU: the one helper thread that unpacks the next piece
+        #: the gather ``take`` handed out last: the iterating ``for`` owns it once its iteration
+        #: started, but if the pass fails before that (``ahead`` raising right after ``take``) no one
+        #: else would ever drain it, so ``close`` does (draining twice is a no-op)
+        self._taken: BatchedGather | None = None
         self._buffer_pools: tuple[BufferPool, BufferPool] | None = None  # CPU: send/gathered, recycled
 
     def take(self, k: int) -> BatchedGather:
@@ -102,6 +108,7 @@ class GatherPipeline:
             gather = self._gather(k).post()
             self._built.pop(k, None)
         self._next = max(self._next, k + 1)
+        self._taken = gather
         return gather
 
     def ahead(self, k: int) -> None:
@@ -120,8 +127,8 @@ class GatherPipeline:
                 nxt = self._gather(j)
                 if self._posted and held + nxt.held_bytes > self.prefetch_bytes:
                     break
+                self._posted[j] = nxt.post()  # posted, then moved: a post that raises leaves it built (discarded)
                 del self._built[j]
-                self._posted[j] = nxt.post()
                 held += nxt.held_bytes
                 self.peak_ahead_bytes = max(self.peak_ahead_bytes, held)
             j += 1
@@ -166,19 +173,35 @@ class GatherPipeline:
         return self._pool
 
     def close(self) -> None:
-        """Drain every gather posted and not taken (bounded; errors are logged, not raised)."""
+        """Drain every gather posted and not consumed (bounded; errors are logged, not raised).
+
+        Ownership, in this order: first every early unpack still waiting for a collective is told
+        to give up and the helper thread is shut down (it finishes the packing or unpacking it
+        holds), and only then are buffers released -- discarded, drained, given back to the pools,
+        the pools freed. So no buffer is ever released, recycled or freed while the helper thread
+        still writes into it or reads from it, whatever point the pass stopped at."""
         posted, self._posted = self._posted, {}
         built, self._built = self._built, {}
+        taken, self._taken = self._taken, None
         try:
+            for gather in [*([taken] if taken is not None else []), *posted.values()]:
+                gather.stop_early()
+            self._stop_helper()
             for gather in built.values():
                 gather.discard()
+            if taken is not None:
+                taken.drain()  # a no-op when its own iteration drained it
             for k in sorted(posted):
                 posted[k].drain()
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
+            self._stop_helper()
             if self._buffer_pools is not None:
                 for pool in self._buffer_pools:
                     pool.close()
                 self._buffer_pools = None
+
+    def _stop_helper(self) -> None:
+        """Wait until the helper thread finished every job it was given, then end it."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
