@@ -101,6 +101,16 @@ PY
         "$WEIGHTSYNC_VENV/bin/python" -m pip install --progress-bar off -r "$_ws_req" \
         || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
     fi
+    # "# no-deps: PKG==VER" lines: packages whose own pins clash with this stack (verl 0.9.1 asks
+    # transformers<5.11, vllm==0.24.0), installed last without dependencies; the requirements file
+    # lists what they need at import time
+    _ws_nodeps=$(sed -n 's/^# no-deps: *//p' "$_ws_req")
+    if [ -n "$_ws_nodeps" ]; then
+      # shellcheck disable=SC2086
+      _ws_step "installing $(echo $_ws_nodeps) (no dependencies)" \
+        "$WEIGHTSYNC_VENV/bin/python" -m pip install --progress-bar off --no-deps $_ws_nodeps \
+        || { set +euo pipefail; return 1 2>/dev/null || exit 1; }
+    fi
     touch "$WEIGHTSYNC_VENV/.complete"
   ) 9>"$_ws_cache/build-$_ws_key.lock" || _ws_rc=$?
   case $_ws_rc in
