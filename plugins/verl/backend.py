@@ -109,7 +109,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
     # ---- the wire: per bucket, [header_len, payload_len] then the JSON header then the payload
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
-        self._group.broadcast([tensor], 0).wait()
+        self._group.broadcast(tensor, 0).wait()
 
     def _send_bucket(self, header: dict[str, Any], payload: torch.Tensor) -> None:
         raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)

@@ -76,7 +76,9 @@ def _agree(bad: str | None) -> None:
         dist.all_gather_object(outcomes, bad)
     for rank, what in enumerate(outcomes):
         if what is not None:
-            raise BadTensorError(f"rank {_rank()}: weightsync refused the sync: {what} (seen on rank {rank})")
+            message = f"rank {_rank()}: weightsync refused the sync: {what} (seen on rank {rank})"
+            logger.error("%s", message)
+            raise BadTensorError(message)
 
 
 def engine_stream(engine: Any, kind: str, options: VerlOptions) -> Iterator[tuple[str, torch.Tensor]]:
