@@ -32,7 +32,11 @@ PRESET = "tiny-qwen3"
 def build_config() -> Any:
     from weightsync.plugins.testbed.presets import load_config
 
-    return load_config(PRESET)
+    shape = os.environ.get("WS_VERL_SHAPE")  # "hidden,layers" (bench/bench_verl.py); default: the preset
+    if not shape:
+        return load_config(PRESET)
+    hidden, layers = (int(x) for x in shape.split(","))
+    return load_config(PRESET, hidden=hidden, layers=layers)
 
 
 class ActorWorker(Worker):
@@ -140,34 +144,30 @@ class ActorWorker(Worker):
         """``"weightsync"``: verl's engine (tapped); ``"verl"``: verl's own export, untapped, on CPU."""
         from verl.workers.engine.fsdp import transformer_impl
 
-        engine = self.actor.engine if which == "weightsync" else getattr(self, "_engine", self.actor.engine)
-        self._engine = engine
+        engine = self._engine = getattr(self, "_engine", None) or self.actor.engine
         if which == "weightsync":
             self.actor = SimpleNamespace(engine=engine)
             return
-        transformer_impl.get_device_id = lambda: "cpu"  # verl's export asks CUDA for a device index
+        # CPU shims for verl's export only: it asks CUDA for a device index and for memory usage
+        transformer_impl.get_device_id = lambda: "cpu"
+        transformer_impl.log_gpu_memory_usage = lambda *a, **k: None
         verl_export = type(engine).get_per_tensor_param.__wrapped__
         self.actor = SimpleNamespace(engine=SimpleNamespace(get_per_tensor_param=lambda: verl_export(engine)))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def count_collectives(self, on: bool) -> int:
-        """Count this rank's c10d collectives while ``on`` (torch's dispatcher: c10d ops)."""
-        from torch.utils._python_dispatch import TorchDispatchMode
+    def collectives(self) -> int:
+        """Collectives this rank has issued so far, over every process group it holds (each group's
+        sequence number counts its collectives; verl runs its methods on other threads, so a
+        dispatch mode would miss them)."""
+        from torch.distributed import distributed_c10d as c10d
 
-        class Count(TorchDispatchMode):
-            n = 0
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func.namespace in ("c10d", "_c10d_functional"):
-                    Count.n += 1
-                return func(*args, **(kwargs or {}))
-
-        if on:
-            self._count = Count()
-            self._count.__enter__()
-            return 0
-        self._count.__exit__(None, None, None)
-        return Count.n
+        total = 0
+        for pg in list(c10d._world.pg_map):
+            try:
+                total += pg._get_sequence_number_for_group()
+            except (RuntimeError, AttributeError):
+                pass
+        return total
 
 
 class RecordingAdapter:
