@@ -260,3 +260,38 @@ def test_a_single_nccl_sender_failing_mid_stream_completes_its_turn(monkeypatch)
     finally:
         ws.shutdown()
         worker.engine.shutdown()
+
+
+def test_a_pause_exchange_that_fails_resumes_the_server(monkeypatch):
+    """The sender paused the server, then the exchange of the pause's outcome itself failed (a peer
+    died or stopped before it: ``SyncTimeoutError``): the sender resumes before raising, so the server
+    is never left paused (the soak, ``bench/soak.py`` kill_before, found it left paused)."""
+    from json_engine import JSONTrainerInitInfo
+    from vllm.distributed.weight_transfer import ModuleSource
+
+    from weightsync.plugins.sync.driver import WeightSync
+    from weightsync.sources import SyncTimeoutError
+
+    class Recording:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def __getattr__(self, name):
+            if name.startswith("_"):
+                raise AttributeError(name)
+            return lambda *a, **k: self.calls.append(name)
+
+    client = Recording()
+    ws = WeightSync(ModuleSource(torch.nn.Linear(2, 2)), JSONTrainerInitInfo(rank=0), client, pause="keep")
+    real = ws._agree
+
+    def agree(board, phase, err):
+        if phase == "pause":
+            raise SyncTimeoutError("rank 0: the weight sync pause outcome exchange: rank 1 did not answer")
+        return real(board, phase, err)
+
+    monkeypatch.setattr(ws, "_agree", agree)
+    with pytest.raises(SyncTimeoutError, match="did not answer"):
+        ws.sync(1)
+    assert "pause" in client.calls and client.calls[-1] == "resume", client.calls
+    assert "start_weight_update" not in client.calls  # nothing was sent

@@ -58,7 +58,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from weightsync.sources import WeightSyncError, checked
-from weightsync.sources.toolkit import DEFAULT_TIMEOUT_S, Board, get_logger, multi_rank, next_tag
+from weightsync.sources.toolkit import DEFAULT_TIMEOUT_S, Board, get_logger, multi_rank, next_tag, senders_of
 
 from .capabilities import DRAFTLESS_BACKENDS, FINISHABLE_PASS_BACKENDS, is_sparse_backend
 from .clients import CommittingClient
@@ -186,7 +186,7 @@ class WeightSync:
         else:
             self.source = checked(source, rank=init_info.rank, timeout_s=timeout_s) if check else source
         #: the source sends from many ranks (``senders="owners"``: vLLM 0.34's NCCL engine)
-        self.many_senders = getattr(source, "senders", "rank0") == "owners"
+        self.many_senders = senders_of(source) == "owners"
         if self.many_senders and init_info.backend != "nccl":
             raise ValueError(
                 f"WeightSync: rank {init_info.rank}: the source has senders='owners', which only vLLM's dense "
@@ -282,7 +282,12 @@ class WeightSync:
         err = attempt(self._pause) if paused_attempted else None
         pause_s = time.perf_counter() - t if paused_attempted else 0.0
         resume_s = 0.0
-        failed = self._agree(board, "pause", err)
+        try:
+            failed = self._agree(board, "pause", err)
+        except BaseException:  # the exchange itself failed (a peer died or stopped): never leave a pause
+            if paused_attempted:
+                self._resume_quietly()
+            raise
         if failed:
             if paused_attempted:  # a fan-out pause may have reached some servers
                 self._resume_quietly()
