@@ -28,6 +28,10 @@ _LAZY: dict[str, str] = {
     "control_group": "weightsync.sources.core.check.stream",
     # many senders (vLLM 0.34's NCCL engine): who is in the transfer group
     "broadcast_ranks": "weightsync.sources.core.comm.senders",
+    # what a source declares it can do (sources/core/protocols.py): read from the object, never forwarded
+    "checks_stream": "weightsync.sources.core.protocols",
+    "senders_of": "weightsync.sources.core.protocols",
+    "is_round_source": "weightsync.sources.core.protocols",
     # integrity checksums (sources/core/check/integrity.py)
     "checksum": "weightsync.sources.core.check.integrity",
     "checksum_tensor": "weightsync.sources.core.check.integrity",

@@ -295,3 +295,58 @@ def test_checked_trusts_only_a_source_that_checks_its_own_stream():
     good = _pairs()
     out = list(checked(_Listed(good, checks_stream=True)).iter_full())
     assert [(n, t.data_ptr()) for n, t in out] == [(n, t.data_ptr()) for n, t in good]
+
+
+def test_a_transform_that_declares_nothing_is_checked_whatever_it_wraps():
+    """Capabilities are what a source declares itself (``core/protocols.py``), never what a wrapper's
+    ``__getattr__`` forwards: a new transform over a source that checks its own stream -- and that
+    does not say whether it checks the stream it yields -- gets the wrapper's check. With forwarding it
+    inherited ``checks_stream=True`` and its reordered stream went through unchecked."""
+    from weightsync.sources.toolkit import checks_stream, is_round_source, senders_of
+
+    class Reorders(WeightSource):
+        """A stream transform that forwards unknown attributes and yields its source's pairs reversed."""
+
+        def __init__(self, source) -> None:
+            self.source = source
+
+        @cached_property
+        def metadata(self):
+            return self.source.metadata
+
+        def iter_full(self):
+            yield from reversed(list(self.source.iter_full()))
+
+        def __getattr__(self, name):
+            if name == "source":
+                raise AttributeError(name)
+            return getattr(self.source, name)
+
+    inner = _Listed(_pairs(), checks_stream=True)
+    inner.senders = "owners"
+    inner.iter_patches = inner.iter_deltas = inner.reset = lambda *a, **k: None
+    t = Reorders(inner)
+    assert t.checks_stream is True and t.senders == "owners"  # what forwarding answers
+    assert checks_stream(t) is False and senders_of(t) == "rank0" and not is_round_source(t)
+    assert checks_stream(inner) and senders_of(inner) == "owners" and is_round_source(inner)
+    with pytest.raises(MetadataMismatchError, match=r"index 0 .*name/order"):
+        list(checked(t).iter_full())
+
+
+def test_the_nccl_report_names_the_library_file_and_the_symbols_it_lacks(monkeypatch):
+    """Why vLLM disabled its communicator, as every rank's error says it (``nccl_library_report``): the
+    name vLLM loads (``VLLM_NCCL_SO_PATH``), the file it resolves to, and each symbol vLLM's wrapper binds
+    that the library lacks -- here a library that is no NCCL at all (libm)."""
+    import ctypes.util
+
+    from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
+
+    from weightsync.plugins.sync.preflight import nccl_library_report
+
+    libm = ctypes.util.find_library("m") or "libm.so.6"
+    monkeypatch.setenv("VLLM_NCCL_SO_PATH", libm)  # vllm.envs reads the environment on each access
+    msg = nccl_library_report()
+    assert f"{libm!r} (/" in msg and "libm" in msg.split("(", 1)[1], msg  # the file it resolved to
+    for f in NCCLLibrary.exported_functions:
+        assert f.name in msg, (f.name, msg)  # every symbol vLLM binds is missing from libm
+    assert "ncclCommSuspend" in msg and "VLLM_NCCL_SO_PATH" in msg

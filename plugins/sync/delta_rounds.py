@@ -33,7 +33,7 @@ import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
 from weightsync.sources import WeightSyncError
-from weightsync.sources.toolkit import Board, get_logger, multi_rank
+from weightsync.sources.toolkit import Board, get_logger, is_round_source, multi_rank
 
 from . import capabilities
 from .clients import CommittingClient
@@ -48,8 +48,9 @@ DEFAULT_CHUNK_BYTES = 256 << 20
 
 
 def is_delta_source(source: Any) -> bool:
-    """A ``DeltaSource`` (or anything with its round API): what a sparse engine is fed from."""
-    return all(callable(getattr(source, m, None)) for m in ("iter_patches", "iter_deltas", "reset"))
+    """A ``DeltaSource`` (or anything declaring its round API, ``toolkit.is_round_source``): what a
+    sparse engine is fed from."""
+    return is_round_source(source)
 
 
 def patch_bytes(patch: Any) -> int:

@@ -47,7 +47,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync.sources import WeightSyncError
-from weightsync.sources.toolkit import Board, broadcast_ranks, get_logger, multi_rank
+from weightsync.sources.toolkit import Board, broadcast_ranks, get_logger, multi_rank, senders_of
 
 from . import capabilities
 from .clients import CommittingClient, DraftClient
@@ -80,6 +80,10 @@ class TrackedSource(WeightSource):
     @cached_property
     def metadata(self) -> list[ParamMeta]:
         return self.source.metadata
+
+    @property
+    def senders(self) -> str:
+        return senders_of(self.source)
 
     def owned_names(self, rank: int) -> list[str]:
         return self.source.owned_names(rank)
@@ -258,7 +262,7 @@ def check_draft(draft: Any, source: Any, init_info: TrainerInitInfo, client: Any
         )
     if delta:
         raise ValueError(f"{where} cannot ride a delta round (sparse patches go to the target model only)")
-    if getattr(source, "senders", "rank0") == "owners" or getattr(draft, "senders", "rank0") == "owners":
+    if senders_of(source) == "owners" or senders_of(draft) == "owners":
         raise ValueError(f"{where} is not supported with senders='owners' (many senders); use senders='rank0'")
     if getattr(init_info, "use_load_plan", False):
         raise ValueError(

@@ -214,7 +214,9 @@ def nccl_library_report() -> str:
     missing = [n for n in wanted if not hasattr(lib, n)]
     where = f"{name!r} ({_loaded_path(lib) or 'path unknown'}, NCCL {version})"
     if not missing:
-        return f"{where} has every symbol vLLM binds"
+        return (f"{where} has every symbol vLLM binds, so the library that failed is another one (a library_path "
+                "given to PyNcclCommunicator), or it failed for another reason; an NCCL older than the symbols "
+                "vLLM binds (e.g. ncclCommSuspend, absent before 2.29.7) is the usual one")
     return (f"{where} lacks {', '.join(missing)}, which vLLM's NCCL wrapper binds; install the NCCL vLLM "
             "was built against or point VLLM_NCCL_SO_PATH at one that has them")
 

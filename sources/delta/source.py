@@ -48,6 +48,7 @@ from ..core.comm.waits import DEFAULT_TIMEOUT_S, bounded_group, group_ranks, wai
 from ..core.ground.logs import current_rank, get_logger
 from ..core.ground.ranks import multi_rank
 from ..core.layouts.pieces import has_pieces, whole_piece
+from ..core.protocols import senders_of
 from .diff import Changed, Snapshots, has_nan
 from .pieces_round import PiecesRound
 from .records import Delta, DeltaError, DeltaStats
@@ -97,10 +98,10 @@ class DeltaSource:
         self._groups_agreed = False  # multi-rank: the first round agrees (``_agree_groups``)
         if group_bytes is None:  # this rank's own default until the first round agrees on rank 0's
             group_bytes = DEFAULT_CUDA_GROUP_BYTES if torch.cuda.is_available() else DEFAULT_GROUP_BYTES
-        if getattr(source, "senders", "rank0") != "rank0":
+        if senders_of(source) != "rank0":
             raise ValueError(
                 f"rank {current_rank()}: DeltaSource: the wrapped {type(source).__name__} has "
-                f"senders={getattr(source, 'senders')!r}, but vLLM's sparse_nccl engine (0.33 and 0.34) has "
+                f"senders={senders_of(source)!r}, but vLLM's sparse_nccl engine (0.33 and 0.34) has "
                 "one sender, rank 0, which the delta rounds gather to; build the source with senders='rank0'"
             )
         self.source = source
@@ -149,6 +150,10 @@ class DeltaSource:
         if lo < len(self.metadata):
             out.append((lo, len(self.metadata)))
         return out
+
+    #: one sender, rank 0, which every round gathers to (vLLM's sparse_nccl); declared for
+    #: ``core/protocols.senders_of``
+    senders = "rank0"
 
     @property
     def pieces_native(self) -> bool:

@@ -43,6 +43,7 @@ from ..core.check.stream import check_stream, local_shape
 from ..core.layouts.rows import chunk_rows
 from ..core.ground.logs import current_rank, get_logger
 from ..core.ground.errors import FP8ConfigError
+from ..core.protocols import senders_of
 from .config import _FUSED_EXPERTS, FP8Config, QuantPlan
 from .fp8 import FP8_DTYPE, quantize_blocks, quantize_many
 
@@ -165,6 +166,11 @@ class FP8Source(WeightSource):
     @property
     def checks_stream(self) -> bool:
         return self.check
+
+    @property
+    def senders(self) -> str:
+        """The wrapped source's: quantization happens where each tensor is yielded."""
+        return senders_of(self.source)
 
     def implements_iter_full(self) -> bool:
         return self.source.implements_iter_full()

@@ -47,7 +47,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from weightsync.sources import IntegrityError, PassStats, WeightSyncError
-from weightsync.sources.toolkit import checksum, get_logger
+from weightsync.sources.toolkit import checksum, get_logger, is_round_source
 
 from ...sync import capabilities
 
@@ -106,7 +106,7 @@ def _dense_source(source: Any) -> WeightSource | None:
     """The dense source to verify against: the one a ``DeltaSource`` wraps, or ``source`` itself."""
     if source is None:
         return None
-    if callable(getattr(source, "iter_patches", None)):
+    if is_round_source(source):  # the driver's test too (delta_rounds.is_delta_source)
         inner = source.__dict__.get("source", None)
         if inner is None:
             inner = getattr(source, "source", None)

@@ -56,6 +56,7 @@ from .integrity import checksum_tensor, resolve_checksums
 from ..layouts.rows import chunk_rows
 from ..ground.logs import get_logger
 from ..ground.ranks import multi_rank
+from ..protocols import checks_stream, senders_of
 
 __all__ = [
     "check_stream",
@@ -284,8 +285,9 @@ class CheckedSource(WeightSource):
     1. (first pass, ``agree=True``) verifies every rank holds the same metadata before the wrapped
        source runs any collective (``verify_metadata_agreement``);
     2. checks each yielded pair against this rank's share of metadata (``check_stream``), unless the
-       wrapped source says it does that itself (a true ``checks_stream`` attribute: weightsync's own
-       sources with ``check=True``) -- the same check twice would only cost host time per tensor;
+       wrapped source declares that it does that itself (``core/protocols.checks_stream``: weightsync's
+       own sources with ``check=True``; a wrapper that declares nothing is checked, whatever it wraps) --
+       the same check twice would only cost host time per tensor;
     3. (``end_check=True``) ends with one bounded 8-byte all-gather of every rank's tensor count, so a
        rank whose source runs no collective still learns that another rank failed, and the pass
        returns on no rank unless it completed on all.
@@ -319,7 +321,7 @@ class CheckedSource(WeightSource):
         #: Passes started on this rank (the driver compares it around ``send_weights``).
         self.passes = 0
         #: the wrapped source sends from many ranks (``senders="owners"``): no exchange inside a pass
-        self.many_senders = getattr(source, "senders", "rank0") == "owners"
+        self.many_senders = senders_of(source) == "owners"
         if self.many_senders and agree and multi_rank():
             verify_metadata_agreement(self.metadata, timeout_s=timeout_s, what="metadata (many senders)")
             self._agreed = True
@@ -327,6 +329,16 @@ class CheckedSource(WeightSource):
     @cached_property
     def metadata(self) -> list[ParamMeta]:
         return self.source.metadata
+
+    @property
+    def senders(self) -> str:
+        """The wrapped source's (``core/protocols.py``: declared, not forwarded)."""
+        return senders_of(self.source)
+
+    @property
+    def checks_stream(self) -> bool:
+        """Every pass is checked, here or by the wrapped source itself."""
+        return True
 
     @property
     def rank(self) -> int:
@@ -369,7 +381,7 @@ class CheckedSource(WeightSource):
                 verify_metadata_agreement(metadata, timeout_s=self.timeout_s, board=board)
                 self._agreed = True
             stream = inner = make_iter()
-            if not getattr(self.source, "checks_stream", False):
+            if not checks_stream(self.source):
                 expected = self._expected()
                 shapes = [local_shape(m, self.rank) for m in expected] if local else None
                 stream = check_stream(stream, expected, rank=self.rank, what=what, local_shapes=shapes)
