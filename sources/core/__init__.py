@@ -8,9 +8,12 @@
   conversions, routed-expert layouts, tensors a vLLM loader writes into. On ``ground``.
 * ``layouts/`` -- where values sit: Megatron's TP layout kinds (``tp``) and the pieces protocol
   (``pieces``: a rank's boxes of the checkpoint tensors, what delta diffs). On ``ground``.
+* ``protocols`` -- what a source or transform declares it can do (``checks_stream``, ``senders``, the
+  delta round API) and one accessor per capability, read from the object, never forwarded. On
+  ``layouts``.
 * ``check/``   -- the contract's enforcement: the per-rank stream check, cross-rank metadata
   agreement, integrity checksums. On all of the above.
 
-The layering (``check`` > ``comm | hf | layouts`` > ``ground``) is an import-linter contract in
+The layering (``check`` > ``protocols`` > ``comm | hf | layouts`` > ``ground``) is an import-linter contract in
 ``pyproject.toml``: no back arrows, no cycles.
 """
