@@ -190,12 +190,11 @@ def test_a_single_nccl_sender_failing_mid_stream_completes_its_turn(monkeypatch)
     ``weight_version``; the next sync is exact and commits. vLLM's real trainer and worker engines;
     only the communicator is a gloo stand-in (``tests/gloo_comm.py``), whose receive would time out."""
     import time
-    from functools import cached_property
 
     import vllm.distributed.weight_transfer.nccl_engine as ne
-    from many_senders_worlds import GlooNCCL, InProcessWorker, share_port  # noqa: F401
+    from flaky_source import FlakySource
+    from many_senders_worlds import GlooNCCL, InProcessWorker
     from vllm.distributed.weight_transfer import ModuleSource
-    from vllm.distributed.weight_transfer.base import WeightSource
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
     from weightsync.plugins.sync.driver import WeightSync
@@ -211,24 +210,7 @@ def test_a_single_nccl_sender_failing_mid_stream_completes_its_turn(monkeypatch)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
 
-    class Flaky(WeightSource):
-        """``ModuleSource`` that raises after ``fail_after`` tensors while armed."""
-
-        def __init__(self) -> None:
-            self.inner = ModuleSource(model)
-            self.fail_after: int | None = None
-
-        @cached_property
-        def metadata(self):
-            return self.inner.metadata
-
-        def iter_full(self):
-            for i, pair in enumerate(self.inner.iter_full()):
-                if self.fail_after is not None and i == self.fail_after:
-                    raise RuntimeError("injected: the source fails mid-stream")
-                yield pair
-
-    src = Flaky()
+    src = FlakySource(model)
     worker = InProcessWorker("cpu")
     worker.expect(src.metadata)
     with socket.socket() as s:

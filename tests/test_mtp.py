@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 from fsdp_worlds import unpack
+from mtp_cli import export_and_check
 from worlds import run_world as _run_world
 
 LAYOUTS = [("dsv3", "tp2"), ("dsv3", "pp2"), ("dsv3", "ep2"), ("glm", "tp2")]
@@ -220,53 +221,12 @@ def _world(rank: int, world_size: int, urls: dict[str, str]) -> bytes:
                                      ("sparse_nccl", "nccl_m2n", "sharded_rdt")}
             out["refuse_part"] = errors_of(MegatronSource, model, hf_config=hf, part="draft")
         ps.destroy_model_parallel()
-    out["cli"] = _cli_export_and_check(rank, urls["cli_out"])
+    out["cli"] = export_and_check(
+        rank, urls["cli_out"], ["--model", "tiny-deepseek-v3", "--layout", "megatron", "--ep", "2", "--nproc", "2", "--mtp"],
+        "model.layers.2.eh_proj.weight")
     if rank == 0:
         out["tables"] = tables
     return pack(out if rank == 0 else {k: v for k, v in out.items() if k.startswith("refuse") or k == "cli"})
-
-
-def _cli(argv: list[str]) -> tuple[int, str]:
-    """One ``weightsync`` command's rank code in this world (the CLI's own parser and checks, then
-    ``run_export`` / ``run_check``, as a torchrun rank runs them): (exit code, rank 0's stdout)."""
-    import contextlib
-    import io
-
-    from weightsync.plugins.cli.check import run_check
-    from weightsync.plugins.cli.entry import _parser
-    from weightsync.plugins.cli.export import run_export
-    from weightsync.plugins.cli.validate import validate_args
-
-    args = _parser().parse_args(argv)
-    validate_args(args)
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        code = run_export(args) if args.command == "export" else run_check(args)
-    return code, buf.getvalue()
-
-
-def _cli_export_and_check(rank: int, folder: str) -> dict[str, Any]:
-    """``export --mtp`` of the tiny DeepSeek-V3 preset (EP2), ``check --mtp --checkpoint`` of the
-    folder, then the same check after one MTP tensor of the folder was changed (rank 0 rewrites it)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from safetensors.torch import load_file, save_file
-
-    base = ["--model", "tiny-deepseek-v3", "--layout", "megatron", "--ep", "2", "--nproc", "2", "--mtp"]
-    res: dict[str, Any] = {"export": _cli(["export", *base, "--out", folder])}
-    ps.destroy_model_parallel()
-    res["check"] = _cli(["check", *base, "--checkpoint", folder])
-    ps.destroy_model_parallel()
-    changed = folder + "-changed"
-    if rank == 0:
-        shutil.copytree(folder, changed)
-        bad = load_file(f"{changed}/model.safetensors")
-        bad["model.layers.2.eh_proj.weight"] = bad["model.layers.2.eh_proj.weight"] + 1.0
-        save_file(bad, f"{changed}/model.safetensors", metadata={"format": "pt"})
-    dist.barrier()
-    res["check_changed"] = _cli(["check", *base, "--checkpoint", changed])
-    ps.destroy_model_parallel()
-    return res
 
 
 def _loopback_round(rank: int, model: Any, hf: Any, url: str) -> dict[str, Any]:

@@ -38,6 +38,7 @@ import pytest
 import torch
 from family_worlds import preset_config, same_bytes
 from fsdp_worlds import unpack
+from mtp_cli import export_and_check
 from worlds import run_world as _run_world
 
 ARCH = {"tiny-qwen3-next": "Qwen3NextForCausalLM", "tiny-qwen3.5": "Qwen3_5ForCausalLM",
@@ -181,50 +182,10 @@ def _world(rank: int, world_size: int, tables: dict[str, dict[str, torch.Tensor]
             "draft_meta": [(m.name, tuple(m.shape), m.owners) for m in draft.metadata],
         }
         ps.destroy_model_parallel()
-    out["cli"] = _cli_export_and_check(rank, cli_out)
+    out["cli"] = export_and_check(
+        rank, cli_out, ["--model", "tiny-qwen3.5-moe", "--layout", "megatron", "--tp", "2", "--nproc", "2", "--mtp"],
+        "mtp.fc.weight")
     return pack(out if rank == 0 else {"cli": out["cli"]})
-
-
-def _cli(argv: list[str]) -> tuple[int, str]:
-    """One ``weightsync`` command's rank code in this world (as test_mtp runs it): (exit code, stdout)."""
-    import contextlib
-    import io
-
-    from weightsync.plugins.cli.check import run_check
-    from weightsync.plugins.cli.entry import _parser
-    from weightsync.plugins.cli.export import run_export
-    from weightsync.plugins.cli.validate import validate_args
-
-    args = _parser().parse_args(argv)
-    validate_args(args)
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        code = run_export(args) if args.command == "export" else run_check(args)
-    return code, buf.getvalue()
-
-
-def _cli_export_and_check(rank: int, folder: str) -> dict[str, Any]:
-    """``export --mtp`` of tiny Qwen3.5-MoE (TP2), ``check --mtp`` of the folder, then of a copy whose
-    ``mtp.fc.weight`` rank 0 changed."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from safetensors.torch import load_file, save_file
-
-    base = ["--model", "tiny-qwen3.5-moe", "--layout", "megatron", "--tp", "2", "--nproc", "2", "--mtp"]
-    res: dict[str, Any] = {"export": _cli(["export", *base, "--out", folder])}
-    ps.destroy_model_parallel()
-    res["check"] = _cli(["check", *base, "--checkpoint", folder])
-    ps.destroy_model_parallel()
-    changed = folder + "-changed"
-    if rank == 0:
-        shutil.copytree(folder, changed)
-        bad = load_file(f"{changed}/model.safetensors")
-        bad["mtp.fc.weight"] = bad["mtp.fc.weight"] + 1.0
-        save_file(bad, f"{changed}/model.safetensors", metadata={"format": "pt"})
-    dist.barrier()
-    res["check_changed"] = _cli(["check", *base, "--checkpoint", changed])
-    ps.destroy_model_parallel()
-    return res
 
 
 def _vllm_world(rank: int, world_size: int, jobs: dict[str, tuple[Any, dict[str, torch.Tensor]]]) -> bytes:

@@ -34,7 +34,6 @@ import signal
 import sys
 import time
 import traceback
-from functools import cached_property
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,39 +41,12 @@ sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
 from facts import Facts, log  # noqa: E402
+from flaky_source import FlakySource  # noqa: E402
 
 #: how long the killed-sender scenario waits for vLLM's worker to come out of the broadcast
 KILLED_WAIT_S = 45.0
 #: packed buffer: several chunks for the tiny model
 PACKED_BYTES = 1_100_000
-
-
-def _flaky(model: Any, fail_after: int | None = None, signal_queue: Any = None, slow_after: int | None = None):
-    """A ``WeightSource`` over ``ModuleSource(model)`` that raises after ``fail_after`` tensors, or
-    (``slow_after``) tells ``signal_queue`` it is mid-stream and then yields one tensor a second."""
-    from vllm.distributed.weight_transfer import ModuleSource
-    from vllm.distributed.weight_transfer.base import WeightSource
-
-    class Flaky(WeightSource):
-        def __init__(self) -> None:
-            self.inner = ModuleSource(model)
-            self.fail_after = fail_after
-
-        @cached_property
-        def metadata(self):
-            return self.inner.metadata
-
-        def iter_full(self):
-            for i, pair in enumerate(self.inner.iter_full()):
-                if self.fail_after is not None and i == self.fail_after:
-                    raise RuntimeError("injected: the source fails mid-stream")
-                if slow_after is not None and i >= slow_after:
-                    if i == slow_after:
-                        signal_queue.put(("mid-stream", i))
-                    time.sleep(1.0)
-                yield pair
-
-    return Flaky()
 
 
 def _info(packed: bool):
@@ -105,7 +77,7 @@ def raising_sender(facts: Facts, trainer_dev: str, worker_dev: str) -> None:
         for packed in (False, True):
             tag = "packed" if packed else "unpacked"
             client.call("build", (cfg, torch.bfloat16, 100 + packed, True))
-            src = _flaky(model)
+            src = FlakySource(model)
             names = [m.name for m in src.metadata]
             ws = WeightSync(src, _info(packed), client, pause=None, timeout_s=60)
             try:
@@ -164,7 +136,7 @@ def _killed_trainer(conn: Any, queue: Any, device: str) -> None:
         torch.cuda.set_device(device)
         patch_vllm_stream()
         model = build_hf(tiny_config("qwen3"), device=device, dtype=torch.bfloat16, seed=11)
-        src = _flaky(model, signal_queue=queue, slow_after=3)
+        src = FlakySource(model, signal_queue=queue, slow_after=3)
         WeightSync(src, _info(False), PipeClient(conn, None, 300), pause=None).sync(1)
         queue.put(("returned", None))
     except BaseException as e:  # noqa: BLE001
