@@ -37,6 +37,25 @@ def test_registry_lists_one_module_per_family_without_importing_torch():
         families.get("gpt2")
 
 
+def test_every_family_module_and_family_for_leave_torch_unimported():
+    """``family_for(config, check=False)`` and every family module are plain data (``families/__init__``; the CLI's
+    validator relies on it to refuse a layout in 0.3 s): importing all of them and asking
+    ``family_for`` of a config of each family leaves torch out of ``sys.modules`` (DeepSeek-V3.2's module
+    used to pull it in through the layout rows it imported for one function)."""
+    code = (
+        "import sys, importlib, types\n"
+        "from weightsync.sources import families\n"
+        "for t in families.model_types():\n"
+        "    importlib.import_module(f'weightsync.sources.families.{t}')\n"
+        "    fam = families.family_for(types.SimpleNamespace(model_type=t, architectures=None), check=False)\n"
+        "    assert fam.name == t, (fam.name, t)\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-qwen3-moe",
                                     "tiny-mixtral", "tiny-deepseek-v3", "tiny-deepseek-v32", "tiny-glm5", "tiny-glm4-moe", "tiny-gpt-oss",
                                     "tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"])

@@ -32,7 +32,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..core.layouts.rows import indexer_megatron_rope
 from . import deepseek_v3 as v3
 from .base import Entry, Family, Field
 
@@ -54,6 +53,16 @@ def indexer_table(kind: str) -> dict[str, Entry]:
 
 
 INDEXER = indexer_table("indexer_rope_half")
+
+
+def indexer_megatron_rope(mcfg: Any) -> str:
+    """Where ``mcfg``'s megatron-core ``DSAIndexer`` ropes (one of ``core/layouts/rows.py``'s
+    ``INDEXER_MEGATRON_ROPE``): read from the config class, since the ``dsa_indexer_rope_interleaved``
+    field came with the move to the first channels (megatron-core 0.19; 0.16-0.18 ``_apply_rope``
+    splits ``[nope, pe]`` and ropes MLA-style). Plain data about the config: no torch here."""
+    if not hasattr(mcfg, "dsa_indexer_rope_interleaved"):
+        return "last_interleaved"
+    return "first_interleaved" if mcfg.dsa_indexer_rope_interleaved else "first_half"
 
 
 def _shapes(suffix: str, hf: Any) -> tuple[tuple[int, ...], ...] | None:

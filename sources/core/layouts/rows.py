@@ -6,7 +6,7 @@ dispatch to them, and the fused layouts they decode, are ``tp.py``'s.
   ``Shard`` placement and the vocabulary rule below all mean it).
 * ``split_qkv`` / ``split_gated_qkv`` / ``split_glu`` / ``split_stack``: one fused tensor (whole, or
   one TP shard) into its rows of each HF tensor.
-* ``indexer_megatron_rope`` / ``indexer_rope_rows``: a DSA indexer head's channels, megatron's rope
+* ``indexer_rope_rows``: a DSA indexer head's channels, megatron's rope
   placement to transformers'.
 * ``vocab_rows`` / ``vocab_is_chunked`` / ``trim_vocab``: Megatron's padded vocabulary against HF's
   ``vocab_size`` rows.
@@ -27,7 +27,6 @@ __all__ = [
     "split_glu",
     "split_stack",
     "INDEXER_MEGATRON_ROPE",
-    "indexer_megatron_rope",
     "indexer_rope_rows",
     "vocab_rows",
     "vocab_is_chunked",
@@ -152,15 +151,6 @@ def split_stack(t: torch.Tensor, *, rows: tuple[int, ...]) -> tuple[torch.Tensor
 #: 0.16-0.18 ``[nope | pe]`` with MLA-interleaved pairs (no ``dsa_indexer_rope_interleaved`` field);
 #: 0.19 ``[pe | nope]``, half-split pairs, or interleaved ones with ``dsa_indexer_rope_interleaved``.
 INDEXER_MEGATRON_ROPE = ("last_interleaved", "first_half", "first_interleaved")
-
-
-def indexer_megatron_rope(mcfg: Any) -> str:
-    """Where ``mcfg``'s megatron-core ``DSAIndexer`` ropes (``INDEXER_MEGATRON_ROPE``): read from the
-    config class, since the ``dsa_indexer_rope_interleaved`` field came with the move to the first
-    channels (megatron-core 0.19; 0.16-0.18 ``_apply_rope`` splits ``[nope, pe]`` and ropes MLA-style)."""
-    if not hasattr(mcfg, "dsa_indexer_rope_interleaved"):
-        return "last_interleaved"
-    return "first_interleaved" if mcfg.dsa_indexer_rope_interleaved else "first_half"
 
 
 def indexer_rope_rows(head_dim: int, rope_dim: int, pairing: str, megatron_rope: str = "last_interleaved") -> torch.Tensor:
