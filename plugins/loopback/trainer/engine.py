@@ -42,7 +42,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from weightsync.sources import PassStats, WeightSyncError, check_stream, verify_metadata_agreement
-from weightsync.sources.toolkit import checksum_tensor, control_group, get_logger, multi_rank
+from weightsync.sources.toolkit import Board, checksum_tensor, get_logger, multi_rank, next_tag
 
 from ..receiver.transport import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
@@ -205,7 +205,7 @@ class LoopbackTrainerWeightTransferEngine(TrainerWeightTransferEngine[LoopbackTr
         try:
             meta = self.source.metadata
             if not self._agreed:
-                verify_metadata_agreement(meta, what="loopback sync metadata")
+                verify_metadata_agreement(meta, what="loopback sync metadata", timeout_s=self.init_info.timeout_s)
                 self._agreed = True
             mine = [m for m in meta if m.owners is None or self.rank in m.owners]
             stream = _Stream(check_stream(self.source.iter_full(), mine, rank=self.rank))
@@ -302,17 +302,22 @@ class LoopbackTrainerWeightTransferEngine(TrainerWeightTransferEngine[LoopbackTr
         self._sent_meta = meta
 
     def _agree_outcome(self, error: BaseException | None) -> None:
-        """Every trainer rank learns whether every other rank (the sender above all) succeeded."""
+        """Every trainer rank learns whether every other rank (the sender above all) succeeded, within
+        the transport's ``timeout_s``: one bounded exchange on the store (``Board.exchange``), so a
+        stopped or dead peer is named in a ``SyncTimeoutError`` after ``timeout_s``. A gloo all-gather
+        here waited for its group's own timeout (``timeout_s`` + 30 s of slack; 330 s by default): the
+        soak's ``stop`` class found the surviving rank silent long past the sync timeout."""
         if multi_rank():
-            outcomes: list[Any] = [None] * dist.get_world_size()
-            mine = None if error is None else f"{type(error).__name__}: {error}"
+            mine = "ok" if error is None else f"{type(error).__name__}: {error}"
             try:
-                dist.all_gather_object(outcomes, (self.rank, mine), group=control_group())
-            except RuntimeError as e:
+                got = Board(next_tag("loopback-outcome")).exchange(
+                    mine, ranks=list(range(dist.get_world_size())), timeout_s=self.init_info.timeout_s,
+                    what="the loopback sync's outcome exchange")
+            except WeightSyncError as e:
                 if error is not None:
                     raise error from e
                 raise
-            failed = [(r, msg) for r, msg in outcomes if msg is not None]
+            failed = [(r, msg) for r, msg in sorted(got.items()) if msg != "ok"]
             if error is None and failed:
                 r, msg = failed[0]
                 raise WeightSyncError(
