@@ -12,7 +12,7 @@ Invariants:
   transformers models).
 * **A bad tensor** (NaN or Inf, with ``check_finite``) stops what the rank yields at that tensor, but the
   rank keeps draining its source so its peers' collectives complete; at the end of every pass the
-  actor ranks exchange their outcome (one ``all_gather_object`` on verl's default group) and every rank
+  actor ranks exchange their outcome (one bounded exchange on the default store, ``timeout_s``) and every rank
   raises ``BadTensorError`` naming the tensor and the rank that saw it. So no rank returns from a pass
   another rank failed, and nothing after the bad tensor is sent.
 """
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.sources import WeightSyncError
-from weightsync.sources.toolkit import get_logger
+from weightsync.sources.toolkit import Board, get_logger, multi_rank, next_tag
 
 from .options import VerlOptions
 
@@ -68,14 +68,18 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _agree(bad: str | None) -> None:
-    """Every actor rank learns every rank's outcome; a bad tensor anywhere raises everywhere."""
-    outcomes: list[Any] = [bad]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        outcomes = [None] * dist.get_world_size()
-        dist.all_gather_object(outcomes, bad)
-    for rank, what in enumerate(outcomes):
-        if what is not None:
+def _agree(bad: str | None, timeout_s: float) -> None:
+    """Every actor rank learns every rank's outcome, within ``timeout_s`` (one bounded exchange on the
+    default store, ``Board.exchange``: a dead or stopped peer is named in a ``SyncTimeoutError``
+    instead of holding this rank for the process group's timeout); a bad tensor anywhere raises
+    everywhere."""
+    outcomes: dict[int, str] = {_rank(): bad or "ok"}
+    if multi_rank():
+        outcomes = Board(next_tag("verl-outcome")).exchange(
+            bad or "ok", ranks=list(range(dist.get_world_size())), timeout_s=timeout_s,
+            what="the verl sync's bad-tensor outcome exchange")
+    for rank, what in sorted(outcomes.items()):
+        if what != "ok":
             message = f"rank {_rank()}: weightsync refused the sync: {what} (seen on rank {rank})"
             logger.error("%s", message)
             raise BadTensorError(message)
@@ -93,4 +97,4 @@ def engine_stream(engine: Any, kind: str, options: VerlOptions) -> Iterator[tupl
             logger.error("rank %d: %s; draining the pass, nothing after it is sent", _rank(), bad)
             continue
         yield name, tensor
-    _agree(bad)
+    _agree(bad, options.timeout_s)
