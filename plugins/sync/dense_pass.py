@@ -164,6 +164,9 @@ class DensePass:
         self.many_senders = many_senders
         self._passes_before = 0
         self._turns: Board | None = None
+        self.tracked.rank = rank
+        #: a failure this rank's own turn completed with zeros withholds the version at finish
+        client.sender_failed = lambda: self.tracked.failure is not None
 
     @property
     def engine_source(self) -> WeightSource:
@@ -176,10 +179,8 @@ class DensePass:
         turns = Board(f"{board.tag}/senders") if board is not None and self.many_senders else None
         self._turns = self.tracked.turns = self.client.turns = turns
         self.tracked.failure = None
-        self.tracked.rank = self.rank
         self.tracked.completes_turn = (capabilities.blocking_turns(self.backend)
                                        and self.rank in broadcast_ranks(self.tracked.metadata))
-        self.client.sender_failed = lambda: self.tracked.failure is not None
 
     def send(self, engine: TrainerWeightTransferEngine, board: Board | None, version: str) -> None:
         """The engine's pass, then the draft's; raises this rank's failure, or a broadcaster's that
